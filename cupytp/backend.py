@@ -1,0 +1,90 @@
+"""The array backend: CuPy on a usable GPU, NumPy otherwise.
+
+`xp` is the array module every layer above computes with. The choice is made once, at import:
+`CUPYTP_DEVICE=gpu` demands CuPy (an error if no GPU is usable), `CUPYTP_DEVICE=cpu` forces NumPy,
+and with the variable unset CuPy is taken when it imports and sees at least one device.
+bfloat16 comes from ml_dtypes on both backends.
+"""
+import os
+
+import ml_dtypes
+import numpy
+
+bfloat16 = numpy.dtype(ml_dtypes.bfloat16)
+
+DTYPES = {
+    "bf16": bfloat16, "bfloat16": bfloat16,
+    "fp16": numpy.dtype(numpy.float16), "float16": numpy.dtype(numpy.float16),
+    "fp32": numpy.dtype(numpy.float32), "float32": numpy.dtype(numpy.float32),
+    "fp64": numpy.dtype(numpy.float64), "float64": numpy.dtype(numpy.float64),
+    "int32": numpy.dtype(numpy.int32), "int64": numpy.dtype(numpy.int64),
+    "uint8": numpy.dtype(numpy.uint8),
+}
+
+
+class BackendError(RuntimeError):
+    """The requested array backend cannot be used on this machine."""
+
+
+def _usable_cupy():
+    """CuPy if it imports and sees a device, else the reason it cannot be used."""
+    try:
+        import cupy
+    except ImportError as err:
+        return None, f"CuPy is not installed ({err}); install cupytp[cuda13] or cupytp[cuda12]"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as err:  # the CUDA driver raises its own error types
+        return None, f"CUDA is not usable: {err}"
+    if count == 0:
+        return None, "CUDA reports no GPU"
+    return cupy, None
+
+
+def _select():
+    wanted = os.environ.get("CUPYTP_DEVICE", "").strip().lower()
+    if wanted not in ("", "cpu", "gpu"):
+        raise BackendError(f"CUPYTP_DEVICE={wanted!r} is not understood: use 'cpu' or 'gpu'")
+    if wanted == "cpu":
+        return numpy
+    cupy, why = _usable_cupy()
+    if cupy is not None:
+        return cupy
+    if wanted == "gpu":
+        raise BackendError(f"CUPYTP_DEVICE=gpu, but {why}; unset it or use CUPYTP_DEVICE=cpu")
+    return numpy
+
+
+xp = _select()
+on_gpu = xp is not numpy
+device_name = "gpu" if on_gpu else "cpu"
+
+
+def dtype(name_or_dtype):
+    """A numpy dtype from a short name ('bf16', 'fp32', ...) or anything numpy.dtype accepts."""
+    if isinstance(name_or_dtype, str) and name_or_dtype in DTYPES:
+        return DTYPES[name_or_dtype]
+    return numpy.dtype(name_or_dtype)
+
+
+def asnumpy(array):
+    """A host (NumPy) copy of an array from either backend."""
+    if on_gpu and isinstance(array, xp.ndarray):
+        return xp.asnumpy(array)
+    return numpy.asarray(array)
+
+
+def asarray(array, dtype=None):
+    """The array on the backend's device (a copy only where needed)."""
+    return xp.asarray(array, dtype=dtype)
+
+
+def current_stream_ptr():
+    """The raw pointer of the current CUDA stream (0 on CPU)."""
+    return xp.cuda.get_current_stream().ptr if on_gpu else 0
+
+
+def synchronize():
+    """Wait for all device work of this process (a no-op on CPU)."""
+    if on_gpu:
+        xp.cuda.get_current_stream().synchronize()

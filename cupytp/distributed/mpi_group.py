@@ -1,0 +1,72 @@
+"""ProcessGroupMPI: collectives on host (NumPy) arrays through mpi4py.
+
+Every transfer is a non-blocking MPI call polled against the group's timeout, so a rank that
+never joins turns into a CollectiveTimeoutError instead of a hang. MPI has no bfloat16 or float16
+reduction and no average: those reduce in float32 (sum, then divide).
+"""
+import time
+
+import numpy
+from mpi4py import MPI
+
+from cupytp import backend
+from cupytp.distributed.process_group import (
+    CollectiveTimeoutError, Pending, ProcessGroup)
+
+_MPI_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
+_NO_MPI_TYPE = (backend.dtype("bf16"), backend.dtype("fp16"))
+
+
+def _buffer(array):
+    """The array as an mpi4py buffer; 2-byte floats travel as uint16 (bytes only, no math)."""
+    if array.dtype in _NO_MPI_TYPE:
+        return array.view(numpy.uint16)
+    return array
+
+
+class ProcessGroupMPI(ProcessGroup):
+    """A group whose arrays live on the host; `host_comm` carries the data."""
+
+    backend = "mpi"
+
+    def _reduction_dtype(self, dtype, op):
+        if dtype in _NO_MPI_TYPE:
+            return numpy.dtype(numpy.float32)
+        return dtype if op == "avg" else None
+
+    def _pending(self, requests, op):
+        deadline = time.monotonic() + self.timeout
+
+        def wait():
+            spins = 0
+            while not MPI.Request.Testall(requests):
+                spins += 1
+                if spins > 64:  # let other ranks on the same cores run
+                    time.sleep(1e-5 if spins < 4096 else 1e-3)
+                if time.monotonic() > deadline:
+                    raise CollectiveTimeoutError(
+                        f"{self.describe(op)} did not complete within {self.timeout:g} s "
+                        "(CUPYTP_TIMEOUT): a rank skipped it, called another collective, or is "
+                        "stuck")
+        return Pending(wait, lambda: MPI.Request.Testall(requests))
+
+    def _all_reduce(self, send, recv, op, async_op):
+        request = self.host_comm.Iallreduce(send, recv, op=_MPI_OPS[op])
+        return self._pending([request], "all_reduce")
+
+    def _all_gather(self, send, recv, async_op):
+        request = self.host_comm.Iallgather(_buffer(send), _buffer(recv))
+        return self._pending([request], "all_gather")
+
+    def _reduce_scatter(self, send, recv, op, async_op):
+        request = self.host_comm.Ireduce_scatter_block(send, recv, op=_MPI_OPS[op])
+        return self._pending([request], "reduce_scatter")
+
+    def _broadcast(self, buffer, src, async_op):
+        request = self.host_comm.Ibcast(_buffer(buffer), root=src)
+        return self._pending([request], "broadcast")
+
+    def _exchange(self, sends, recvs, async_op):
+        requests = [self.host_comm.Irecv(_buffer(buf), source=peer) for buf, peer in recvs]
+        requests += [self.host_comm.Isend(_buffer(buf), dest=peer) for buf, peer in sends]
+        return self._pending(requests, "send/recv")

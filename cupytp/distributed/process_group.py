@@ -1,0 +1,360 @@
+"""ProcessGroup: how bytes move between the ranks of one group.
+
+The base class owns everything both backends share: argument checks (before any communication),
+dims other than 0, uneven sizes (numpy.array_split rule: the first ranks get one more), the
+average of integer and low-precision types, and the `Work` handle of `async_op=True`. A backend
+supplies only flat, equal-count primitives: `_all_reduce`, `_all_gather`, `_reduce_scatter`,
+`_broadcast` and `_exchange` (a batch of point-to-point sends and receives), each taking the
+caller's `async_op` and returning a `Pending` that completes the transfer.
+
+Results are new arrays; on a group of one rank they may be the input itself.
+"""
+import os
+import time
+
+import numpy
+
+from cupytp import backend
+
+REDUCE_OPS = ("sum", "avg", "max", "min", "prod")
+SUPPORTED_DTYPES = tuple(backend.dtype(name) for name in
+                         ("bf16", "fp16", "fp32", "fp64", "int32", "int64", "uint8"))
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective did not complete within the group's timeout."""
+
+
+def default_timeout():
+    """Seconds a collective may take: CUPYTP_TIMEOUT, else 600."""
+    value = os.environ.get("CUPYTP_TIMEOUT", "600")
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"CUPYTP_TIMEOUT={value!r} is not a number of seconds") from None
+    if seconds <= 0:
+        raise ValueError(f"CUPYTP_TIMEOUT must be positive, got {seconds}")
+    return seconds
+
+
+def split_sizes(length, parts):
+    """Extents of `parts` chunks of `length` by the numpy.array_split rule."""
+    base, extra = divmod(length, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+class Pending:
+    """A transfer that a backend has started; `wait()` completes it, `done()` polls it."""
+
+    def __init__(self, wait=None, done=None):
+        self._wait = wait
+        self._done = done
+
+    def wait(self):
+        if self._wait is not None:
+            self._wait()
+
+    def done(self):
+        return True if self._done is None else self._done()
+
+
+class Work:
+    """A collective in flight (`async_op=True`). `wait()` returns its result.
+
+    On the NCCL backend `wait()` orders the caller's current stream after the collective (no host
+    synchronization); on MPI it blocks until the transfer is done.
+    """
+
+    def __init__(self, pending, finish):
+        self._pending = pending
+        self._finish = finish
+        self._result = None
+        self._completed = False
+
+    def wait(self):
+        if not self._completed:
+            self._pending.wait()
+            self._result = self._finish()
+            self._completed = True
+        return self._result
+
+    def is_completed(self):
+        return self._completed or self._pending.done()
+
+
+def _done(result):
+    return Work(Pending(), lambda: result)
+
+
+class ProcessGroup:
+    """The ranks `ranks` (global ranks, in group order); this process is `self.rank` among them."""
+
+    backend = "base"
+
+    def __init__(self, ranks, rank, name, host_comm, timeout=None):
+        self.ranks = tuple(int(r) for r in ranks)
+        self.rank = int(rank)
+        self.size = len(self.ranks)
+        self.name = name
+        self.host_comm = host_comm          # an MPI communicator over the same ranks
+        self.timeout = default_timeout() if timeout is None else float(timeout)
+
+    def __repr__(self):
+        return (f"{type(self).__name__}(name={self.name!r}, ranks={list(self.ranks)}, "
+                f"rank={self.rank})")
+
+    def describe(self, op):
+        return f"{op} on group {self.name!r} (global ranks {list(self.ranks)}, this is rank " \
+               f"{self.ranks[self.rank]})"
+
+    # ---- checks -------------------------------------------------------------------------------
+    def _check(self, op, array, reduce_op=None):
+        if not isinstance(array, backend.xp.ndarray):
+            raise TypeError(f"{op}: expected a {backend.xp.__name__} array, got "
+                            f"{type(array).__name__}")
+        if array.dtype not in SUPPORTED_DTYPES:
+            names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+            raise TypeError(f"{op}: dtype {array.dtype} is not supported (use one of {names})")
+        if reduce_op is not None and reduce_op not in REDUCE_OPS:
+            raise ValueError(f"{op}: reduce op {reduce_op!r} is not one of {REDUCE_OPS}")
+
+    def _check_dim(self, op, array, dim):
+        if not -array.ndim <= dim < array.ndim:
+            raise ValueError(f"{op}: dim {dim} is out of range for an array of shape "
+                             f"{array.shape}")
+        return dim % array.ndim
+
+    def _check_peer(self, op, peer):
+        if not 0 <= peer < self.size:
+            raise ValueError(f"{op}: rank {peer} is not in group {self.name!r} of size "
+                             f"{self.size}")
+
+    @staticmethod
+    def _run(pending, finish, async_op):
+        work = Work(pending, finish)
+        return work if async_op else work.wait()
+
+    # ---- collectives ----------------------------------------------------------------------------
+    def all_reduce(self, array, op="sum", async_op=False):
+        """Every rank gets the elementwise reduction (`op`) of all ranks' arrays."""
+        self._check("all_reduce", array, op)
+        if self.size == 1:
+            return _done(array) if async_op else array
+        send = backend.xp.ascontiguousarray(array)
+        recv = backend.xp.empty_like(send)
+        pending, finish = self._reduce_into(send, recv, op, self._all_reduce, async_op)
+        return self._run(pending, lambda: finish().reshape(array.shape), async_op)
+
+    def reduce_scatter(self, array, dim=0, op="sum", async_op=False):
+        """Reduce across ranks, then keep this rank's chunk of `dim` (array_split sizes)."""
+        self._check("reduce_scatter", array, op)
+        dim = self._check_dim("reduce_scatter", array, dim)
+        if self.size == 1:
+            return _done(array) if async_op else array
+        xp = backend.xp
+        sizes = split_sizes(array.shape[dim], self.size)
+        longest = sizes[0]
+        moved = xp.moveaxis(array, dim, 0)
+        if sizes[-1] == longest:
+            send = xp.ascontiguousarray(moved)
+        else:  # pad every chunk to the longest so the flat primitive sees equal counts
+            send = xp.zeros((self.size * longest,) + moved.shape[1:], dtype=array.dtype)
+            starts = numpy.cumsum([0] + sizes)
+            for i, n in enumerate(sizes):
+                send[i * longest:i * longest + n] = moved[starts[i]:starts[i] + n]
+        recv = xp.empty((longest,) + moved.shape[1:], dtype=array.dtype)
+        pending, finish = self._reduce_into(send, recv, op, self._reduce_scatter, async_op)
+
+        def result():
+            return xp.moveaxis(finish()[:sizes[self.rank]], 0, dim)
+        return self._run(pending, result, async_op)
+
+    def all_gather(self, array, dim=0, sizes=None, async_op=False):
+        """Concatenate every rank's array along `dim`; `sizes` gives each rank's extent there
+        when they differ (default: all equal to this rank's)."""
+        self._check("all_gather", array, None)
+        dim = self._check_dim("all_gather", array, dim)
+        sizes = self._gather_sizes("all_gather", array, dim, sizes)
+        if self.size == 1:
+            return _done(array) if async_op else array
+        xp = backend.xp
+        longest = max(sizes)
+        moved = xp.moveaxis(array, dim, 0)
+        send = xp.zeros((longest,) + moved.shape[1:], dtype=array.dtype)
+        send[:moved.shape[0]] = moved
+        recv = xp.empty((self.size * longest,) + moved.shape[1:], dtype=array.dtype)
+        pending = self._all_gather(send, recv, async_op)
+        return self._run(pending, lambda: self._unpad(recv, sizes, longest, dim), async_op)
+
+    def broadcast(self, array, src=0, async_op=False):
+        """Every rank gets rank `src`'s array; `array` on other ranks gives shape and dtype."""
+        self._check("broadcast", array, None)
+        self._check_peer("broadcast", src)
+        if self.size == 1:
+            return _done(array) if async_op else array
+        buffer = backend.xp.ascontiguousarray(array).copy()
+        pending = self._broadcast(buffer, src, async_op)
+        return self._run(pending, lambda: buffer, async_op)
+
+    def scatter(self, array, src=0, dim=0, shape=None, dtype=None, async_op=False):
+        """Rank `src` splits `array` along `dim` (array_split sizes); each rank gets its chunk.
+
+        Ranks other than `src` pass `array=None` with the full `shape` and `dtype`.
+        """
+        self._check_peer("scatter", src)
+        if self.rank == src:
+            self._check("scatter", array, None)
+            shape, dtype = array.shape, array.dtype
+        elif shape is None or dtype is None:
+            raise ValueError("scatter: ranks other than src must pass shape= and dtype= of the "
+                             "full array")
+        shape, dtype = tuple(shape), backend.dtype(dtype)
+        dim = dim % len(shape)
+        sizes = split_sizes(shape[dim], self.size)
+        if self.size == 1:
+            return _done(array) if async_op else array
+        xp = backend.xp
+        chunk_shape = shape[:dim] + (sizes[self.rank],) + shape[dim + 1:]
+        recv = xp.empty(chunk_shape, dtype=dtype)
+        sends = []
+        if self.rank == src:
+            starts = numpy.cumsum([0] + sizes)
+            index = [slice(None)] * len(shape)
+            for peer in range(self.size):
+                index[dim] = slice(starts[peer], starts[peer + 1])
+                sends.append((xp.ascontiguousarray(array[tuple(index)]), peer))
+        pending = self._exchange(sends, [(recv, src)], async_op)
+        return self._run(pending, lambda: recv, async_op)
+
+    def gather(self, array, dst=0, dim=0, sizes=None, async_op=False):
+        """Rank `dst` gets every rank's array concatenated along `dim`; others get None."""
+        self._check("gather", array, None)
+        self._check_peer("gather", dst)
+        dim = self._check_dim("gather", array, dim)
+        sizes = self._gather_sizes("gather", array, dim, sizes)
+        if self.size == 1:
+            return _done(array) if async_op else array
+        xp = backend.xp
+        moved = xp.ascontiguousarray(xp.moveaxis(array, dim, 0))
+        sends = [(moved, dst)]
+        recvs = []
+        if self.rank == dst:
+            recvs = [(xp.empty((n,) + moved.shape[1:], dtype=array.dtype), peer)
+                     for peer, n in enumerate(sizes)]
+        pending = self._exchange(sends, recvs, async_op)
+
+        def result():
+            if self.rank != dst:
+                return None
+            return xp.moveaxis(xp.concatenate([buf for buf, _ in recvs]), 0, dim)
+        return self._run(pending, result, async_op)
+
+    def all_to_all(self, inputs, out_shapes=None, async_op=False):
+        """Send `inputs[j]` to rank j; return the list of arrays received, from rank 0 up.
+
+        `out_shapes[j]` is the shape coming from rank j (default: `inputs[j].shape`).
+        """
+        if len(inputs) != self.size:
+            raise ValueError(f"all_to_all: {len(inputs)} inputs for a group of {self.size} ranks")
+        for array in inputs:
+            self._check("all_to_all", array, None)
+        out_shapes = [a.shape for a in inputs] if out_shapes is None else list(out_shapes)
+        if len(out_shapes) != self.size:
+            raise ValueError(f"all_to_all: {len(out_shapes)} out_shapes for {self.size} ranks")
+        xp = backend.xp
+        outputs = [xp.empty(tuple(s), dtype=inputs[0].dtype) for s in out_shapes]
+        outputs[self.rank] = inputs[self.rank]
+        sends = [(xp.ascontiguousarray(a), peer) for peer, a in enumerate(inputs)
+                 if peer != self.rank]
+        recvs = [(buf, peer) for peer, buf in enumerate(outputs) if peer != self.rank]
+        pending = self._exchange(sends, recvs, async_op) if self.size > 1 else Pending()
+        return self._run(pending, lambda: outputs, async_op)
+
+    def send(self, array, dst):
+        """Send `array` to rank `dst` of this group (blocks until it is handed over)."""
+        self._check("send", array, None)
+        self._check_peer("send", dst)
+        self._exchange([(backend.xp.ascontiguousarray(array), dst)], [], False).wait()
+
+    def recv(self, shape, dtype, src):
+        """Receive an array of `shape` and `dtype` from rank `src` of this group."""
+        self._check_peer("recv", src)
+        out = backend.xp.empty(tuple(shape), dtype=backend.dtype(dtype))
+        self._exchange([], [(out, src)], False).wait()
+        return out
+
+    def barrier(self):
+        """Return once every rank of the group has called barrier."""
+        if self.size > 1:
+            self.all_reduce(backend.xp.zeros(1, dtype=numpy.int32))
+            backend.synchronize()
+
+    def broadcast_object(self, obj, src=0):
+        """A small picklable object from rank `src` to all ranks (host, over MPI)."""
+        self._check_peer("broadcast_object", src)
+        return self.host_comm.bcast(obj, root=src) if self.size > 1 else obj
+
+    # ---- shared helpers -----------------------------------------------------------------------
+    def _gather_sizes(self, op, array, dim, sizes):
+        if sizes is None:
+            return [array.shape[dim]] * self.size
+        sizes = [int(n) for n in sizes]
+        if len(sizes) != self.size or sizes[self.rank] != array.shape[dim]:
+            raise ValueError(f"{op}: sizes {sizes} do not fit group size {self.size} with this "
+                             f"rank's extent {array.shape[dim]} along dim {dim}")
+        return sizes
+
+    def _unpad(self, recv, sizes, longest, dim):
+        xp = backend.xp
+        if all(n == longest for n in sizes):
+            gathered = recv
+        else:
+            gathered = xp.concatenate([recv[i * longest:i * longest + n]
+                                       for i, n in enumerate(sizes)])
+        return xp.moveaxis(gathered, 0, dim) if dim else gathered
+
+    def _reduce_into(self, send, recv, op, primitive, async_op):
+        """Run a reducing primitive; returns (pending, finish) where finish() gives `recv` holding
+        the result. Types a backend cannot reduce natively go through float32 (or float64)."""
+        wide = self._reduction_dtype(send.dtype, op)
+        if wide is None:
+            return primitive(send, recv, op, async_op), lambda: recv
+        native_op = "sum" if op == "avg" else op
+        wide_recv = backend.xp.empty(recv.shape, dtype=wide)
+        pending = primitive(send.astype(wide), wide_recv, native_op, async_op)
+
+        def finish():
+            result = wide_recv
+            if op == "avg":
+                result = _average(result, self.size, send.dtype)
+            recv[...] = result
+            return recv
+        return pending, finish
+
+    # ---- what a backend provides ----------------------------------------------------------------
+    def _reduction_dtype(self, dtype, op):
+        """None when the backend reduces `dtype` with `op` natively, else the dtype to reduce in."""
+        raise NotImplementedError
+
+    def _all_reduce(self, send, recv, op, async_op):
+        raise NotImplementedError
+
+    def _all_gather(self, send, recv, async_op):
+        raise NotImplementedError
+
+    def _reduce_scatter(self, send, recv, op, async_op):
+        raise NotImplementedError
+
+    def _broadcast(self, buffer, src, async_op):
+        raise NotImplementedError
+
+    def _exchange(self, sends, recvs, async_op):
+        raise NotImplementedError
+
+
+def _average(total, count, dtype):
+    """`total / count` in `dtype`; integers truncate toward zero, as NCCL's average does."""
+    xp = backend.xp
+    if numpy.issubdtype(dtype, numpy.integer):
+        return xp.sign(total) * (xp.abs(total) // count)
+    return total / count

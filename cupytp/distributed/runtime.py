@@ -1,0 +1,125 @@
+"""`init()`: the MPI world, this rank's GPU, and the process groups every mesh is built from.
+
+MPI launches the ranks (mpiexec of Open MPI or MPICH, any launcher that gives MPI, or a plain
+single process). The local rank comes from an MPI shared-memory split and picks the GPU. Groups
+are created collectively: every rank calls `new_group` in the same order; the group's first rank
+makes the NCCL unique id and broadcasts it over the group's MPI communicator.
+"""
+import sys
+import traceback
+from dataclasses import dataclass
+
+from cupytp import backend
+from cupytp.distributed.process_group import default_timeout
+
+
+class NotInitializedError(RuntimeError):
+    """A distributed call came before cupytp.init()."""
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What init() found: this rank, the world, the device and the collective backend."""
+    rank: int
+    world_size: int
+    local_rank: int
+    local_size: int
+    device: str                 # "cpu", or "gpu:<index>"
+    backend: str                # "nccl" or "mpi"
+    timeout: float
+
+
+_runtime = None
+_world_comm = None
+_groups = {}                    # tuple of global ranks -> ProcessGroup
+
+
+def init(backend_name=None, timeout=None):
+    """Start the distributed runtime (idempotent) and return its `Runtime`.
+
+    backend_name: "nccl" (default on GPU) or "mpi" (default on CPU; host arrays only).
+    timeout: seconds a collective may take before it is an error (default CUPYTP_TIMEOUT or 600).
+    """
+    global _runtime, _world_comm
+    if _runtime is not None:
+        return _runtime
+    from mpi4py import MPI
+    wanted = backend_name or ("nccl" if backend.on_gpu else "mpi")
+    if wanted not in ("nccl", "mpi"):
+        raise ValueError(f"backend {wanted!r} is not one of 'nccl', 'mpi'")
+    if wanted == "nccl" and not backend.on_gpu:
+        raise ValueError("the nccl backend needs a GPU; this process computes on the CPU "
+                         "(CUPYTP_DEVICE or no usable GPU): use backend 'mpi'")
+    if wanted == "mpi" and backend.on_gpu:
+        raise ValueError("the mpi backend carries host arrays, but arrays live on the GPU: use "
+                         "backend 'nccl' or CUPYTP_DEVICE=cpu")
+    world = MPI.COMM_WORLD
+    local = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank)
+    local_rank, local_size = local.rank, local.size
+    local.Free()
+    device = "cpu"
+    if backend.on_gpu:
+        count = backend.xp.cuda.runtime.getDeviceCount()
+        if local_size > count:
+            raise RuntimeError(f"{local_size} ranks share this node but it has {count} GPU(s): "
+                               f"launch at most {count} ranks per node")
+        backend.xp.cuda.Device(local_rank).use()
+        device = f"gpu:{local_rank}"
+    _world_comm = world
+    _runtime = Runtime(rank=world.rank, world_size=world.size, local_rank=local_rank,
+                       local_size=local_size, device=device, backend=wanted,
+                       timeout=default_timeout() if timeout is None else float(timeout))
+    if world.size > 1:
+        sys.excepthook = _abort_on_uncaught
+    return _runtime
+
+
+def is_initialized():
+    return _runtime is not None
+
+
+def runtime():
+    """The Runtime of init(); an error before it."""
+    if _runtime is None:
+        raise NotInitializedError("cupytp.init() must be called before anything distributed "
+                                  "(meshes, process groups, DTensors)")
+    return _runtime
+
+
+def get_rank():
+    return runtime().rank
+
+
+def get_world_size():
+    return runtime().world_size
+
+
+def new_group(color, key, name):
+    """Create (collectively, over the world) the group of ranks sharing `color`, ordered by `key`.
+
+    Every rank calls this in the same order. A group over the same ranks as an earlier one is
+    the earlier one: one communicator per set of ranks.
+    """
+    info = runtime()
+    sub = _world_comm.Split(color, key)
+    ranks = tuple(sub.allgather(info.rank))
+    if ranks in _groups:
+        sub.Free()
+        return _groups[ranks]
+    if info.backend == "nccl" and len(ranks) > 1:
+        from cupytp.distributed.nccl_group import ProcessGroupNCCL, new_unique_id
+        unique_id = sub.bcast(new_unique_id() if sub.rank == 0 else None, root=0)
+        group = ProcessGroupNCCL(ranks, sub.rank, name, sub, unique_id, info.timeout)
+    else:
+        from cupytp.distributed.mpi_group import ProcessGroupMPI
+        group = ProcessGroupMPI(ranks, sub.rank, name, sub, info.timeout)
+    _groups[ranks] = group
+    return group
+
+
+def _abort_on_uncaught(kind, value, tb):
+    """An uncaught error on one rank ends every rank (instead of leaving them in a collective)."""
+    traceback.print_exception(kind, value, tb)
+    sys.stderr.flush()
+    from mpi4py import MPI
+    MPI.COMM_WORLD.Abort(1)

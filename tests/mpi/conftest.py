@@ -1,0 +1,22 @@
+import pytest
+
+import cupytp
+
+
+@pytest.fixture(scope="session")
+def world():
+    """The Runtime of this job (1 rank under plain pytest, N under mpiexec -n N)."""
+    return cupytp.init()
+
+
+@pytest.fixture(scope="session")
+def mesh1d(world):
+    return cupytp.DeviceMesh((world.world_size,), ("tp",))
+
+
+@pytest.fixture(scope="session")
+def mesh2d(world):
+    """A 2-D (dp, tp) mesh: (2, N/2) on an even world, else (1, N)."""
+    n = world.world_size
+    shape = (2, n // 2) if n % 2 == 0 else (1, n)
+    return cupytp.DeviceMesh(shape, ("dp", "tp"))
