@@ -1,5 +1,12 @@
 """cupytp: tensor-parallel and fully-sharded training on raw CuPy arrays, NCCL and MPI."""
 from cupytp import backend
+from cupytp.autograd import no_grad
 from cupytp.distributed import DeviceMesh, init, init_device_mesh
+from cupytp.ops import (
+    ShardingError, concat, cross_entropy, dropout, einsum, embedding, gelu, layer_norm,
+    log_softmax, matmul, softmax, split, stack)
+from cupytp.tensor import (
+    DTensor, Layout, Partial, Replicated, Shard, ShardingType, arange, distribute, from_local,
+    full, local_mesh, manual_seed, ones, rand, randn, zeros)
 
 __version__ = "0.1.0"

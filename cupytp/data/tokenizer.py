@@ -2,8 +2,9 @@
 
 Every tokenizer has `encode(str) -> list[int]`, `decode(list[int]) -> str`, `vocab_size`, `eot_id`
 and `name`. `encode` treats its whole input as text: it never emits the end-of-text id, which the
-caller inserts between documents. Strings carry raw bytes through "surrogateescape": the byte and
-BPE tokenizers encode every such string and give it back with `decode(ids, errors="surrogateescape")`.
+caller inserts between documents. Strings carry raw bytes through "surrogateescape": the byte
+and BPE tokenizers encode every such string, and `decode(ids, errors="surrogateescape")` gives
+it back.
 """
 import hashlib
 import heapq
@@ -18,8 +19,8 @@ from cupytp.data.token_file import DataError, atomic_write
 EOT_TEXT = "<|endoftext|>"
 BYTE_VOCAB = 256
 
-# GPT-2's pre-tokenizer split, in the standard `re` dialect: contractions, letters, digits,
-# other symbols (each optionally after one space), then runs of whitespace. Merges never cross
+# GPT-2's pre-tokenizer split, in the standard `re` dialect: contractions; runs of letters, of
+# digits, of other symbols (each optionally after one space); runs of whitespace. Merges never cross
 # these chunks, so " the" can become one token but "e t" never does.
 CHUNK_PATTERN = (
     r"'(?:[sdmt]|ll|ve|re)"
@@ -35,6 +36,8 @@ _CHUNK_CACHE_SIZE = 1 << 16
 
 
 class Tokenizer(Protocol):
+    """What every tokenizer here offers."""
+
     name: str
     vocab_size: int
     eot_id: int
@@ -72,7 +75,7 @@ class ByteTokenizer:
 
 
 def _merge_pair(ids, pair, new_id):
-    """`ids` with every non-overlapping occurrence of `pair` (left to right) replaced by `new_id`."""
+    """`ids` with each non-overlapping occurrence of `pair`, left to right, made `new_id`."""
     merged = []
     i = 0
     while i < len(ids):
@@ -230,6 +233,8 @@ class BPETokenizer:
         if state.get("version") != BPE_FILE_VERSION:
             raise DataError(f"BPE tokenizer file {path} has version {state.get('version')}; "
                             f"only version {BPE_FILE_VERSION} is supported")
+        if not isinstance(state.get("merges"), list) or not isinstance(state.get("pattern"), str):
+            raise DataError(f"BPE tokenizer file {path} lacks its merges list or pattern")
         return cls(state["merges"], state["pattern"])
 
 

@@ -19,7 +19,7 @@ class DeviceMesh:
     """
 
     def __init__(self, shape, dim_names=None):
-        info = rt.runtime()
+        info = rt.get_runtime()
         shape = (int(shape),) if isinstance(shape, int) else tuple(int(n) for n in shape)
         if not shape or any(n < 1 for n in shape):
             raise ValueError(f"a mesh shape needs positive sizes, got {shape}")

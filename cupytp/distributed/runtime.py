@@ -78,7 +78,7 @@ def is_initialized():
     return _runtime is not None
 
 
-def runtime():
+def get_runtime():
     """The Runtime of init(); an error before it."""
     if _runtime is None:
         raise NotInitializedError("cupytp.init() must be called before anything distributed "
@@ -86,12 +86,28 @@ def runtime():
     return _runtime
 
 
+def world_comm():
+    """The MPI communicator over every rank (host metadata: shapes, seeds, ...)."""
+    get_runtime()
+    return _world_comm
+
+
+def self_group():
+    """A one-rank group holding only this process (its collectives return at once)."""
+    info = get_runtime()
+    if "self" not in _groups:
+        from mpi4py import MPI
+        from cupytp.distributed.mpi_group import ProcessGroupMPI
+        _groups["self"] = ProcessGroupMPI((info.rank,), 0, "self", MPI.COMM_SELF, info.timeout)
+    return _groups["self"]
+
+
 def get_rank():
-    return runtime().rank
+    return get_runtime().rank
 
 
 def get_world_size():
-    return runtime().world_size
+    return get_runtime().world_size
 
 
 def new_group(color, key, name):
@@ -100,7 +116,7 @@ def new_group(color, key, name):
     Every rank calls this in the same order. A group over the same ranks as an earlier one is
     the earlier one: one communicator per set of ranks.
     """
-    info = runtime()
+    info = get_runtime()
     sub = _world_comm.Split(color, key)
     ranks = tuple(sub.allgather(info.rank))
     if ranks in _groups:

@@ -20,3 +20,8 @@ def mesh2d(world):
     n = world.world_size
     shape = (2, n // 2) if n % 2 == 0 else (1, n)
     return cupytp.DeviceMesh(shape, ("dp", "tp"))
+
+
+@pytest.fixture(params=["1d", "2d"])
+def mesh(request, mesh1d, mesh2d):
+    return mesh1d if request.param == "1d" else mesh2d

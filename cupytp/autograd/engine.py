@@ -1,0 +1,118 @@
+"""A tape of recorded ops and the reverse walk over it.
+
+Each op that runs while gradients are enabled, on an input that requires them, records a Node on
+its output: the inputs and a `backward(grad) -> grads per input` closure. `backward(root)` orders
+the nodes reachable from `root` (iteratively, no recursion), walks them in reverse, and hands
+every gradient to its input: summed into the pending gradient of a non-leaf, given to a leaf's
+`accumulate_grad`. Broadcast dimensions are summed away here, once, for every op. The walked
+nodes are freed, so a second backward through the same graph is an error.
+
+The engine is generic over the tensor type; what it needs from a tensor is `requires_grad`,
+`_node`, `shape`, `accumulate_grad(grad)`, and from a gradient `sum_to_shape(shape)` and `+`.
+"""
+import threading
+from contextlib import contextmanager
+
+_state = threading.local()
+
+
+def is_grad_enabled():
+    return getattr(_state, "enabled", True)
+
+
+@contextmanager
+def _grad_mode(enabled):
+    previous = is_grad_enabled()
+    _state.enabled = enabled
+    try:
+        yield
+    finally:
+        _state.enabled = previous
+
+
+def no_grad():
+    """Context manager: ops inside record nothing."""
+    return _grad_mode(False)
+
+
+def enable_grad():
+    return _grad_mode(True)
+
+
+class Node:
+    """One recorded op: `inputs` (tensors, None where no gradient is needed) and `backward`."""
+    __slots__ = ("inputs", "backward", "name")
+
+    def __init__(self, inputs, backward, name):
+        self.inputs = inputs
+        self.backward = backward
+        self.name = name
+
+
+FREED = Node((), None, "freed")
+
+
+def record(output, inputs, backward, name):
+    """Attach a Node to `output` when gradients are on and some input requires one."""
+    if not is_grad_enabled():
+        return output
+    needed = tuple(t if t is not None and t.requires_grad else None for t in inputs)
+    if any(t is not None for t in needed):
+        output.requires_grad = True
+        output._node = Node(needed, backward, name)
+    return output
+
+
+def _topological_order(root):
+    """Tensors with a node, every tensor after all tensors computed from it (iterative DFS)."""
+    order, visited = [], set()
+    stack = [(root, False)]
+    while stack:
+        tensor, expanded = stack.pop()
+        if expanded:
+            order.append(tensor)
+            continue
+        if id(tensor) in visited or tensor._node is None:
+            continue
+        if tensor._node is FREED:
+            raise RuntimeError("backward through a graph that an earlier backward already freed:"
+                               " run the forward pass again")
+        visited.add(id(tensor))
+        stack.append((tensor, True))
+        for parent in tensor._node.inputs:
+            if parent is not None and id(parent) not in visited:
+                stack.append((parent, False))
+    return order[::-1]
+
+
+def backward(root, grad):
+    """Propagate `grad` (d loss / d root) to every leaf that requires a gradient."""
+    if not root.requires_grad:
+        raise RuntimeError("backward() on a tensor that does not require a gradient: no input "
+                           "of the ops that made it has requires_grad=True")
+    if root._node is None:
+        root.accumulate_grad(grad)
+        return
+    pending = {id(root): grad}
+    with no_grad():
+        for tensor in _topological_order(root):
+            node = tensor._node
+            out_grad = pending.pop(id(tensor), None)
+            tensor._node = FREED
+            if out_grad is None:
+                continue
+            grads = node.backward(out_grad)
+            if len(grads) != len(node.inputs):
+                raise RuntimeError(f"backward of {node.name} returned {len(grads)} gradients "
+                                   f"for {len(node.inputs)} inputs")
+            for parent, g in zip(node.inputs, grads):
+                if parent is None or g is None:
+                    continue
+                if g.shape != parent.shape:
+                    g = g.sum_to_shape(parent.shape)
+                if parent._node is None:
+                    parent.accumulate_grad(g)
+                elif id(parent) in pending:
+                    pending[id(parent)] = pending[id(parent)] + g
+                else:
+                    pending[id(parent)] = g

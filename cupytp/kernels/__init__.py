@@ -1,0 +1,95 @@
+"""Hand-written CUDA kernels, each with a NumPy twin of the same math.
+
+One op per `.cu` file (kernels first) and a thin launcher `.py` beside it: CuPy arrays go to the
+kernel, NumPy arrays to the twin. A kernel is instantiated per dtype by a macro, named with the
+dtype's suffix (`gelu_forward_bf16`). CuPy is touched only when a kernel is compiled, so the package
+imports on machines without a GPU.
+"""
+import functools
+from pathlib import Path
+
+import numpy
+
+from cupytp.backend import bfloat16, on_gpu, xp
+
+_SUFFIXES = {
+    numpy.dtype(numpy.float32): "f32",
+    numpy.dtype(numpy.float64): "f64",
+    bfloat16: "bf16",
+    numpy.dtype(numpy.float16): "f16",
+}
+
+
+def ceil_div(a, b):
+    """The smallest integer >= a / b (elementwise for NumPy integer arrays)."""
+    return (a + b - 1) // b
+
+
+def dtype_suffix(dtype):
+    """The suffix naming a kernel's instantiation for a dtype: 'f32', 'f64', 'bf16' or 'f16'."""
+    dtype = numpy.dtype(dtype)
+    if dtype not in _SUFFIXES:
+        raise ValueError(f"no kernel for dtype {dtype}: use float32, float64, bfloat16 or float16")
+    return _SUFFIXES[dtype]
+
+
+def compute_dtype(dtype):
+    """The dtype a kernel computes in: float64 for float64, float32 for float32/bfloat16/float16."""
+    wide = dtype_suffix(dtype) == "f64"
+    return numpy.dtype(numpy.float64 if wide else numpy.float32)
+
+
+def is_device_array(array):
+    """True for a CuPy array (always False on the NumPy backend)."""
+    return on_gpu and isinstance(array, xp.ndarray)
+
+
+def check_lists(**lists):
+    """Validate parallel lists of arrays for one op; return {name: dtype of the list}.
+
+    The lists must have one length, the i-th arrays of all lists one shape, every array must be
+    C-contiguous and of one array type (NumPy or CuPy), and each list must hold a single dtype.
+    Empty lists give {}.
+    """
+    names = list(lists)
+    first = lists[names[0]]
+    for name, arrays in lists.items():
+        if len(arrays) != len(first):
+            raise ValueError(f"{name} has {len(arrays)} arrays but {names[0]} has {len(first)}")
+    if not first:
+        return {}
+    kind = type(first[0])
+    dtypes = {}
+    for name, arrays in lists.items():
+        dtypes[name] = arrays[0].dtype
+        for i, (array, reference) in enumerate(zip(arrays, first)):
+            if type(array) is not kind:
+                raise ValueError(f"{name}[{i}] is a {type(array).__name__} but {names[0]}[0] is a "
+                                 f"{kind.__name__}: NumPy and CuPy arrays cannot be mixed")
+            if array.dtype != dtypes[name]:
+                raise ValueError(f"{name}[{i}] has dtype {array.dtype} but {name}[0] has "
+                                 f"{dtypes[name]}: each list must hold one dtype")
+            if array.shape != reference.shape:
+                raise ValueError(f"{name}[{i}] has shape {array.shape} but {names[0]}[{i}] has "
+                                 f"shape {reference.shape}")
+            if not array.flags.c_contiguous:
+                raise ValueError(f"{name}[{i}] is not C-contiguous")
+    return dtypes
+
+
+@functools.cache
+def _module(cu_file, options):
+    source = (Path(__file__).parent / cu_file).read_text()
+    return xp.RawModule(code=source, options=options)
+
+
+@functools.cache
+def _function(cu_file, name, options):
+    return _module(cu_file, options).get_function(name)
+
+
+def get_kernel(cu_file, name, options=()):
+    """The kernel `name` of `cupytp/kernels/<cu_file>`; each (file, options) compiles once."""
+    if not on_gpu:
+        raise RuntimeError(f"kernel {name} of {cu_file} needs the CuPy backend, but it is NumPy")
+    return _function(cu_file, name, tuple(options))

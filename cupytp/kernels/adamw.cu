@@ -1,0 +1,55 @@
+// Fused multi-tensor AdamW (torch.optim.AdamW semantics): one launch updates a whole list of
+// tensors.
+// The tables hold one data pointer per tensor; block b updates the chunk
+// blocks[3b : 3b + 3] = (tensor, start, end) of its tensor. Params and both moments are P (fp32 or
+// fp64, also the compute type); grads are G (P, bf16 or fp16), widened on load. The scalars come
+// from the host already rounded to P:
+//     p = decay p - step_size m / (sqrt(v) / bias_correction2_sqrt + eps)
+// with decay = 1 - lr wd, step_size = lr / (1 - beta1^step) and
+// bias_correction2_sqrt = sqrt(1 - beta2^step).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+// bf16/fp16 convert only to float, so loads widen through float unless T is double.
+template <typename C, typename T>
+__device__ __forceinline__ C widen(T x) { return static_cast<C>(static_cast<float>(x)); }
+template <>
+__device__ __forceinline__ double widen<double, double>(double x) { return x; }
+
+template <typename P, typename G>
+__device__ void adamw(P* const* params, const G* const* grads, P* const* exp_avgs,
+                      P* const* exp_avg_sqs, const long long* blocks, P decay, P beta1,
+                      P one_minus_beta1, P beta2, P one_minus_beta2, P step_size,
+                      P bias_correction2_sqrt, P eps)
+{
+    const long long* chunk = blocks + 3 * blockIdx.x;  // (tensor, start, end)
+    P* p = params[chunk[0]];
+    const G* g = grads[chunk[0]];
+    P* m = exp_avgs[chunk[0]];
+    P* v = exp_avg_sqs[chunk[0]];
+    for (long long i = chunk[1] + threadIdx.x; i < chunk[2]; i += blockDim.x) {
+        const P gi = widen<P>(g[i]);
+        const P mi = beta1 * m[i] + one_minus_beta1 * gi;
+        const P vi = beta2 * v[i] + one_minus_beta2 * gi * gi;
+        m[i] = mi;
+        v[i] = vi;
+        p[i] = decay * p[i] - step_size * mi / (sqrt(vi) / bias_correction2_sqrt + eps);
+    }
+}
+
+#define ADAMW_KERNEL(P, G, SUFFIX)                                                               \
+    extern "C" __global__ void adamw_##SUFFIX(                                                   \
+        P* const* params, const G* const* grads, P* const* exp_avgs, P* const* exp_avg_sqs,      \
+        const long long* blocks, P decay, P beta1, P one_minus_beta1, P beta2,                   \
+        P one_minus_beta2, P step_size, P bias_correction2_sqrt, P eps)                          \
+    {                                                                                            \
+        adamw<P, G>(params, grads, exp_avgs, exp_avg_sqs, blocks, decay, beta1, one_minus_beta1, \
+                    beta2, one_minus_beta2, step_size, bias_correction2_sqrt, eps);              \
+    }
+
+ADAMW_KERNEL(float, float, f32_f32)
+ADAMW_KERNEL(float, __nv_bfloat16, f32_bf16)
+ADAMW_KERNEL(float, __half, f32_f16)
+ADAMW_KERNEL(double, double, f64_f64)
+ADAMW_KERNEL(double, __nv_bfloat16, f64_bf16)
+ADAMW_KERNEL(double, __half, f64_f16)

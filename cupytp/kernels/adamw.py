@@ -1,0 +1,65 @@
+"""Fused multi-tensor AdamW with torch.optim.AdamW semantics: `adamw.cu` for CuPy arrays (one
+launch for the whole list), a NumPy twin otherwise.
+
+Per element, with bc1 = 1 - beta1^step and bc2 = 1 - beta2^step:
+    p = p - lr wd p
+    m = beta1 m + (1 - beta1) g
+    v = beta2 v + (1 - beta2) g^2
+    p = p - lr (m / bc1) / (sqrt(v / bc2) + eps)
+evaluated as torch does: p = (1 - lr wd) p - (lr / bc1) m / (sqrt(v) / sqrt(bc2) + eps). No
+amsgrad, no maximize.
+"""
+import math
+
+import numpy
+
+from cupytp.kernels import dtype_suffix, get_kernel, is_device_array
+from cupytp.kernels.multi_tensor import THREADS, check_optimizer_lists, tensor_table
+
+
+def adamw_step(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay, step):
+    """One AdamW step (step counts from 1), in place on params, exp_avgs and exp_avg_sqs.
+
+    params/exp_avgs/exp_avg_sqs: lists of C-contiguous arrays of one dtype, float32 or float64
+    (also the compute dtype); grads: same shapes, the params' dtype or bfloat16/float16. On the GPU
+    one kernel launch updates the whole list, with no host synchronisation.
+    """
+    if not (params and is_device_array(params[0])):
+        adamw_step_numpy(params, grads, exp_avgs, exp_avg_sqs, lr=lr, beta1=beta1, beta2=beta2,
+                         eps=eps, weight_decay=weight_decay, step=step)
+        return
+    param_dtype, grad_dtype = check_optimizer_lists(params, grads, exp_avgs=exp_avgs,
+                                                    exp_avg_sqs=exp_avg_sqs)
+    scalars = _scalars(param_dtype, lr, beta1, beta2, eps, weight_decay, step)
+    table = tensor_table([params, grads, exp_avgs, exp_avg_sqs])
+    if table.num_blocks == 0:
+        return
+    kernel = get_kernel("adamw.cu", f"adamw_{dtype_suffix(param_dtype)}_{dtype_suffix(grad_dtype)}")
+    kernel((table.num_blocks,), (THREADS,), (*table.rows, table.blocks, *scalars))
+
+
+def _scalars(dtype, lr, beta1, beta2, eps, weight_decay, step):
+    """The kernel's scalar arguments, computed in float64 and rounded once to the params' dtype:
+    decay, beta1, 1 - beta1, beta2, 1 - beta2, step_size, sqrt(bc2), eps."""
+    if step < 1:
+        raise ValueError(f"step counts from 1, got {step}")
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2 = 1 - beta2 ** step
+    values = (1 - lr * weight_decay, beta1, 1 - beta1, beta2, 1 - beta2, lr / bias_correction1,
+              math.sqrt(bias_correction2), eps)
+    return tuple(dtype.type(value) for value in values)
+
+
+def adamw_step_numpy(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps,
+                     weight_decay, step):
+    """NumPy twin of `adamw_step`."""
+    dtypes = check_optimizer_lists(params, grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs)
+    if dtypes is None:
+        return
+    (decay, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, bias_correction2_sqrt,
+     eps) = _scalars(dtypes[0], lr, beta1, beta2, eps, weight_decay, step)
+    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
+        g = g.astype(p.dtype)
+        m[...] = beta1 * m + one_minus_beta1 * g
+        v[...] = beta2 * v + one_minus_beta2 * g * g
+        p[...] = decay * p - step_size * m / (numpy.sqrt(v) / bias_correction2_sqrt + eps)

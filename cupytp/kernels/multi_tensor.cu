@@ -1,0 +1,105 @@
+// Multi-tensor reductions and scaling: one launch covers a whole list of tensors.
+// The table holds one data pointer per tensor; block b works on the chunk
+// blocks[3b : 3b + 3] = (tensor, start, end) of its tensor. Storage dtype T, compute dtype C
+// (float for fp32/bf16/fp16, double for fp64).
+//   sum_of_squares_partials: partials[b] = sum of x^2 over block b's chunk;
+//   sum_partials:            *out = sum of partials[0:n], one block (fixed order: deterministic);
+//   scale:                   x *= *factor, the factor read from device memory (no host sync).
+// Blocks must have a multiple of 32 threads, at most 1024.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+// bf16/fp16 convert only to float, so loads widen through float unless T is double.
+template <typename C, typename T>
+__device__ __forceinline__ C widen(T x) { return static_cast<C>(static_cast<float>(x)); }
+template <>
+__device__ __forceinline__ double widen<double, double>(double x) { return x; }
+
+// The sum of v over the block, valid in thread 0.
+template <typename C>
+__device__ C block_sum(C v)
+{
+    __shared__ C warp_sums[32];
+    const int lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32;
+    for (int offset = 16; offset > 0; offset /= 2) {
+        v += __shfl_xor_sync(0xffffffffu, v, offset);
+    }
+    if (lane == 0) {
+        warp_sums[warp] = v;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < blockDim.x / 32 ? warp_sums[lane] : C(0);
+        for (int offset = 16; offset > 0; offset /= 2) {
+            v += __shfl_xor_sync(0xffffffffu, v, offset);
+        }
+    }
+    return v;
+}
+
+template <typename T, typename C>
+__device__ void sum_of_squares_partials(const T* const* arrays, const long long* blocks,
+                                        C* partials)
+{
+    const long long* chunk = blocks + 3 * blockIdx.x;  // (tensor, start, end)
+    const T* x = arrays[chunk[0]];
+    C sum = C(0);
+    for (long long i = chunk[1] + threadIdx.x; i < chunk[2]; i += blockDim.x) {
+        const C xi = widen<C>(x[i]);
+        sum += xi * xi;
+    }
+    sum = block_sum(sum);
+    if (threadIdx.x == 0) {
+        partials[blockIdx.x] = sum;
+    }
+}
+
+template <typename C>
+__device__ void sum_partials(const C* partials, long long n, C* out)
+{
+    C sum = C(0);
+    for (long long i = threadIdx.x; i < n; i += blockDim.x) {
+        sum += partials[i];
+    }
+    sum = block_sum(sum);
+    if (threadIdx.x == 0) {
+        *out = sum;
+    }
+}
+
+template <typename T, typename C>
+__device__ void scale(T* const* arrays, const long long* blocks, const C* factor)
+{
+    const long long* chunk = blocks + 3 * blockIdx.x;  // (tensor, start, end)
+    T* x = arrays[chunk[0]];
+    const C f = *factor;
+    for (long long i = chunk[1] + threadIdx.x; i < chunk[2]; i += blockDim.x) {
+        x[i] = static_cast<T>(widen<C>(x[i]) * f);
+    }
+}
+
+#define MULTI_TENSOR_KERNELS(T, C, SUFFIX)                                                       \
+    extern "C" __global__ void sum_of_squares_partials_##SUFFIX(                                 \
+        const T* const* arrays, const long long* blocks, C* partials)                            \
+    {                                                                                            \
+        sum_of_squares_partials<T, C>(arrays, blocks, partials);                                 \
+    }                                                                                            \
+    extern "C" __global__ void scale_##SUFFIX(T* const* arrays, const long long* blocks,         \
+                                              const C* factor)                                   \
+    {                                                                                            \
+        scale<T, C>(arrays, blocks, factor);                                                     \
+    }
+
+#define SUM_PARTIALS_KERNEL(C, SUFFIX)                                                           \
+    extern "C" __global__ void sum_partials_##SUFFIX(const C* partials, long long n, C* out)     \
+    {                                                                                            \
+        sum_partials<C>(partials, n, out);                                                       \
+    }
+
+MULTI_TENSOR_KERNELS(float, float, f32)
+MULTI_TENSOR_KERNELS(double, double, f64)
+MULTI_TENSOR_KERNELS(__nv_bfloat16, float, bf16)
+MULTI_TENSOR_KERNELS(__half, float, f16)
+SUM_PARTIALS_KERNEL(float, f32)
+SUM_PARTIALS_KERNEL(double, f64)

@@ -1,0 +1,170 @@
+"""Multi-tensor apply: one kernel launch over a whole list of arrays, and two ops built on it.
+
+A `TensorTable` is the device-side description of parallel lists of arrays (params, grads, ...):
+a row of data pointers per list, and per block the (tensor, start, end) of the chunk it works on.
+Tables are cached by the arrays' data pointers and sizes, so a training loop that updates the same
+arrays every step copies nothing from the host after its first step.
+
+`sum_of_squares` (for gradient norms) and `scale_` (for clipping) run `multi_tensor.cu` on CuPy
+arrays and NumPy twins otherwise; the optimizers (`adamw.py`, `sgd.py`) use the tables too.
+"""
+import collections
+import dataclasses
+
+import numpy
+
+from cupytp.backend import bfloat16, xp
+from cupytp.kernels import ceil_div, check_lists, compute_dtype, dtype_suffix, get_kernel
+from cupytp.kernels import is_device_array
+
+CHUNK = 65536  # elements per block
+THREADS = 512
+MAX_TABLES = 64
+_TABLES = collections.OrderedDict()  # (pointers per list, sizes) -> TensorTable, oldest first
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorTable:
+    """Device table for one multi-tensor launch over parallel lists of arrays.
+
+    rows[k]: int64 (num_tensors,), the data pointers of list k; blocks: int64 (num_blocks, 3),
+    the (tensor, start, end) chunk of each block, at most CHUNK elements.
+    """
+
+    rows: tuple
+    blocks: object
+    num_blocks: int
+
+
+def tensor_table(lists):
+    """The cached TensorTable of parallel lists of CuPy arrays: one host->device copy the first
+    time a set of (pointer, size) is seen, none after."""
+    sizes = tuple(array.size for array in lists[0])
+    key = (tuple(tuple(array.data.ptr for array in arrays) for arrays in lists), sizes)
+    table = _TABLES.get(key)
+    if table is None:
+        table = _build_table(lists, sizes)
+        _TABLES[key] = table
+        if len(_TABLES) > MAX_TABLES:
+            _TABLES.popitem(last=False)
+    else:
+        _TABLES.move_to_end(key)
+    return table
+
+
+def chunk_blocks(sizes, chunk=CHUNK):
+    """int64 (num_blocks, 3): the (tensor, start, end) of each block, chunks of at most `chunk`
+    elements covering the tensors in order (none for an empty tensor)."""
+    sizes = numpy.asarray(sizes, dtype=numpy.int64)
+    chunks = ceil_div(sizes, chunk)  # (num_tensors,)
+    tensor = numpy.repeat(numpy.arange(len(sizes), dtype=numpy.int64), chunks)  # (num_blocks,)
+    first_block = numpy.cumsum(chunks) - chunks  # (num_tensors,)
+    start = (numpy.arange(len(tensor)) - first_block[tensor]) * chunk
+    end = numpy.minimum(start + chunk, sizes[tensor])
+    return numpy.stack([tensor, start, end], axis=1)
+
+
+def _build_table(lists, sizes):
+    pointers = numpy.array([[array.data.ptr for array in arrays] for arrays in lists],
+                           dtype=numpy.int64)  # (num_lists, num_tensors)
+    blocks = chunk_blocks(sizes)
+    device = xp.asarray(numpy.concatenate([pointers.ravel(), blocks.ravel()]))
+    rows = tuple(device[k * len(sizes):(k + 1) * len(sizes)] for k in range(len(lists)))
+    return TensorTable(rows, device[pointers.size:].reshape(-1, 3), len(blocks))
+
+
+def check_optimizer_lists(params, grads, **states):
+    """Validate an optimizer's lists (see check_lists); return (param dtype, grad dtype), or None.
+
+    params and the state lists (moments, momentum buffers) share one dtype, float32 or float64;
+    grads have the params' dtype or are bfloat16/float16 (widened on load). None for empty lists.
+    """
+    dtypes = check_lists(params=params, grads=grads, **states)
+    if not dtypes:
+        return None
+    param_dtype = dtypes.pop("params")
+    grad_dtype = dtypes.pop("grads")
+    if param_dtype not in (numpy.float32, numpy.float64):
+        raise ValueError(f"params must be float32 or float64, got {param_dtype}")
+    for name, dtype in dtypes.items():
+        if dtype != param_dtype:
+            raise ValueError(f"{name} must have the params' dtype {param_dtype}, got {dtype}")
+    if grad_dtype not in (param_dtype, bfloat16, numpy.float16):
+        raise ValueError(f"grads must be {param_dtype}, bfloat16 or float16 (params are "
+                         f"{param_dtype}), got {grad_dtype}")
+    return param_dtype, grad_dtype
+
+
+def _check_arrays(arrays):
+    """The one dtype of a non-empty list of arrays with kernels."""
+    dtypes = check_lists(arrays=arrays)
+    if not dtypes:
+        raise ValueError("needs at least one array")
+    dtype_suffix(dtypes["arrays"])
+    return dtypes["arrays"]
+
+
+def sum_of_squares(arrays):
+    """Sum of x^2 over all elements of all arrays (one dtype): a 0-d array, accumulated in
+    float64 for float64 and in float32 for float32/bfloat16/float16.
+
+    On the GPU: one launch writes a partial sum per block, a second one-block launch adds the
+    partials in a fixed order (deterministic). No host synchronisation.
+    """
+    if not (arrays and is_device_array(arrays[0])):
+        return sum_of_squares_numpy(arrays)
+    dtype = _check_arrays(arrays)
+    compute = compute_dtype(dtype)
+    table = tensor_table([arrays])
+    if table.num_blocks == 0:
+        return xp.zeros((), compute)
+    partials = xp.empty(table.num_blocks, compute)
+    out = xp.empty((), compute)
+    get_kernel("multi_tensor.cu", f"sum_of_squares_partials_{dtype_suffix(dtype)}")(
+        (table.num_blocks,), (THREADS,), (table.rows[0], table.blocks, partials))
+    get_kernel("multi_tensor.cu", f"sum_partials_{dtype_suffix(compute)}")(
+        (1,), (THREADS,), (partials, numpy.int64(table.num_blocks), out))
+    return out
+
+
+def scale_(arrays, factor):
+    """Multiply every array (one dtype) in place by factor, a 0-d array (or a number).
+
+    The product is computed in the compute dtype (see sum_of_squares) and rounded back. For CuPy
+    arrays, a 0-d CuPy factor is read on the device, so clipping by a computed norm needs no host
+    synchronisation.
+    """
+    if not (arrays and is_device_array(arrays[0])):
+        scale_numpy(arrays, factor)
+        return
+    dtype = _check_arrays(arrays)
+    factor = xp.asarray(factor, dtype=compute_dtype(dtype))
+    if factor.ndim != 0:
+        raise ValueError(f"factor must be 0-d, got shape {factor.shape}")
+    table = tensor_table([arrays])
+    if table.num_blocks == 0:
+        return
+    get_kernel("multi_tensor.cu", f"scale_{dtype_suffix(dtype)}")(
+        (table.num_blocks,), (THREADS,), (table.rows[0], table.blocks, factor))
+
+
+def sum_of_squares_numpy(arrays):
+    """NumPy twin of `sum_of_squares`."""
+    compute = compute_dtype(_check_arrays(arrays))
+    total = compute.type(0)
+    for array in arrays:
+        wide = array.astype(compute)
+        total += numpy.sum(wide * wide, dtype=compute)
+    return numpy.asarray(total, dtype=compute)
+
+
+def scale_numpy(arrays, factor):
+    """NumPy twin of `scale_`."""
+    if not arrays:
+        return
+    dtype = _check_arrays(arrays)
+    factor = numpy.asarray(factor, dtype=compute_dtype(dtype))
+    if factor.ndim != 0:
+        raise ValueError(f"factor must be 0-d, got shape {factor.shape}")
+    for array in arrays:
+        array[...] = (array.astype(factor.dtype) * factor).astype(dtype)

@@ -1,0 +1,58 @@
+// Fused multi-tensor SGD (torch.optim.SGD semantics): one launch updates a whole list of tensors.
+// The tables hold one data pointer per tensor; block b updates the chunk
+// blocks[3b : 3b + 3] = (tensor, start, end) of its tensor. Params and momentum buffers are P (fp32
+// or fp64, also the compute type); grads are G (P, bf16 or fp16), widened on load.
+//     g += weight_decay p                              (if weight_decay != 0)
+//     buf = first_step ? g : momentum buf + (1 - dampening) g   (if momentum != 0)
+//     g = nesterov ? g + momentum buf : buf            (if momentum != 0)
+//     p -= lr g
+// momentum_bufs is never read when momentum == 0.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+// bf16/fp16 convert only to float, so loads widen through float unless T is double.
+template <typename C, typename T>
+__device__ __forceinline__ C widen(T x) { return static_cast<C>(static_cast<float>(x)); }
+template <>
+__device__ __forceinline__ double widen<double, double>(double x) { return x; }
+
+template <typename P, typename G>
+__device__ void sgd(P* const* params, const G* const* grads, P* const* momentum_bufs,
+                    const long long* blocks, P lr, P momentum, P one_minus_dampening,
+                    P weight_decay, int nesterov, int first_step)
+{
+    const long long* chunk = blocks + 3 * blockIdx.x;  // (tensor, start, end)
+    P* p = params[chunk[0]];
+    const G* g = grads[chunk[0]];
+    P* buf = momentum_bufs[chunk[0]];
+    for (long long i = chunk[1] + threadIdx.x; i < chunk[2]; i += blockDim.x) {
+        const P pi = p[i];
+        P gi = widen<P>(g[i]);
+        if (weight_decay != P(0)) {
+            gi += weight_decay * pi;
+        }
+        if (momentum != P(0)) {
+            const P bi = first_step ? gi : momentum * buf[i] + one_minus_dampening * gi;
+            buf[i] = bi;
+            gi = nesterov ? gi + momentum * bi : bi;
+        }
+        p[i] = pi - lr * gi;
+    }
+}
+
+#define SGD_KERNEL(P, G, SUFFIX)                                                                 \
+    extern "C" __global__ void sgd_##SUFFIX(                                                     \
+        P* const* params, const G* const* grads, P* const* momentum_bufs,                        \
+        const long long* blocks, P lr, P momentum, P one_minus_dampening, P weight_decay,        \
+        int nesterov, int first_step)                                                            \
+    {                                                                                            \
+        sgd<P, G>(params, grads, momentum_bufs, blocks, lr, momentum, one_minus_dampening,       \
+                  weight_decay, nesterov, first_step);                                           \
+    }
+
+SGD_KERNEL(float, float, f32_f32)
+SGD_KERNEL(float, __nv_bfloat16, f32_bf16)
+SGD_KERNEL(float, __half, f32_f16)
+SGD_KERNEL(double, double, f64_f64)
+SGD_KERNEL(double, __nv_bfloat16, f64_bf16)
+SGD_KERNEL(double, __half, f64_f16)

@@ -1,0 +1,115 @@
+"""What every op shares: input conversion by the automatic rules, errors, recording.
+
+Sharding rules ask for input placements; only changes that need no gathering happen by
+themselves: a Partial input is reduced (the lazy reduction: all-reduce, or reduce-scatter when a
+Shard is wanted) and a Replicated input is sliced to a Shard. Anything else (a Shard input that
+would have to be gathered or moved) is a ShardingError naming the op, the layouts, and the
+redistribute that would make it work.
+"""
+import numbers
+
+from cupytp import backend
+from cupytp.autograd import engine
+from cupytp.tensor.dtensor import DTensor
+from cupytp.tensor.layout import Layout
+from cupytp.tensor.placement import Partial, Replicated, Shard, describe
+from cupytp.tensor.redistribute import (
+    check_same_mesh, describe_layouts, grad_placements, redistribute_local)
+
+
+class ShardingError(ValueError):
+    """An op was called on layouts it has no rule for."""
+
+
+def fail(op, tensors, why, advice):
+    raise ShardingError(f"{op}: no sharding rule for inputs {describe_layouts(tensors)}: {why}. "
+                        f"{advice}")
+
+
+def is_tensor(x):
+    return isinstance(x, DTensor)
+
+
+def make(local, mesh, shape, placements):
+    """A DTensor from an op's local result (NumPy's full reductions give scalars: wrapped)."""
+    if local is not None and not isinstance(local, backend.xp.ndarray):
+        local = backend.xp.asarray(local)
+    return DTensor._make(local, Layout(mesh, shape, placements))
+
+
+def automatic(current, target):
+    """True when `current` → `target` on one mesh dim may happen without being asked."""
+    return current == target or current.is_partial() or (
+        current.is_replicated() and isinstance(target, Shard))
+
+
+def convert(op, x, placements, inputs):
+    """`x` redistributed to `placements` where the automatic rules allow it, else ShardingError."""
+    placements = tuple(placements)
+    if x.placements == placements:
+        return x
+    for current, target in zip(x.placements, placements):
+        if not automatic(current, target):
+            fail(op, inputs, f"it needs {x.shape}{describe(x.placements)} as "
+                 f"{describe(placements)}",
+                 f"Call .redistribute({describe(placements)}) on that input first (or choose "
+                 "placements the op accepts).")
+    return redistribute(x, placements)
+
+
+def redistribute(x, placements, async_op=False):
+    """Differentiable redistribution; its backward redistributes the gradient back."""
+    layout = x.layout.with_placements(placements)
+    local, layout = redistribute_local(x._local, x.layout, layout.placements, async_op)
+    source = x.layout
+
+    def finish(local):
+        out = DTensor._make(local, layout)
+
+        def backward(g):
+            if any(p.is_partial() and p.op != "sum" for p in source.placements):
+                raise RuntimeError("no gradient through the reduction of a Partial(max) value; "
+                                   "detach() it (as cross_entropy does with its max)")
+            return (redistribute(g, grad_placements(source.placements)),)
+        return engine.record(out, (x,), backward, "redistribute")
+
+    if async_op:
+        from cupytp.distributed.process_group import Pending, Work
+        return Work(Pending(local.wait, local.is_completed), lambda: finish(local.wait()))
+    return finish(local)
+
+
+def scalar_or_tensor(op, x, like):
+    """Python numbers stay numbers; arrays must be DTensors on the same mesh."""
+    if isinstance(x, numbers.Number) or is_tensor(x):
+        return x
+    raise TypeError(f"{op}: cannot combine a DTensor with {type(x).__name__}; wrap arrays with "
+                    "cupytp.distribute or DTensor.from_local")
+
+
+def local_of(x):
+    return x._local if is_tensor(x) else x
+
+
+def same_mesh(op, tensors):
+    check_same_mesh(op, [t for t in tensors if is_tensor(t)])
+
+
+def reduce_all(op, x):
+    """`x` with every Partial placement reduced to Replicated (the lazy reduction)."""
+    return convert(op, x, grad_placements(x.placements), [x])
+
+
+def linear_grad(g, placements, strict=()):
+    """The gradient `g` of an op's output that had `placements`, ready for a backward that is
+    linear in it: a Partial gradient may stay Partial (except on the mesh dims in `strict`,
+    where the input is sharded); anything else is made to match the output's gradient layout."""
+    target = tuple(gp if gp.is_partial() and p.is_replicated() and dim not in strict else p
+                   for dim, (gp, p) in enumerate(zip(g.placements, grad_placements(placements))))
+    if g.placements != target:
+        g = redistribute(g, target)
+    return g
+
+
+__all__ = ["ShardingError", "Partial", "Replicated", "Shard", "backend", "engine", "DTensor",
+           "Layout"]

@@ -1,0 +1,173 @@
+"""Elementwise ops with NumPy broadcasting.
+
+Rule, per mesh dimension: inputs sharded on one output dimension make the output sharded there
+(Replicated inputs covering that dimension are sliced, broadcast ones stay whole); no shard and
+all Replicated gives Replicated; Partial passes through an op only where the op is linear in it
+(P+P, P*R, P/R, -P, a P cast), else it is reduced first.
+"""
+import numbers
+
+import numpy
+
+from cupytp.ops.base import (
+    Partial, Replicated, Shard, backend, convert, engine, fail, is_tensor, linear_grad, make,
+    same_mesh, scalar_or_tensor)
+
+LINEAR_JOINTLY = "jointly"      # add, sub: P op P is P, nothing else
+LINEAR_EACH = "each"            # mul: exactly one Partial factor
+LINEAR_FIRST = "first"          # div: Partial numerator only
+NONLINEAR = "none"
+
+
+def _partial_ok(linear, operands, placements):
+    partial = [isinstance(p, Partial) and p.op == "sum" for p in placements]
+    tensors = [x for x in operands if is_tensor(x)]
+    if not any(partial) or any(isinstance(p, Partial) and p.op != "sum" for p in placements):
+        return False
+    if linear == LINEAR_JOINTLY:
+        return len(tensors) == len(operands) and all(partial)
+    if linear == LINEAR_EACH:
+        return sum(partial) == 1
+    if linear == LINEAR_FIRST:
+        return is_tensor(operands[0]) and partial[0] and sum(partial) == 1
+    return False
+
+
+def elementwise_rule(op, operands, out_shape, linear):
+    """(placements each tensor operand must have, output placements)."""
+    tensors = [x for x in operands if is_tensor(x)]
+    mesh = tensors[0].mesh
+    out_ndim = len(out_shape)
+    targets = [list(t.placements) for t in tensors]
+    out = []
+    for dim in range(mesh.ndim):
+        placements = [t.placements[dim] for t in tensors]
+        shard_dims = set()
+        for t, p in zip(tensors, placements):
+            if isinstance(p, Shard):
+                if t.shape[p.dim] != out_shape[p.dim + out_ndim - t.ndim]:
+                    fail(op, tensors, f"{t.shape} is sharded on broadcast dimension {p.dim}",
+                         "Redistribute that input to Replicated.")
+                shard_dims.add(p.dim + out_ndim - t.ndim)
+        if len(shard_dims) > 1:
+            fail(op, tensors, f"inputs are sharded on different dimensions {sorted(shard_dims)} "
+                 f"of mesh dimension {dim}", "Redistribute them to the same Shard first.")
+        if shard_dims:
+            out_dim = shard_dims.pop()
+            for t, target in zip(tensors, targets):
+                own = out_dim - (out_ndim - t.ndim)
+                covers = own >= 0 and t.shape[own] == out_shape[out_dim]
+                target[dim] = Shard(own) if covers else Replicated()
+            out.append(Shard(out_dim))
+        elif _partial_ok(linear, operands, placements):
+            out.append(Partial("sum"))
+        else:
+            for target in targets:
+                target[dim] = Replicated()
+            out.append(Replicated())
+    return targets, tuple(out)
+
+
+def apply(op, fn, operands, linear, backward_fn=None):
+    """Run elementwise `fn` on the local arrays of `operands` (DTensors and numbers)."""
+    operands = [scalar_or_tensor(op, x, None) for x in operands]
+    tensors = [x for x in operands if is_tensor(x)]
+    same_mesh(op, tensors)
+    out_shape = numpy.broadcast_shapes(*[t.shape for t in tensors])
+    targets, out_placements = elementwise_rule(op, operands, out_shape, linear)
+    converted = iter([convert(op, t, p, tensors) for t, p in zip(tensors, targets)])
+    operands = [next(converted) if is_tensor(x) else x for x in operands]
+    local = fn(*[x._local if is_tensor(x) else x for x in operands])
+    out = make(local, tensors[0].mesh, out_shape, out_placements)
+    if backward_fn is None:
+        return out
+    inputs = [x if is_tensor(x) else None for x in operands]
+    return engine.record(out, inputs, lambda g: backward_fn(g, *operands, out), op)
+
+
+# ---- binary -------------------------------------------------------------------------------------
+def add(a, b):
+    return apply("add", lambda x, y: x + y, [a, b], LINEAR_JOINTLY, lambda g, a, b, out: (g, g))
+
+
+def sub(a, b):
+    return apply("sub", lambda x, y: x - y, [a, b], LINEAR_JOINTLY,
+                 lambda g, a, b, out: (g, neg(g)))
+
+
+def mul(a, b):
+    return apply("mul", lambda x, y: x * y, [a, b], LINEAR_EACH,
+                 lambda g, a, b, out: (mul(g, b) if is_tensor(a) else None,
+                                       mul(g, a) if is_tensor(b) else None))
+
+
+def div(a, b):
+    def backward(g, a, b, out):
+        grad_a = div(g, b) if is_tensor(a) else None
+        grad_b = neg(div(mul(g, out), b)) if is_tensor(b) else None
+        return grad_a, grad_b
+    return apply("div", lambda x, y: x / y, [a, b], LINEAR_FIRST, backward)
+
+
+# ---- unary --------------------------------------------------------------------------------------
+def neg(x):
+    return apply("neg", lambda v: -v, [x], LINEAR_EACH, lambda g, x, out: (neg(g),))
+
+
+def pow(x, exponent):
+    if not isinstance(exponent, numbers.Number):
+        raise TypeError("pow: the exponent must be a Python number")
+    return apply("pow", lambda v: v ** exponent, [x], NONLINEAR,
+                 lambda g, x, out: (mul(g, mul(pow(x, exponent - 1), exponent)),))
+
+
+def exp(x):
+    return apply("exp", backend.xp.exp, [x], NONLINEAR, lambda g, x, out: (mul(g, out),))
+
+
+def log(x):
+    return apply("log", backend.xp.log, [x], NONLINEAR, lambda g, x, out: (div(g, x),))
+
+
+def sqrt(x):
+    return apply("sqrt", backend.xp.sqrt, [x], NONLINEAR,
+                 lambda g, x, out: (div(g, mul(out, 2.0)),))
+
+
+def tanh(x):
+    return apply("tanh", backend.xp.tanh, [x], NONLINEAR,
+                 lambda g, x, out: (mul(g, sub(1.0, mul(out, out))),))
+
+
+def gelu(x):
+    """GeLU, tanh form (GPT-2), through the fused kernel on GPU."""
+    from cupytp.kernels.gelu import gelu as gelu_local, gelu_backward
+
+    def backward(g, x, out):
+        g = linear_grad(g, out.placements)
+        xp = backend.xp
+        local = gelu_backward(xp.ascontiguousarray(x._local), xp.ascontiguousarray(g._local))
+        return (make(local, x.mesh, x.shape, g.placements),)
+    return apply("gelu", lambda v: gelu_local(backend.xp.ascontiguousarray(v)), [x], NONLINEAR,
+                 backward)
+
+
+def astype(x, dtype):
+    """`x` cast to `dtype`; the gradient is cast back."""
+    dtype = backend.dtype(dtype)
+    if x.dtype == dtype:
+        return x
+    source = x.dtype
+    return apply("astype", lambda v: v.astype(dtype), [x], LINEAR_EACH,
+                 lambda g, x, out: (astype(g, source),))
+
+
+def masked_fill(x, mask, value):
+    """`x` with `value` where the boolean DTensor `mask` (broadcast to x) is true."""
+    def fill(v, m):
+        return backend.xp.where(m, backend.xp.asarray(value, dtype=v.dtype), v)
+
+    def backward(g, x, mask, out):
+        return (masked_fill(g, mask, 0.0), None)
+    return apply("masked_fill", fill, [x, mask], NONLINEAR, backward)
+

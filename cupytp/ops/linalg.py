@@ -1,0 +1,113 @@
+"""Contractions: `einsum` over two operands, and `matmul` as one of its forms.
+
+Rule, per mesh dimension, by the letter a shard sits on: both operands sharded on the same
+contracted letter gives Partial (the lazy all-reduce of row-parallel layers); a shard on a kept
+letter gives a Shard of that output letter, the other operand sliced if it has the letter too
+(column-parallel: R @ S(-1) -> S(-1)); one Partial operand with the other Replicated stays
+Partial (linear); shards on two different letters have no rule. The gradients are einsums
+themselves, so their layouts (a Partial input gradient of a column-parallel layer, say) follow
+from the same rule.
+"""
+import string
+
+from cupytp.ops.base import (
+    Partial, Replicated, Shard, backend, convert, engine, fail, make, same_mesh)
+
+
+def _parse(spec, a, b):
+    try:
+        inputs, out = spec.replace(" ", "").split("->")
+        sa, sb = inputs.split(",")
+    except ValueError:
+        raise ValueError(f"einsum spec {spec!r} is not of the form 'ab,bc->ac'") from None
+    for name, letters, t in (("first", sa, a), ("second", sb, b)):
+        if len(letters) != t.ndim or len(set(letters)) != len(letters):
+            raise ValueError(f"einsum {spec!r}: {name} operand has shape {t.shape}, the spec "
+                             f"gives it {letters!r}")
+    for letter in sa + sb:
+        if letter not in out and (letter not in sa or letter not in sb):
+            raise ValueError(f"einsum {spec!r}: letter {letter!r} of one operand is summed "
+                             "alone; sum it first with .sum()")
+    sizes = {}
+    for letters, t in ((sa, a), (sb, b)):
+        for letter, n in zip(letters, t.shape):
+            if sizes.setdefault(letter, n) != n:
+                raise ValueError(f"einsum {spec!r}: letter {letter!r} has sizes {sizes[letter]} "
+                                 f"and {n}")
+    return sa, sb, out, tuple(sizes[letter] for letter in out)
+
+
+def _rule(spec, sa, sb, out, a, b):
+    targets_a, targets_b, placements = list(a.placements), list(b.placements), []
+    for dim in range(a.mesh.ndim):
+        pa, pb = a.placements[dim], b.placements[dim]
+        letters = {sa[p.dim] if isinstance(p, Shard) else None for p, sa in ((pa, sa), (pb, sb))}
+        letters.discard(None)
+        if len(letters) > 1:
+            fail(f"einsum {spec!r}", [a, b], f"mesh dimension {dim} shards letters "
+                 f"{sorted(letters)}", f"Call .redistribute(...) with Replicated() on mesh "
+                 f"dimension {dim} for one operand first.")
+        if letters:
+            letter = letters.pop()
+            targets_a[dim] = Shard(sa.index(letter)) if letter in sa else Replicated()
+            targets_b[dim] = Shard(sb.index(letter)) if letter in sb else Replicated()
+            placements.append(Shard(out.index(letter)) if letter in out else Partial())
+        elif (pa.is_partial() and pb.is_replicated() and pa.op == "sum") or \
+                (pb.is_partial() and pa.is_replicated() and pb.op == "sum"):
+            placements.append(Partial())
+        else:
+            targets_a[dim] = targets_b[dim] = Replicated()
+            placements.append(Replicated())
+    return targets_a, targets_b, tuple(placements)
+
+
+def _local_einsum(sa, sb, out, x, y):
+    """The local contraction through BLAS: a (batched, possibly transposed) matmul, or a
+    tensordot when nothing shared is kept; einsum only for anything else."""
+    xp = backend.xp
+    shared = [letter for letter in sa if letter in sb]
+    if not any(letter in out for letter in shared):
+        free = [letter for letter in sa + sb if letter not in shared]
+        if out == "".join(free):
+            return xp.tensordot(x, y, axes=([sa.index(c) for c in shared],
+                                            [sb.index(c) for c in shared]))
+    if len(out) >= 2 and len(sa) == len(out):
+        batch, (m, n) = out[:-2], out[-2:]
+        k = ({*sa[-2:]} & {*sb[-2:]}) - {m, n}
+        if sa[:-2] == batch and batch.endswith(sb[:-2]) and len(k) == 1:
+            k = k.pop()
+            if {*sa[-2:]} == {m, k} and {*sb[-2:]} == {k, n}:
+                x = x if sa[-2:] == m + k else xp.swapaxes(x, -1, -2)
+                y = y if sb[-2:] == k + n else xp.swapaxes(y, -1, -2)
+                return xp.matmul(x, y)
+    return xp.einsum(f"{sa},{sb}->{out}", x, y)
+
+
+def einsum(spec, a, b):
+    """Two-operand einsum with explicit letters, e.g. 'btc,cd->btd' or 'bhtd,bhsd->bhts'."""
+    same_mesh("einsum", [a, b])
+    sa, sb, out, shape = _parse(spec, a, b)
+    targets_a, targets_b, placements = _rule(spec, sa, sb, out, a, b)
+    a = convert(f"einsum {spec!r}", a, targets_a, [a, b])
+    b = convert(f"einsum {spec!r}", b, targets_b, [a, b])
+    local = _local_einsum(sa, sb, out, a._local, b._local)
+    result = make(local, a.mesh, shape, placements)
+
+    def backward(g):
+        return (einsum(f"{out},{sb}->{sa}", g, b) if a.requires_grad else None,
+                einsum(f"{sa},{out}->{sb}", a, g) if b.requires_grad else None)
+    return engine.record(result, (a, b), backward, "einsum")
+
+
+def matmul(a, b):
+    """`a @ b` for a of shape (..., m, k) and b of shape (k, n) or (..., k, n)."""
+    if a.ndim < 2 or b.ndim < 2:
+        raise ValueError(f"matmul needs operands of 2 or more dimensions, got {a.shape} and "
+                         f"{b.shape}")
+    if b.ndim > a.ndim or (b.ndim > 2 and b.shape[:-2] != a.shape[a.ndim - b.ndim:-2]):
+        raise ValueError(f"matmul: batch dimensions of {b.shape} must match those of {a.shape}")
+    letters = string.ascii_lowercase
+    batch = letters[:a.ndim - 2]
+    m, k, n = "x", "y", "z"
+    sb = batch[len(batch) - (b.ndim - 2):] + k + n if b.ndim > 2 else k + n
+    return einsum(f"{batch}{m}{k},{sb}->{batch}{m}{n}", a, b)

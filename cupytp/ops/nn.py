@@ -1,0 +1,269 @@
+"""Neural-network ops: softmax, log_softmax, layer_norm, embedding, take_along_last,
+cross_entropy, dropout, scaled_dot_product_attention.
+
+softmax, log_softmax and layer_norm work along a dimension no mesh dimension shards. embedding
+and take_along_last accept a table sharded along the looked-up dimension (vocab-parallel): each
+rank answers the ids in its range, zeros elsewhere, and the output is Partial. cross_entropy on
+vocab-sharded logits never gathers them: one max all-reduce, then one all-reduce of the packed
+(sum of exponentials, target logit) pairs.
+"""
+import math
+
+from cupytp.ops.base import (
+    Partial, Replicated, Shard, backend, convert, engine, fail, is_tensor, linear_grad, make,
+    reduce_all)
+from cupytp.ops.elementwise import log, masked_fill, mul, sub
+from cupytp.ops.linalg import einsum
+from cupytp.ops.reduction import max as reduce_max, sum as reduce_sum
+from cupytp.ops.shape import concat, getitem, unsqueeze
+from cupytp.tensor.random import default_generator
+
+
+def _unsharded(op, x, dim):
+    dim = dim % x.ndim
+    if dim in x.layout.sharded_dims():
+        fail(op, [x], f"dimension {dim} is sharded",
+             "Redistribute it to Replicated (for a loss over sharded vocabulary logits, "
+             "cross_entropy handles the sharding).")
+    return reduce_all(op, x), dim
+
+
+def _compute_dtype(dtype):
+    return backend.xp.float32 if dtype.itemsize < 4 else dtype
+
+
+def softmax(x, dim=-1):
+    x, dim = _unsharded("softmax", x, dim)
+    xp = backend.xp
+    v = x._local.astype(_compute_dtype(x.dtype))
+    e = xp.exp(v - v.max(axis=dim, keepdims=True))
+    y = e / e.sum(axis=dim, keepdims=True)
+    out = make(y.astype(x.dtype), x.mesh, x.shape, x.placements)
+
+    def backward(g):
+        g = linear_grad(g, out.placements)
+        gl = g._local.astype(y.dtype)
+        local = y * (gl - (gl * y).sum(axis=dim, keepdims=True))
+        return (make(local.astype(x.dtype), x.mesh, x.shape, g.placements),)
+    return engine.record(out, (x,), backward, "softmax")
+
+
+def log_softmax(x, dim=-1):
+    x, dim = _unsharded("log_softmax", x, dim)
+    xp = backend.xp
+    v = x._local.astype(_compute_dtype(x.dtype))
+    shifted = v - v.max(axis=dim, keepdims=True)
+    y = shifted - xp.log(xp.exp(shifted).sum(axis=dim, keepdims=True))
+    out = make(y.astype(x.dtype), x.mesh, x.shape, x.placements)
+
+    def backward(g):
+        g = linear_grad(g, out.placements)
+        gl = g._local.astype(y.dtype)
+        local = gl - xp.exp(y) * gl.sum(axis=dim, keepdims=True)
+        return (make(local.astype(x.dtype), x.mesh, x.shape, g.placements),)
+    return engine.record(out, (x,), backward, "log_softmax")
+
+
+def layer_norm(x, weight, bias, eps=1e-5):
+    """Normalize over the last dimension (unsharded), then scale by `weight` and shift by `bias`
+    (both Replicated, shape (C,); either may be None)."""
+    x, _ = _unsharded("layer_norm", x, -1)
+    replicated = (Replicated(),) * x.mesh.ndim
+    weight = convert("layer_norm", weight, replicated, [x, weight]) if weight is not None else None
+    bias = convert("layer_norm", bias, replicated, [x, bias]) if bias is not None else None
+    xp = backend.xp
+    v = x._local.astype(_compute_dtype(x.dtype))
+    centered = v - v.mean(axis=-1, keepdims=True)
+    rstd = 1.0 / xp.sqrt((centered * centered).mean(axis=-1, keepdims=True) + eps)
+    xhat = centered * rstd
+    y = xhat * weight._local if weight is not None else xhat
+    y = y + bias._local if bias is not None else y
+    out = make(y.astype(x.dtype), x.mesh, x.shape, x.placements)
+    leading = tuple(range(x.ndim - 1))
+
+    def backward(g):
+        g = linear_grad(g, out.placements)
+        gl = g._local.astype(xhat.dtype)
+        dxhat = gl * weight._local if weight is not None else gl
+        dx = rstd * (dxhat - dxhat.mean(axis=-1, keepdims=True)
+                     - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True))
+        grad_x = make(dx.astype(x.dtype), x.mesh, x.shape, g.placements)
+        grad_w = reduce_sum(make((gl * xhat).astype(x.dtype), x.mesh, x.shape, g.placements),
+                            leading) if weight is not None else None
+        grad_b = reduce_sum(g, leading) if bias is not None else None
+        return grad_x, grad_w, grad_b
+    return engine.record(out, (x, weight, bias), backward, "layer_norm")
+
+
+def _as_index(op, index, like):
+    if is_tensor(index):
+        return index
+    from cupytp.tensor.factory import from_local
+    local = backend.asarray(index)
+    return from_local(local, like.mesh, (Replicated(),) * like.mesh.ndim, shape=local.shape)
+
+
+def _vocab_window(table, placements, dim):
+    """(offset, extent) of this rank's rows of `table` along `dim` (0, n when unsharded)."""
+    if any(isinstance(p, Shard) and p.dim == dim for p in placements):
+        return table.layout.offsets[dim], table.layout.local_shape[dim]
+    return 0, table.shape[dim]
+
+
+def _scatter_add(target, index, values):
+    if backend.on_gpu:
+        import cupyx
+        cupyx.scatter_add(target, index, values)
+    else:
+        backend.xp.add.at(target, index, values)
+
+
+def embedding(ids, weight):
+    """Rows of `weight` (V, C) at integer `ids` (any shape): output ids.shape + (C,).
+
+    weight Shard(0) (vocab-parallel): ids Replicated, output Partial (ids outside this rank's rows
+    give zeros); weight Shard(1): output sharded on its last dim; weight Replicated: the output
+    follows the ids' sharding.
+    """
+    ids = _as_index("embedding", ids, weight)
+    targets_w, targets_ids, placements = [], [], []
+    for dim in range(weight.mesh.ndim):
+        pw, pi = weight.placements[dim], ids.placements[dim]
+        if isinstance(pw, Shard) and isinstance(pi, Shard):
+            fail("embedding", [ids, weight], f"mesh dimension {dim} shards both ids and weight",
+                 "Replicate the ids along the mesh dimension that shards the table.")
+        if isinstance(pw, Shard):
+            targets_w.append(pw)
+            targets_ids.append(Replicated())
+            placements.append(Partial() if pw.dim == 0 else Shard(ids.ndim))
+        else:
+            targets_w.append(Replicated())
+            targets_ids.append(pi)
+            placements.append(pi)
+    weight = convert("embedding", weight, targets_w, [ids, weight])
+    ids = convert("embedding", ids, targets_ids, [ids, weight])
+    xp = backend.xp
+    offset, rows = _vocab_window(weight, weight.placements, 0)
+    local_ids = ids._local - offset
+    valid = (local_ids >= 0) & (local_ids < rows)
+    safe = xp.where(valid, local_ids, 0)
+    local = weight._local[safe] * valid[..., None].astype(weight.dtype)
+    out = make(local, weight.mesh, ids.shape + (weight.shape[1],), tuple(placements))
+
+    sharded = {dim for dim, p in enumerate(weight.placements) if isinstance(p, Shard)}
+
+    def backward(g):
+        g = linear_grad(g, out.placements, strict=sharded)
+        grad = xp.zeros(weight.local_shape, dtype=g.dtype)
+        _scatter_add(grad, safe[valid], g._local[valid])
+        grad_placements = tuple(pw if isinstance(pw, Shard) else
+                                (Partial() if gp.is_partial() or isinstance(gp, Shard) else gp)
+                                for pw, gp in zip(weight.placements, g.placements))
+        return (None, make(grad, weight.mesh, weight.shape, grad_placements))
+    return engine.record(out, (ids, weight), backward, "embedding")
+
+
+def take_along_last(x, index):
+    """out[...] = x[..., index[...]]: one entry of the last dimension per position. With x
+    sharded on its last dimension, each rank answers the indices in its range (Partial)."""
+    index = _as_index("take_along_last", index, x)
+    if index.shape != x.shape[:-1]:
+        raise ValueError(f"take_along_last: index shape {index.shape} must be {x.shape[:-1]}")
+    last = x.ndim - 1
+    targets_x, targets_i, placements = [], [], []
+    for dim in range(x.mesh.ndim):
+        px, pi = x.placements[dim], index.placements[dim]
+        if isinstance(px, Shard) and px.dim == last:
+            targets_x.append(px)
+            targets_i.append(Replicated())
+            placements.append(Partial())
+        elif isinstance(px, Shard) or isinstance(pi, Shard):
+            d = px.dim if isinstance(px, Shard) else pi.dim
+            targets_x.append(Shard(d))
+            targets_i.append(Shard(d))
+            placements.append(Shard(d))
+        elif px.is_partial() and px.op == "sum":
+            targets_x.append(px)
+            targets_i.append(Replicated())
+            placements.append(px)
+        else:
+            targets_x.append(Replicated())
+            targets_i.append(Replicated())
+            placements.append(Replicated())
+    x = convert("take_along_last", x, targets_x, [x, index])
+    index = convert("take_along_last", index, targets_i, [x, index])
+    xp = backend.xp
+    offset, extent = _vocab_window(x, x.placements, last)
+    local_index = index._local - offset
+    valid = (local_index >= 0) & (local_index < extent)
+    safe = xp.where(valid, local_index, 0)[..., None]
+    local = xp.take_along_axis(x._local, safe, axis=-1)[..., 0] * valid.astype(x.dtype)
+    out = make(local, x.mesh, index.shape, tuple(placements))
+
+    sharded = {dim for dim, p in enumerate(x.placements) if isinstance(p, Shard)}
+
+    def backward(g):
+        g = linear_grad(g, out.placements, strict=sharded)
+        grad = xp.zeros(x.local_shape, dtype=g.dtype)
+        xp.put_along_axis(grad, safe, (g._local * valid.astype(g.dtype))[..., None], axis=-1)
+        grad_placements = tuple(px if isinstance(px, Shard) else gp
+                                for px, gp in zip(x.placements, g.placements))
+        return (make(grad, x.mesh, x.shape, grad_placements), None)
+    return engine.record(out, (x, index), backward, "take_along_last")
+
+
+def cross_entropy(logits, targets, ignore_index=-100, reduction="mean"):
+    """Cross-entropy of `logits` (..., V) against integer `targets` (...).
+
+    Vocab-sharded logits (Shard on the last dim) are never gathered: a max all-reduce and one
+    all-reduce of packed (sum exp, target logit). Targets equal to `ignore_index` count for
+    nothing; "mean" divides by the number of the others.
+    """
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"cross_entropy: reduction {reduction!r} is not mean, sum or none")
+    targets = _as_index("cross_entropy", targets, logits)
+    stable_max = reduce_max(logits.detach(), -1, keepdim=True)      # P(max) if vocab-sharded
+    shifted = sub(logits, stable_max)
+    sum_exp = reduce_sum(shifted.exp(), -1, keepdim=True)
+    target_logit = unsqueeze(take_along_last(shifted, targets), -1)
+    packed = reduce_all("cross_entropy", concat([sum_exp, target_logit], -1))
+    losses = sub(log(getitem(packed, (..., 0))), getitem(packed, (..., 1)))
+    valid = make((targets._local != ignore_index).astype(logits.dtype), targets.mesh,
+                 targets.shape, targets.placements)
+    losses = mul(losses, valid)
+    if reduction == "none":
+        return losses
+    total = reduce_sum(losses)
+    if reduction == "sum":
+        return total
+    return total / reduce_sum(valid)
+
+
+def dropout(x, p, training=True, generator=None):
+    """Zero each element with probability `p`, scale the rest by 1/(1-p). The mask comes from
+    the counter-based generator by global element index: the same on any mesh."""
+    if not 0 <= p < 1:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    if not training or p == 0:
+        return x
+    generator = generator or default_generator
+    offsets, local_shape = x.layout.local_block()
+    keep = generator.uniform(x.shape, offsets, local_shape) >= p
+    scale = (keep / (1.0 - p)).astype(x.dtype)
+    out = make(x._local * scale, x.mesh, x.shape, x.placements)
+
+    def backward(g):
+        g = linear_grad(g, out.placements)
+        return (make(g._local * scale, x.mesh, x.shape, g.placements),)
+    return engine.record(out, (x,), backward, "dropout")
+
+
+def scaled_dot_product_attention(q, k, v, causal=True):
+    """softmax(q kᵀ / sqrt(d)) v over (B, H, T, D) inputs; heads may be sharded (Shard(1))."""
+    scores = mul(einsum("bhtd,bhsd->bhts", q, k), 1.0 / math.sqrt(q.shape[-1]))
+    if causal:
+        t, s = scores.shape[-2:]
+        mask = backend.xp.triu(backend.xp.ones((t, s), dtype=bool), k=1 + s - t)
+        scores = masked_fill(scores, make(mask, q.mesh, (t, s), (Replicated(),) * q.mesh.ndim),
+                             -math.inf)
+    return einsum("bhts,bhsd->bhtd", softmax(scores, -1), v)

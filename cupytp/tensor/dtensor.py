@@ -1,0 +1,253 @@
+"""DTensor: a raw array (CuPy or NumPy) plus the Layout that says which part of what it holds.
+
+There is no other tensor class: a single-process tensor is a DTensor on a one-rank mesh. Ops come
+from `cupytp.ops` (each a sharding rule + local forward + local backward); the methods and
+operators here forward to them.
+"""
+import numbers
+
+import numpy
+
+from cupytp import backend
+from cupytp.autograd import engine
+from cupytp.tensor.placement import Replicated, describe
+from cupytp.tensor.redistribute import grad_placements, redistribute_local
+
+
+def _ops():
+    import cupytp.ops as ops
+    return ops
+
+
+class DTensor:
+    __slots__ = ("_local", "layout", "requires_grad", "grad", "_node", "__weakref__")
+    __array_priority__ = 1000      # NumPy/CuPy defer `array <op> DTensor` to us
+
+    def __init__(self, local, layout, requires_grad=False):
+        if not isinstance(local, backend.xp.ndarray):
+            raise TypeError(f"a DTensor holds a {backend.xp.__name__} array, got "
+                            f"{type(local).__name__}")
+        if tuple(local.shape) != layout.local_shape:
+            raise ValueError(f"local array of shape {local.shape} does not match {layout} "
+                             f"(this rank's part is {layout.local_shape})")
+        self._local = local
+        self.layout = layout
+        self.requires_grad = bool(requires_grad)
+        self.grad = None
+        self._node = None
+
+    @classmethod
+    def _make(cls, local, layout):
+        """A DTensor without checks, for ops that computed `local` from `layout` themselves."""
+        tensor = cls.__new__(cls)
+        tensor._local = local
+        tensor.layout = layout
+        tensor.requires_grad = False
+        tensor.grad = None
+        tensor._node = None
+        return tensor
+
+    # ---- metadata -------------------------------------------------------------------------------
+    @property
+    def shape(self):
+        return self.layout.shape
+
+    @property
+    def ndim(self):
+        return len(self.layout.shape)
+
+    @property
+    def size(self):
+        return int(numpy.prod(self.layout.shape, dtype=numpy.int64))
+
+    @property
+    def local_shape(self):
+        return tuple(self._local.shape)
+
+    @property
+    def placements(self):
+        return self.layout.placements
+
+    @property
+    def mesh(self):
+        return self.layout.mesh
+
+    @property
+    def dtype(self):
+        return self._local.dtype
+
+    @property
+    def is_leaf(self):
+        return self._node is None
+
+    def __repr__(self):
+        grad = ", requires_grad=True" if self.requires_grad else ""
+        return (f"DTensor(shape={self.shape}, placements={describe(self.placements)}, "
+                f"dtype={self.dtype}, local_shape={self.local_shape}{grad})")
+
+    def __len__(self):
+        return self.shape[0]
+
+    # ---- data -----------------------------------------------------------------------------------
+    def to_local(self):
+        """This rank's array (no gradient flows through it)."""
+        return self._local
+
+    def full_tensor(self):
+        """The global value as one array on every rank (gathers/reduces as needed)."""
+        if self.layout.is_replicated():
+            return self._local
+        target = (Replicated(),) * self.mesh.ndim
+        local, _ = redistribute_local(self._local, self.layout, target)
+        return local
+
+    def numpy(self):
+        """The global value as a NumPy array on every rank."""
+        return backend.asnumpy(self.full_tensor())
+
+    def item(self):
+        """The global value of a one-element tensor as a Python number (synchronizes)."""
+        if self.size != 1:
+            raise ValueError(f"item() needs one element, this tensor has shape {self.shape}")
+        return self.numpy().reshape(()).item()
+
+    def detach(self):
+        return DTensor._make(self._local, self.layout)
+
+    def redistribute(self, placements, async_op=False):
+        """This tensor with `placements` (one per mesh dimension); see cupytp.tensor.redistribute.
+
+        With `async_op=True` returns a Work whose wait() gives the DTensor.
+        """
+        return _ops().redistribute(self, placements, async_op=async_op)
+
+    # ---- autograd -------------------------------------------------------------------------------
+    def requires_grad_(self, flag=True):
+        if not self.is_leaf:
+            raise RuntimeError("requires_grad_ on a tensor computed by ops: only leaves can "
+                               "change it")
+        self.requires_grad = flag
+        return self
+
+    def backward(self, grad=None):
+        """d self / d leaves, accumulated into every leaf's `.grad`. `grad` defaults to 1 for a
+        one-element tensor."""
+        if grad is None:
+            if self.size != 1:
+                raise RuntimeError(f"backward() without a gradient needs a one-element tensor, "
+                                   f"got shape {self.shape}")
+            local = backend.xp.ones(self.local_shape, dtype=self.dtype)
+            grad = DTensor._make(local, self.layout.with_placements(
+                grad_placements(self.placements)))
+        elif not isinstance(grad, DTensor) or grad.shape != self.shape:
+            raise ValueError(f"backward: grad must be a DTensor of shape {self.shape}")
+        engine.backward(self, grad)
+
+    def accumulate_grad(self, grad):
+        """Add a gradient contribution into `.grad`, laid out like this tensor (Partial
+        contributions are reduced here: the gradient sync of replicated parameters)."""
+        target = grad_placements(self.placements)
+        if grad.placements != target:
+            local, _ = redistribute_local(grad._local, grad.layout, target)
+            grad = DTensor._make(local, self.layout.with_placements(target))
+        if grad.dtype != self.dtype:
+            grad = DTensor._make(grad._local.astype(self.dtype), grad.layout)
+        if self.grad is None:
+            self.grad = DTensor._make(grad._local.copy() if grad._local is self._local
+                                      else grad._local, grad.layout)
+        else:
+            self.grad = DTensor._make(self.grad._local + grad._local, self.grad.layout)
+
+    def zero_grad(self):
+        self.grad = None
+
+    def sum_to_shape(self, shape):
+        """Sum away broadcast dimensions so the result has `shape`."""
+        return _ops().sum_to_shape(self, shape)
+
+    # ---- operators ------------------------------------------------------------------------------
+    def __add__(self, other):
+        return _ops().add(self, other)
+
+    def __radd__(self, other):
+        return _ops().add(other, self)
+
+    def __sub__(self, other):
+        return _ops().sub(self, other)
+
+    def __rsub__(self, other):
+        return _ops().sub(other, self)
+
+    def __mul__(self, other):
+        return _ops().mul(self, other)
+
+    def __rmul__(self, other):
+        return _ops().mul(other, self)
+
+    def __truediv__(self, other):
+        return _ops().div(self, other)
+
+    def __rtruediv__(self, other):
+        return _ops().div(other, self)
+
+    def __neg__(self):
+        return _ops().neg(self)
+
+    def __pow__(self, exponent):
+        if not isinstance(exponent, numbers.Number):
+            raise TypeError("a DTensor's power takes a Python number exponent")
+        return _ops().pow(self, exponent)
+
+    def __matmul__(self, other):
+        return _ops().matmul(self, other)
+
+    def __rmatmul__(self, other):
+        return _ops().matmul(other, self)
+
+    def __getitem__(self, index):
+        return _ops().getitem(self, index)
+
+    # ---- methods --------------------------------------------------------------------------------
+    def sum(self, dim=None, keepdim=False):
+        return _ops().sum(self, dim, keepdim)
+
+    def mean(self, dim=None, keepdim=False):
+        return _ops().mean(self, dim, keepdim)
+
+    def max(self, dim=None, keepdim=False):
+        return _ops().max(self, dim, keepdim)
+
+    def exp(self):
+        return _ops().exp(self)
+
+    def log(self):
+        return _ops().log(self)
+
+    def sqrt(self):
+        return _ops().sqrt(self)
+
+    def tanh(self):
+        return _ops().tanh(self)
+
+    def reshape(self, *shape):
+        return _ops().reshape(self, shape[0] if len(shape) == 1 and
+                              not isinstance(shape[0], int) else shape)
+
+    view = reshape
+
+    def transpose(self, dim0, dim1):
+        return _ops().transpose(self, dim0, dim1)
+
+    def permute(self, *dims):
+        return _ops().permute(self, dims[0] if len(dims) == 1 and
+                              not isinstance(dims[0], int) else dims)
+
+    @property
+    def T(self):
+        return _ops().transpose(self, -2, -1)
+
+    def astype(self, dtype):
+        return _ops().astype(self, dtype)
+
+    to = astype
+

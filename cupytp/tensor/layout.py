@@ -1,0 +1,106 @@
+"""Layout: a global shape laid over a DeviceMesh, one placement per mesh dimension.
+
+Gives every rank's local shape and global offsets. Several mesh dimensions may shard the same
+tensor dimension: they split it in mesh-dimension order (the first splits the whole, the next
+splits that chunk).
+"""
+from functools import lru_cache
+
+from cupytp.distributed.process_group import split_sizes
+from cupytp.tensor.placement import Placement, Shard, describe
+
+
+class LayoutError(ValueError):
+    """A layout that cannot exist: wrong placement count, a dimension out of range, ..."""
+
+
+class Layout:
+    __slots__ = ("mesh", "shape", "placements", "_local")
+
+    def __init__(self, mesh, shape, placements):
+        shape = tuple(int(n) for n in shape)
+        placements = tuple(placements)
+        if len(placements) != mesh.ndim:
+            raise LayoutError(f"{len(placements)} placements {describe(placements)} for a "
+                              f"{mesh.ndim}-D mesh: give one placement per mesh dimension")
+        normalized = []
+        for p in placements:
+            if not isinstance(p, Placement):
+                raise LayoutError(f"{p!r} is not a placement: use Shard(dim), Replicated() or "
+                                  "Partial()")
+            if isinstance(p, Shard):
+                if not -len(shape) <= p.dim < len(shape):
+                    raise LayoutError(f"{p} is out of range for a tensor of shape {shape}")
+                p = Shard(p.dim % len(shape))
+            normalized.append(p)
+        self.mesh = mesh
+        self.shape = shape
+        self.placements = tuple(normalized)
+        self._local = None
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    def local_block(self, coordinate=None):
+        """(offsets, local shape) of the rank at mesh `coordinate` (default: this rank)."""
+        if coordinate is None:
+            if self._local is None:
+                self._local = _block(self.shape, self.placements, self.mesh.shape,
+                                     self.mesh.get_coordinate())
+            return self._local
+        return _block(self.shape, self.placements, self.mesh.shape, tuple(coordinate))
+
+    @property
+    def local_shape(self):
+        return self.local_block()[1]
+
+    @property
+    def offsets(self):
+        return self.local_block()[0]
+
+    def extents_along(self, mesh_dim, tensor_dim):
+        """Extent of `tensor_dim` on each rank of this rank's line along `mesh_dim`."""
+        coordinate = list(self.mesh.get_coordinate())
+        extents = []
+        for index in range(self.mesh.shape[mesh_dim]):
+            coordinate[mesh_dim] = index
+            extents.append(self.local_block(coordinate)[1][tensor_dim])
+        return extents
+
+    def with_placements(self, placements):
+        return Layout(self.mesh, self.shape, placements)
+
+    def with_shape(self, shape):
+        return Layout(self.mesh, shape, self.placements)
+
+    def is_replicated(self):
+        return all(p.is_replicated() for p in self.placements)
+
+    def sharded_dims(self):
+        """Tensor dimensions that some mesh dimension shards."""
+        return {p.dim for p in self.placements if isinstance(p, Shard)}
+
+    def __eq__(self, other):
+        return (isinstance(other, Layout) and self.shape == other.shape
+                and self.placements == other.placements and self.mesh == other.mesh)
+
+    def __hash__(self):
+        return hash((self.shape, self.placements))
+
+    def __repr__(self):
+        return f"Layout(shape={self.shape}, placements={describe(self.placements)}, " \
+               f"mesh={self.mesh.shape})"
+
+
+@lru_cache(maxsize=65536)
+def _block(shape, placements, mesh_shape, coordinate):
+    offsets = [0] * len(shape)
+    extents = list(shape)
+    for mesh_dim, p in enumerate(placements):
+        if isinstance(p, Shard):
+            sizes = split_sizes(extents[p.dim], mesh_shape[mesh_dim])
+            index = coordinate[mesh_dim]
+            offsets[p.dim] += sum(sizes[:index])
+            extents[p.dim] = sizes[index]
+    return tuple(offsets), tuple(extents)

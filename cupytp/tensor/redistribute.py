@@ -1,0 +1,151 @@
+"""redistribute: move a DTensor from one set of placements to another.
+
+One table names the collective for each change of placement along one mesh dimension:
+
+| from → to     | collective                                   | its backward (conjugate)       |
+|---------------|----------------------------------------------|--------------------------------|
+| S(d) → R      | all-gather along d                           | R → S(d): local slice          |
+| R → S(d)      | local slice                                  | all-gather along d             |
+| P → R         | all-reduce                                   | identity (R → R)               |
+| P → S(d)      | reduce-scatter along d                       | all-gather along d             |
+| S(d) → S(e)   | all-to-all                                   | all-to-all                     |
+| R → P         | rank 0 keeps the value, the others zeros     | identity                       |
+
+The backward of a redistribution is the redistribution of the gradient back to the input's
+placements (a Partial input's gradient is Replicated), which yields the conjugate above.
+Changes on several mesh dimensions run innermost-first to Replicated, then outermost-first to
+the target, so nested sharding of one tensor dimension stays right.
+"""
+from cupytp import backend
+from cupytp.distributed.process_group import Pending, Work, split_sizes
+from cupytp.tensor.placement import Partial, Replicated, Shard, describe
+
+
+class RedistributeError(ValueError):
+    """A requested redistribution that has no meaning (e.g. a mesh mismatch)."""
+
+
+def grad_placements(placements):
+    """The placements of a gradient for a value with `placements`: Partial becomes Replicated."""
+    return tuple(Replicated() if p.is_partial() else p for p in placements)
+
+
+def _slice_local(local, dim, parts, index):
+    sizes = split_sizes(local.shape[dim], parts)
+    start = sum(sizes[:index])
+    selector = [slice(None)] * local.ndim
+    selector[dim] = slice(start, start + sizes[index])
+    return local[tuple(selector)]
+
+
+def _involves(placement, dims):
+    return isinstance(placement, Shard) and placement.dim in dims
+
+
+def _plan(current, target):
+    """Mesh dims that must change, with their nested neighbours (see module docstring)."""
+    dirty = {i for i, (c, t) in enumerate(zip(current, target)) if c != t}
+    for i, c in enumerate(current):
+        if isinstance(c, Shard) and any(k < i and (_involves(current[k], {c.dim}) or
+                                                   _involves(target[k], {c.dim}))
+                                        for k in dirty):
+            dirty.add(i)
+    return sorted(dirty)
+
+
+def _direct_ok(current, target, mesh_dim, dims):
+    """A one-collective change at `mesh_dim` is safe when no other mesh dim shards `dims`."""
+    return not any(_involves(p, dims) for k, p in enumerate(current + target)
+                   if k % len(current) != mesh_dim)
+
+
+def redistribute_local(local, layout, placements, async_op=False):
+    """(new local array or Work, new Layout): the data movement of a redistribution, no autograd.
+
+    With `async_op`, the last collective returns a Work whose wait() gives the local array.
+    """
+    from cupytp.tensor.layout import Layout
+    target = Layout(layout.mesh, layout.shape, placements).placements
+    current = list(layout.placements)
+    mesh = layout.mesh
+    dirty = _plan(current, target)
+    steps = []
+    # phase 1, innermost first: everything that changes goes to Replicated (or directly to its
+    # target when one collective does it safely)
+    for i in reversed(dirty):
+        c, t = current[i], target[i]
+        if isinstance(c, Replicated):
+            continue
+        if isinstance(c, Partial) and isinstance(t, Shard) and c.op == "sum" and \
+                _direct_ok(current, list(target), i, {t.dim}):
+            steps.append((i, c, t))
+            current[i] = t
+        elif isinstance(c, Shard) and isinstance(t, Shard) and \
+                _direct_ok(current, list(target), i, {c.dim, t.dim}):
+            steps.append((i, c, t))
+            current[i] = t
+        else:
+            steps.append((i, c, Replicated()))
+            current[i] = Replicated()
+    # phase 2, outermost first: from Replicated to the target
+    for i in dirty:
+        if current[i] != target[i]:
+            steps.append((i, current[i], target[i]))
+            current[i] = target[i]
+    placements_now = list(layout.placements)
+    for n, (mesh_dim, c, t) in enumerate(steps):
+        last = n == len(steps) - 1
+        step_layout = Layout(mesh, layout.shape, placements_now)
+        local = _transition(local, step_layout, mesh_dim, c, t, async_op and last)
+        placements_now[mesh_dim] = t
+    new_layout = Layout(mesh, layout.shape, target)
+    if async_op and not isinstance(local, Work):
+        local = Work(Pending(), lambda done=local: done)
+    return local, new_layout
+
+
+def _transition(local, layout, mesh_dim, c, t, async_op):
+    group = layout.mesh.get_process_group(mesh_dim)
+    if isinstance(c, Shard) and isinstance(t, Replicated):
+        sizes = layout.extents_along(mesh_dim, c.dim)
+        return group.all_gather(local, dim=c.dim, sizes=sizes, async_op=async_op)
+    if isinstance(c, Replicated) and isinstance(t, Shard):
+        return _slice_local(local, t.dim, group.size, group.rank)
+    if isinstance(c, Partial) and isinstance(t, Replicated):
+        return group.all_reduce(local, op=c.op, async_op=async_op)
+    if isinstance(c, Partial) and isinstance(t, Shard):
+        return group.reduce_scatter(local, dim=t.dim, op=c.op, async_op=async_op)
+    if isinstance(c, Shard) and isinstance(t, Shard):
+        return _all_to_all(local, layout, mesh_dim, c.dim, t.dim, group, async_op)
+    if isinstance(c, Replicated) and isinstance(t, Partial):
+        if t.op == "sum" and group.rank != 0:
+            return backend.xp.zeros_like(local)
+        return local
+    raise RedistributeError(f"no transition from {c} to {t}")
+
+
+def _all_to_all(local, layout, mesh_dim, from_dim, to_dim, group, async_op):
+    """S(from_dim) → S(to_dim) on one mesh dim: send rank j my chunk j of `to_dim`."""
+    xp = backend.xp
+    pieces = [xp.ascontiguousarray(_slice_local(local, to_dim, group.size, j))
+              for j in range(group.size)]
+    from_extents = layout.extents_along(mesh_dim, from_dim)
+    mine = pieces[group.rank].shape
+    shapes = [mine[:from_dim] + (n,) + mine[from_dim + 1:] for n in from_extents]
+    received = group.all_to_all(pieces, out_shapes=shapes, async_op=async_op)
+    if async_op:
+        return Work(Pending(received.wait, received.is_completed),
+                    lambda: xp.concatenate(received.wait(), axis=from_dim))
+    return xp.concatenate(received, axis=from_dim)
+
+
+def check_same_mesh(op, tensors):
+    meshes = [t.mesh for t in tensors]
+    if any(m is not meshes[0] and m != meshes[0] for m in meshes[1:]):
+        raise RedistributeError(f"{op}: inputs live on different meshes "
+                                f"({', '.join(repr(m) for m in meshes)}); redistribute them onto "
+                                "one mesh first")
+
+
+def describe_layouts(tensors):
+    return ", ".join(f"{t.shape}{describe(t.placements)}" for t in tensors)

@@ -1,0 +1,206 @@
+"""Every op on its supported layouts against the same op on one rank: values and gradients,
+1-D and 2-D meshes, uneven sizes, Partial inputs."""
+import numpy
+import pytest
+
+import cupytp
+from cupytp import ops
+from cupytp.ops import ShardingError
+from cupytp.tensor import Partial, Replicated, Shard
+from sharding import check_against_dense, full, lay_out, placements_for, rng_array
+
+R, P = Replicated(), Partial()
+S = Shard
+
+
+def each(mesh, *per_input):
+    """Placement tuples on `mesh` for each input from per-mesh-dim options (same on all dims)."""
+    return [tuple((p,) * mesh.ndim for p in combo) for combo in zip(*per_input)]
+
+
+def run_all(fn, arrays, combos, mesh, **kwargs):
+    for placements in combos:
+        try:
+            check_against_dense(fn, arrays, placements, mesh, **kwargs)
+        except AssertionError as err:
+            raise AssertionError(f"placements {placements}: {err}") from None
+
+
+BINARY = [ops.add, ops.sub, ops.mul, ops.div]
+
+
+@pytest.mark.parametrize("op", BINARY, ids=lambda f: f.__name__)
+def test_binary_elementwise(mesh, op):
+    a, b, row = rng_array((7, 5), 1), rng_array((7, 5), 2) + 3.0, rng_array((5,), 3) + 3.0
+    combos = each(mesh, [R, S(0), S(1), P, S(0), R, S(1)], [R, S(0), S(1), R, R, S(1), P])
+    run_all(op, [a, b], combos, mesh)
+    run_all(op, [a, row], each(mesh, [S(0), S(1), R, P], [R, S(0), S(0), R]), mesh)
+    run_all(lambda x: op(x, 2.5), [a], each(mesh, [R, S(1), P]), mesh)
+    run_all(lambda x: op(1.5, x), [b], each(mesh, [R, S(0), P]), mesh)
+
+
+@pytest.mark.parametrize("name", ["neg", "exp", "log", "sqrt", "tanh", "gelu"])
+def test_unary_elementwise(mesh, name):
+    x = numpy.abs(rng_array((6, 5), 4)) + 0.5
+    fn = getattr(ops, name)
+    run_all(fn, [x], each(mesh, [R, S(0), S(1), P]), mesh)
+    run_all(lambda v: ops.pow(v, 3), [x], each(mesh, [S(1), P]), mesh)
+
+
+def test_matmul_layouts(mesh):
+    x, w, b3 = rng_array((3, 5, 6), 5), rng_array((6, 7), 6), rng_array((3, 6, 4), 7)
+    combos = each(mesh,
+                  [R, R, S(2), S(2), R, S(0), S(1), P, R],
+                  [R, S(1), S(0), R, S(0), R, R, R, P])
+    run_all(ops.matmul, [x, w], combos, mesh)
+    run_all(ops.matmul, [x, b3], each(mesh, [S(0), R, S(2), R], [S(0), S(0), S(1), S(2)]), mesh)
+
+
+def test_matmul_without_rule_raises(mesh1d):
+    if mesh1d.size() == 1:
+        pytest.skip("every layout is replicated on one rank")
+    x = lay_out(rng_array((4, 6), 1), mesh1d, (S(0),))
+    w = lay_out(rng_array((6, 5), 2), mesh1d, (S(1),))
+    with pytest.raises(ShardingError, match=r"einsum.*redistribute"):
+        ops.matmul(x, w)
+
+
+def test_einsum_attention_forms(mesh):
+    q, k = rng_array((2, 4, 5, 3), 8), rng_array((2, 4, 6, 3), 9)
+    run_all(lambda a, b: ops.einsum("bhtd,bhsd->bhts", a, b), [q, k],
+            each(mesh, [S(1), R, S(0), S(3)], [S(1), S(1), R, S(3)]), mesh)
+
+
+@pytest.mark.parametrize("reduce", ["sum", "mean", "max"])
+@pytest.mark.parametrize("dim,keepdim", [(None, False), (0, False), (1, True), ((0, 2), False)])
+def test_reductions(mesh, reduce, dim, keepdim):
+    x = rng_array((5, 7, 3), 10)
+    fn = lambda v: getattr(ops, reduce)(v, dim, keepdim)
+    options = [R, S(0), S(1), S(2)] + ([P] if reduce != "max" else [])
+    combos = each(mesh, options)
+    if reduce == "max":   # a max over a sharded dim is Partial(max): no gradient, value only
+        for placements in combos:
+            sharded_reduced = any(isinstance(p, Shard) and (dim is None or p.dim in
+                                  ((dim,) if isinstance(dim, int) else dim))
+                                  for p in placements[0])
+            check_against_dense(fn, [x], [placements[0]], mesh, grad=not sharded_reduced)
+        return
+    run_all(fn, [x], combos, mesh)
+
+
+def test_shape_ops(mesh):
+    x = rng_array((4, 6, 5), 11)
+    run_all(lambda v: v.reshape(4, 2, 3, 5), [x], each(mesh, [R, S(0), S(2), P]), mesh)
+    run_all(lambda v: v.reshape(24, 5), [x], each(mesh, [R, S(2), P]), mesh)
+    run_all(lambda v: v.permute(2, 0, 1), [x], each(mesh, [R, S(0), S(1), S(2), P]), mesh)
+    run_all(lambda v: v.transpose(0, 1), [x], each(mesh, [S(0), S(2)]), mesh)
+    run_all(lambda v: v[1:3, :, 2], [x], each(mesh, [R, S(1), P]), mesh)
+    run_all(lambda v: v[..., None, 1], [x], each(mesh, [R, S(0), S(1)]), mesh)
+    run_all(lambda v: ops.concat([v, v * 2.0], 1), [x], each(mesh, [R, S(0), S(2), P]), mesh)
+    run_all(lambda v: ops.split(v, [2, 4], 1)[1], [x], each(mesh, [R, S(0), S(2)]), mesh)
+    run_all(lambda v: ops.stack([v, v], 1), [x], each(mesh, [R, S(0)]), mesh)
+
+
+def test_reshape_of_uneven_shard_raises(mesh1d):
+    if mesh1d.size() == 1:
+        pytest.skip("needs shards")
+    x = lay_out(rng_array((mesh1d.size() + 1, 2), 1), mesh1d, (S(0),))
+    with pytest.raises(ShardingError, match="reshape"):
+        x.reshape(-1)
+
+
+def test_index_into_sharded_dim_raises(mesh1d):
+    x = lay_out(rng_array((4, 6), 1), mesh1d, (S(1),))
+    with pytest.raises(ShardingError, match="sharded"):
+        x[:, 1:3]
+
+
+def test_softmax_family(mesh):
+    x = rng_array((3, 4, 7), 12)
+    for fn in (lambda v: ops.softmax(v, -1), lambda v: ops.log_softmax(v, -1),
+               lambda v: ops.softmax(v, 0)):
+        run_all(fn, [x], each(mesh, [R, S(1), P]), mesh)
+
+
+def test_layer_norm(mesh):
+    x, w, b = rng_array((3, 5, 8), 13), rng_array((8,), 14), rng_array((8,), 15)
+    run_all(lambda v, g, h: ops.layer_norm(v, g, h), [x, w, b],
+            each(mesh, [R, S(0), S(1), P], [R, R, P, R], [R, P, R, R]), mesh)
+
+
+def test_embedding(mesh):
+    ids = numpy.random.default_rng(16).integers(0, 11, size=(3, 5))
+    table = rng_array((11, 6), 17)
+    run_all(ops.embedding, [ids, table],
+            each(mesh, [R, R, R, S(0), S(1)], [R, S(0), S(1), R, R]), mesh)
+
+
+def test_take_along_last(mesh):
+    x = rng_array((4, 3, 9), 18)
+    index = numpy.random.default_rng(19).integers(0, 9, size=(4, 3))
+    run_all(ops.take_along_last, [x, index],
+            each(mesh, [R, S(2), S(0), P, R], [R, R, R, R, S(1)]), mesh)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy(mesh, reduction):
+    logits = rng_array((4, 3, 13), 20)
+    targets = numpy.random.default_rng(21).integers(0, 13, size=(4, 3))
+    targets[1, 2] = targets[3, 0] = -100
+    fn = lambda x, t: ops.cross_entropy(x, t, ignore_index=-100, reduction=reduction)
+    run_all(fn, [logits, targets], each(mesh, [R, S(2), S(0), P, S(2)], [R, R, S(0), R, R]),
+            mesh)
+
+
+def test_vocab_parallel_cross_entropy_never_gathers(mesh1d, monkeypatch):
+    """Two all-reduces (max, then the packed sums) and no all-gather, forward and backward."""
+    group = mesh1d.get_process_group(0)
+    calls = []
+    for name in ("all_gather", "all_reduce", "reduce_scatter"):
+        original = getattr(group, name)
+        monkeypatch.setattr(group, name, lambda *a, _n=name, _f=original, **k:
+                            (calls.append(_n), _f(*a, **k))[1])
+    logits = lay_out(rng_array((6, 10), 22), mesh1d, (S(1),), requires_grad=True)
+    targets = lay_out(numpy.arange(6) % 10, mesh1d, (R,))
+    loss = ops.cross_entropy(logits, targets)
+    loss.backward()
+    if mesh1d.size() > 1:
+        assert calls == ["all_reduce", "all_reduce"], calls
+
+
+def test_dropout_is_mesh_invariant(mesh):
+    x = numpy.abs(rng_array((6, 10), 23)) + 1.0
+
+    def fn(v):
+        cupytp.manual_seed(1234)
+        return ops.dropout(v, 0.3)
+    out = run_all(fn, [x], each(mesh, [R, S(0), S(1), P]), mesh)
+    cupytp.manual_seed(1234)
+    kept = full(ops.dropout(lay_out(x, mesh, (R,) * mesh.ndim), 0.3)) != 0
+    assert 0.5 < kept.mean() < 0.9
+    del out
+
+
+def test_attention_heads_sharded(mesh):
+    q, k, v = (rng_array((2, 4, 5, 3), s) for s in (24, 25, 26))
+    run_all(ops.scaled_dot_product_attention, [q, k, v],
+            each(mesh, [R, S(1), S(0)], [R, S(1), S(0)], [R, S(1), S(0)]), mesh)
+
+
+def test_bad_inputs(mesh1d):
+    x = lay_out(rng_array((4, 6), 1), mesh1d, (R,))
+    with pytest.raises(ValueError, match="placements"):
+        x.redistribute((R, R))
+    with pytest.raises(ValueError, match="out of range"):
+        x.redistribute((S(2),))
+    with pytest.raises(ValueError, match="not a placement"):
+        x.redistribute(("shard",))
+    with pytest.raises(TypeError, match="wrap arrays"):
+        x + numpy.ones((4, 6))
+    other = cupytp.local_mesh()
+    if mesh1d.size() > 1:
+        y = lay_out(rng_array((4, 6), 2), other, (R,))
+        with pytest.raises(ValueError, match="different meshes"):
+            x + y
+    with pytest.raises(ValueError, match="out of range"):
+        x.sum(3)

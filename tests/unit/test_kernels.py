@@ -1,0 +1,379 @@
+"""The kernels package: each NumPy twin against an independent reference (float64 math, finite
+differences, PyTorch's documented optimizer algorithms written out element by element), and on a
+GPU each kernel against its twin."""
+import contextlib
+import math
+
+import numpy
+import pytest
+
+from cupytp.backend import asnumpy, bfloat16, on_gpu, xp
+from cupytp.kernels import ceil_div, compute_dtype, dtype_suffix, get_kernel
+from cupytp.kernels.adamw import adamw_step, adamw_step_numpy
+from cupytp.kernels.gelu import gelu, gelu_backward, gelu_backward_numpy, gelu_numpy
+from cupytp.kernels.multi_tensor import CHUNK, chunk_blocks, scale_, scale_numpy
+from cupytp.kernels.multi_tensor import sum_of_squares, sum_of_squares_numpy, tensor_table
+from cupytp.kernels.sgd import sgd_step, sgd_step_numpy
+
+F16 = numpy.dtype(numpy.float16)
+F32 = numpy.dtype(numpy.float32)
+F64 = numpy.dtype(numpy.float64)
+TOLERANCE = {F64: (1e-12, 1e-12), F32: (1e-5, 1e-5), bfloat16: (1e-2, 1e-2), F16: (2e-3, 2e-3)}
+
+requires_gpu = pytest.mark.skipif(not on_gpu, reason="needs a CUDA GPU and CuPy")
+
+
+def assert_close(actual, expected, dtype):
+    rtol, atol = TOLERANCE[numpy.dtype(dtype)]
+    actual = numpy.asarray(asnumpy(actual), dtype=F64)
+    expected = numpy.asarray(asnumpy(expected), dtype=F64)
+    numpy.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol)
+
+
+def random(shape, dtype, seed=0, scale=1.0):
+    return (numpy.random.default_rng(seed).standard_normal(shape) * scale).astype(dtype)
+
+
+# ---- loader -------------------------------------------------------------------------------------
+
+def test_loader_helpers():
+    assert ceil_div(10, 4) == 3 and ceil_div(8, 4) == 2 and ceil_div(0, 4) == 0
+    assert [dtype_suffix(d) for d in (F32, F64, bfloat16, F16)] == ["f32", "f64", "bf16", "f16"]
+    assert [compute_dtype(d) for d in (F32, F64, bfloat16, F16)] == [F32, F64, F32, F32]
+    with pytest.raises(ValueError, match="no kernel for dtype int32"):
+        dtype_suffix(numpy.int32)
+
+
+@pytest.mark.skipif(on_gpu, reason="the NumPy backend's error")
+def test_get_kernel_needs_cupy():
+    with pytest.raises(RuntimeError, match="needs the CuPy backend"):
+        get_kernel("gelu.cu", "gelu_forward_f32")
+
+
+def test_chunk_blocks_cover_every_tensor_once():
+    sizes = [0, 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5, 0, 7]
+    blocks = chunk_blocks(sizes)
+    assert blocks.dtype == numpy.int64 and blocks.shape == (1 + 1 + 2 + 4 + 1, 3)
+    for tensor, size in enumerate(sizes):
+        mine = blocks[blocks[:, 0] == tensor]
+        covered = numpy.concatenate([numpy.arange(start, end) for _, start, end in mine] or [[]])
+        numpy.testing.assert_array_equal(covered, numpy.arange(size))
+        assert all(end - start <= CHUNK for _, start, end in mine)
+
+
+# ---- GeLU twin ----------------------------------------------------------------------------------
+
+def gelu_reference(x):
+    """GPT-2's tanh GeLU in float64, element by element."""
+    c = math.sqrt(2 / math.pi)
+    values = [0.5 * v * (1 + math.tanh(c * (v + 0.044715 * v ** 3))) for v in x.ravel().tolist()]
+    return numpy.array(values, dtype=F64).reshape(x.shape)
+
+
+@pytest.mark.parametrize("dtype", [F64, F32, bfloat16, F16], ids=dtype_suffix)
+def test_gelu_numpy_matches_float64_math(dtype):
+    x = random((5, 41), dtype, scale=3.0)
+    y = gelu_numpy(x)
+    assert y.dtype == dtype and y.shape == x.shape
+    assert_close(y, gelu_reference(x.astype(F64)), dtype)
+
+
+def test_gelu_numpy_known_values():
+    x = numpy.array([0.0, 1.0, -1.0, 10.0])
+    expected = [0.0, 0.8411919906082768, -0.15880800939172324, 10.0]
+    numpy.testing.assert_allclose(gelu_numpy(x), expected, rtol=1e-15, atol=1e-15)
+
+
+def test_gelu_backward_numpy_matches_finite_differences():
+    x = random((3, 57), F64, seed=1, scale=3.0)
+    dy = random((3, 57), F64, seed=2)
+    h = 1e-6
+    expected = dy * (gelu_reference(x + h) - gelu_reference(x - h)) / (2 * h)
+    numpy.testing.assert_allclose(gelu_backward_numpy(x, dy), expected, rtol=1e-7, atol=1e-9)
+
+
+@pytest.mark.parametrize("dtype", [F32, bfloat16, F16], ids=dtype_suffix)
+def test_gelu_backward_numpy_low_precision_matches_float64(dtype):
+    x = random((200,), dtype, seed=3, scale=3.0)
+    dy = random((200,), dtype, seed=4)
+    dx = gelu_backward_numpy(x, dy)
+    assert dx.dtype == dtype
+    assert_close(dx, gelu_backward_numpy(x.astype(F64), dy.astype(F64)), dtype)
+
+
+def test_gelu_on_numpy_arrays_is_the_twin():
+    x = random((9,), F32)
+    numpy.testing.assert_array_equal(gelu(x), gelu_numpy(x))
+    numpy.testing.assert_array_equal(gelu_backward(x, x), gelu_backward_numpy(x, x))
+
+
+def test_gelu_rejects_bad_inputs():
+    x = random((4, 6), F32)
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        gelu(x.T)
+    with pytest.raises(ValueError, match="shape"):
+        gelu_backward(x, x[:2])
+    with pytest.raises(ValueError, match="dtype"):
+        gelu_backward(x, x.astype(F64))
+    with pytest.raises(ValueError, match="no kernel for dtype int64"):
+        gelu(numpy.arange(3))
+
+
+# ---- AdamW twin ---------------------------------------------------------------------------------
+
+def adamw_reference(params, grads_per_step, *, lr, beta1, beta2, eps, weight_decay):
+    """torch.optim.AdamW's documented algorithm, one Python float at a time."""
+    params = [p.astype(F64).ravel().tolist() for p in params]
+    exp_avgs = [[0.0] * len(p) for p in params]
+    exp_avg_sqs = [[0.0] * len(p) for p in params]
+    for t, grads in enumerate(grads_per_step, start=1):
+        for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
+            for i, gi in enumerate(g.astype(F64).ravel().tolist()):
+                p[i] = p[i] - lr * weight_decay * p[i]
+                m[i] = beta1 * m[i] + (1 - beta1) * gi
+                v[i] = beta2 * v[i] + (1 - beta2) * gi * gi
+                m_hat = m[i] / (1 - beta1 ** t)
+                v_hat = v[i] / (1 - beta2 ** t)
+                p[i] = p[i] - lr * m_hat / (math.sqrt(v_hat) + eps)
+    return params, exp_avgs, exp_avg_sqs
+
+
+ADAMW = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)
+SMALL_SHAPES = [(1,), (7,), (3, 5), (33,)]
+
+
+@pytest.mark.parametrize("param_dtype, grad_dtype, tolerance_dtype",
+                         [(F64, F64, F64), (F32, bfloat16, F32), (F32, F16, F32)])
+def test_adamw_numpy_matches_torch_algorithm(param_dtype, grad_dtype, tolerance_dtype):
+    params = [random(shape, param_dtype, seed=i) for i, shape in enumerate(SMALL_SHAPES)]
+    grads_per_step = [[random(p.shape, grad_dtype, seed=100 * step + i) for i, p in
+                       enumerate(params)] for step in range(5)]
+    expected = adamw_reference(params, grads_per_step, **ADAMW)
+    exp_avgs = [numpy.zeros_like(p) for p in params]
+    exp_avg_sqs = [numpy.zeros_like(p) for p in params]
+    for step, grads in enumerate(grads_per_step, start=1):
+        adamw_step(params, grads, exp_avgs, exp_avg_sqs, step=step, **ADAMW)
+    for actual, reference in zip((params, exp_avgs, exp_avg_sqs), expected):
+        for a, r in zip(actual, reference):
+            assert a.dtype == param_dtype
+            assert_close(a.ravel(), r, tolerance_dtype)
+
+
+def test_adamw_rejects_bad_lists():
+    p = [random((4,), F32), random((3,), F32)]
+    def state():
+        return [numpy.zeros_like(x) for x in p]
+    with pytest.raises(ValueError, match="grads has 1 arrays but params has 2"):
+        adamw_step_numpy(p, p[:1], state(), state(), step=1, **ADAMW)
+    with pytest.raises(ValueError, match=r"grads\[1\] has shape \(4,\)"):
+        adamw_step_numpy(p, [p[0], p[0]], state(), state(), step=1, **ADAMW)
+    with pytest.raises(ValueError, match="exp_avgs must have the params' dtype"):
+        adamw_step_numpy(p, p, [x.astype(F64) for x in p], state(), step=1, **ADAMW)
+    with pytest.raises(ValueError, match="grads must be float32, bfloat16 or float16"):
+        adamw_step_numpy(p, [x.astype(F64) for x in p], state(), state(), step=1, **ADAMW)
+    with pytest.raises(ValueError, match="params must be float32 or float64"):
+        half = [x.astype(F16) for x in p]
+        adamw_step_numpy(half, half, half, half, step=1, **ADAMW)
+    with pytest.raises(ValueError, match=r"grads\[1\] has dtype float64"):
+        adamw_step_numpy(p, [p[0], p[1].astype(F64)], state(), state(), step=1, **ADAMW)
+    with pytest.raises(ValueError, match="step counts from 1"):
+        adamw_step_numpy(p, p, state(), state(), step=0, **ADAMW)
+    square = random((4, 4), F32)
+    with pytest.raises(ValueError, match=r"params\[0\] is not C-contiguous"):
+        adamw_step_numpy([square.T], [square], [square.copy()], [square.copy()], step=1, **ADAMW)
+
+
+# ---- SGD twin -----------------------------------------------------------------------------------
+
+def sgd_reference(params, grads_per_step, *, lr, momentum, dampening, nesterov, weight_decay):
+    """torch.optim.SGD's documented algorithm, one Python float at a time."""
+    params = [p.astype(F64).ravel().tolist() for p in params]
+    bufs = [[0.0] * len(p) for p in params]
+    for t, grads in enumerate(grads_per_step, start=1):
+        for p, g, b in zip(params, grads, bufs):
+            for i, gi in enumerate(g.astype(F64).ravel().tolist()):
+                if weight_decay != 0:
+                    gi = gi + weight_decay * p[i]
+                if momentum != 0:
+                    b[i] = momentum * b[i] + (1 - dampening) * gi if t > 1 else gi
+                    gi = gi + momentum * b[i] if nesterov else b[i]
+                p[i] = p[i] - lr * gi
+    return params, bufs
+
+
+SGD_CONFIGS = [
+    dict(lr=0.1, momentum=0.9, dampening=0.0, nesterov=True, weight_decay=0.01),
+    dict(lr=0.1, momentum=0.9, dampening=0.3, nesterov=False, weight_decay=0.1),
+    dict(lr=0.05, momentum=0.8, dampening=0.0, nesterov=False, weight_decay=0.0),
+    dict(lr=0.1, momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.05),
+]
+
+
+@pytest.mark.parametrize("config", SGD_CONFIGS, ids=["nesterov", "dampening", "plain", "no-mom"])
+@pytest.mark.parametrize("param_dtype, grad_dtype", [(F64, F64), (F32, bfloat16)])
+def test_sgd_numpy_matches_torch_algorithm(config, param_dtype, grad_dtype):
+    params = [random(shape, param_dtype, seed=i) for i, shape in enumerate(SMALL_SHAPES)]
+    grads_per_step = [[random(p.shape, grad_dtype, seed=100 * step + i) for i, p in
+                       enumerate(params)] for step in range(4)]
+    expected_params, expected_bufs = sgd_reference(params, grads_per_step, **config)
+    bufs = [numpy.full_like(p, numpy.nan) for p in params] if config["momentum"] else None
+    for step, grads in enumerate(grads_per_step):
+        sgd_step(params, grads, bufs, first_step=step == 0, **config)
+    for p, r in zip(params, expected_params):
+        assert_close(p.ravel(), r, param_dtype)
+    for b, r in zip(bufs or [], expected_bufs):
+        assert_close(b.ravel(), r, param_dtype)
+
+
+def test_sgd_rejects_bad_settings():
+    p = [random((3,), F32)]
+    with pytest.raises(ValueError, match="nesterov momentum needs"):
+        sgd_step_numpy(p, p, [p[0].copy()], lr=0.1, momentum=0.9, dampening=0.1, nesterov=True,
+                       weight_decay=0.0, first_step=True)
+    with pytest.raises(ValueError, match="needs momentum_bufs"):
+        sgd_step_numpy(p, p, None, lr=0.1, momentum=0.9, dampening=0.0, nesterov=False,
+                       weight_decay=0.0, first_step=True)
+
+
+# ---- sum_of_squares / scale_ twins --------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [F64, F32, bfloat16, F16], ids=dtype_suffix)
+def test_sum_of_squares_numpy_matches_float64(dtype):
+    arrays = [random(shape, dtype, seed=i) for i, shape in enumerate(SMALL_SHAPES + [(0,)])]
+    total = sum_of_squares(arrays)
+    assert total.shape == () and total.dtype == compute_dtype(dtype)
+    expected = sum(float(numpy.sum(a.astype(F64) ** 2)) for a in arrays)
+    rtol = 1e-14 if dtype == F64 else 1e-6
+    numpy.testing.assert_allclose(float(total), expected, rtol=rtol)
+    with pytest.raises(ValueError, match="at least one array"):
+        sum_of_squares_numpy([])
+
+
+@pytest.mark.parametrize("dtype", [F64, F32, bfloat16], ids=dtype_suffix)
+def test_scale_numpy_multiplies_in_place(dtype):
+    arrays = [random(shape, dtype, seed=i) for i, shape in enumerate(SMALL_SHAPES)]
+    originals = [a.astype(F64) for a in arrays]
+    scale_(arrays, numpy.asarray(0.37, dtype=compute_dtype(dtype)))
+    for a, original in zip(arrays, originals):
+        assert a.dtype == dtype
+        assert_close(a, original * 0.37, dtype)
+    with pytest.raises(ValueError, match="factor must be 0-d"):
+        scale_numpy(arrays, numpy.ones(2))
+
+
+# ---- GPU: each kernel against its twin ----------------------------------------------------------
+
+SIZES = [1, 7, 1000, 65536 * 4 + 3, 65537, 3]
+
+
+@contextlib.contextmanager
+def poisoned_allocations():
+    """Every CuPy allocation inside starts as 0xFF bytes (NaN in every float dtype), so an output
+    element the kernel never writes fails the comparison."""
+    pool = xp.get_default_memory_pool()
+
+    def malloc(size):
+        memory = pool.malloc(size)
+        if size:
+            memory.memset_async(0xFF, size)
+        return memory
+
+    with xp.cuda.using_allocator(malloc):
+        yield
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype", [F32, F64, bfloat16, F16], ids=dtype_suffix)
+@pytest.mark.parametrize("shape", [(1,), (1001,), (3, 87383)])
+def test_gelu_kernels_match_twin(dtype, shape):
+    x = random(shape, dtype, seed=1, scale=3.0)
+    dy = random(shape, dtype, seed=2)
+    with poisoned_allocations():
+        y = gelu(xp.asarray(x))
+        dx = gelu_backward(xp.asarray(x), xp.asarray(dy))
+    assert y.dtype == dtype and y.shape == shape and dx.dtype == dtype and dx.shape == shape
+    assert_close(y, gelu_numpy(x), dtype)
+    assert_close(dx, gelu_backward_numpy(x, dy), dtype)
+
+
+def upload(arrays):
+    return [xp.asarray(a) for a in arrays]
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("param_dtype, grad_dtype",
+                         [(F32, F32), (F32, bfloat16), (F32, F16), (F64, F64), (F64, bfloat16)])
+def test_adamw_kernel_matches_twin(param_dtype, grad_dtype):
+    params = [random((n,), param_dtype, seed=i) for i, n in enumerate(SIZES)]
+    exp_avgs = [numpy.zeros_like(p) for p in params]
+    exp_avg_sqs = [numpy.zeros_like(p) for p in params]
+    device = [upload(params), upload(exp_avgs), upload(exp_avg_sqs)]
+    for step in range(1, 4):
+        grads = [random(p.shape, grad_dtype, seed=100 * step + i) for i, p in enumerate(params)]
+        adamw_step_numpy(params, grads, exp_avgs, exp_avg_sqs, step=step, **ADAMW)
+        adamw_step(device[0], upload(grads), device[1], device[2], step=step, **ADAMW)
+    for host_list, device_list in zip((params, exp_avgs, exp_avg_sqs), device):
+        for host, on_device in zip(host_list, device_list):
+            assert_close(on_device, host, param_dtype)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("config", SGD_CONFIGS, ids=["nesterov", "dampening", "plain", "no-mom"])
+@pytest.mark.parametrize("param_dtype, grad_dtype", [(F32, F32), (F32, bfloat16), (F64, F64)])
+def test_sgd_kernel_matches_twin(config, param_dtype, grad_dtype):
+    params = [random((n,), param_dtype, seed=i) for i, n in enumerate(SIZES)]
+    bufs = [numpy.full_like(p, numpy.nan) for p in params] if config["momentum"] else None
+    device_params = upload(params)
+    device_bufs = upload(bufs) if bufs else None
+    for step in range(3):
+        grads = [random(p.shape, grad_dtype, seed=100 * step + i) for i, p in enumerate(params)]
+        sgd_step_numpy(params, grads, bufs, first_step=step == 0, **config)
+        sgd_step(device_params, upload(grads), device_bufs, first_step=step == 0, **config)
+    for host, on_device in zip(params + (bufs or []), device_params + (device_bufs or [])):
+        assert_close(on_device, host, param_dtype)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype", [F32, F64, bfloat16, F16], ids=dtype_suffix)
+def test_sum_of_squares_kernel_matches_twin(dtype):
+    arrays = [random((n,), dtype, seed=i) for i, n in enumerate(SIZES + [0])]
+    with poisoned_allocations():
+        total = sum_of_squares(upload(arrays))
+    assert total.shape == () and total.dtype == compute_dtype(dtype)
+    rtol = 1e-12 if dtype == F64 else 1e-4
+    numpy.testing.assert_allclose(float(total), float(sum_of_squares_numpy(arrays)), rtol=rtol)
+    assert float(sum_of_squares(upload([numpy.zeros(0, dtype)]))) == 0.0
+    # Small integers: every partial sum is exact even in float32, so one lost element shows.
+    rng = numpy.random.default_rng(0)
+    integers = [rng.integers(-3, 4, n).astype(dtype) for n in SIZES]
+    expected = sum(int(numpy.sum(a.astype(numpy.int64) ** 2)) for a in integers)
+    assert float(sum_of_squares(upload(integers))) == expected
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype", [F32, F64, bfloat16, F16], ids=dtype_suffix)
+def test_scale_kernel_matches_twin_exactly(dtype):
+    arrays = [random((n,), dtype, seed=i) for i, n in enumerate(SIZES)]
+    device = upload(arrays)
+    factor = numpy.asarray(0.37, dtype=compute_dtype(dtype))
+    scale_numpy(arrays, factor)
+    scale_(device, xp.asarray(factor))
+    for host, on_device in zip(arrays, device):
+        numpy.testing.assert_array_equal(asnumpy(on_device).astype(F64), host.astype(F64))
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_tensor_table_is_cached_and_points_at_the_arrays():
+    arrays = upload([random((n,), F32, seed=i) for i, n in enumerate(SIZES)])
+    table = tensor_table([arrays])
+    assert tensor_table([arrays]) is table
+    numpy.testing.assert_array_equal(asnumpy(table.rows[0]), [a.data.ptr for a in arrays])
+    numpy.testing.assert_array_equal(asnumpy(table.blocks),
+                                     chunk_blocks([a.size for a in arrays]))
+    assert tensor_table([arrays[:-1]]) is not table

@@ -1,0 +1,188 @@
+"""Each op on one rank: values against NumPy formulas, gradients against central finite
+differences (float64)."""
+import math
+
+import numpy
+import pytest
+
+import cupytp
+from cupytp import backend, ops
+from cupytp.autograd import no_grad
+
+rng = numpy.random.default_rng(0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def runtime():
+    cupytp.init()
+
+
+def dt(array, grad=True):
+    return cupytp.from_local(backend.asarray(numpy.asarray(array)), requires_grad=grad)
+
+
+def value(x):
+    return backend.asnumpy(x.full_tensor())
+
+
+def gradcheck(fn, *arrays, eps=1e-6, tol=1e-6):
+    """Analytic gradients of sum(fn(*inputs) * w) against central differences."""
+    inputs = [dt(a, grad=a.dtype.kind == "f") for a in arrays]
+    out = fn(*inputs)
+    w = numpy.random.default_rng(1).standard_normal(out.shape)
+    (out * dt(w, grad=False)).sum().backward()
+
+    def loss(values):
+        with no_grad():
+            return float((value(fn(*[dt(v, grad=False) for v in values])) * w).sum())
+    for i, a in enumerate(arrays):
+        if a.dtype.kind != "f":
+            continue
+        numeric = numpy.zeros_like(a)
+        for index in numpy.ndindex(a.shape):
+            plus, minus = [v.copy() for v in arrays], [v.copy() for v in arrays]
+            plus[i][index] += eps
+            minus[i][index] -= eps
+            numeric[index] = (loss(plus) - loss(minus)) / (2 * eps)
+        numpy.testing.assert_allclose(value(inputs[i].grad), numeric, rtol=tol, atol=tol,
+                                      err_msg=f"input {i}")
+    return value(out)
+
+
+def r(*shape, positive=False):
+    a = rng.standard_normal(shape)
+    return numpy.abs(a) + 0.5 if positive else a
+
+
+def gelu_ref(x):
+    return 0.5 * x * (1 + numpy.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
+@pytest.mark.parametrize("fn,ref,positive", [
+    (ops.exp, numpy.exp, False), (ops.log, numpy.log, True), (ops.sqrt, numpy.sqrt, True),
+    (ops.tanh, numpy.tanh, False), (ops.neg, numpy.negative, False), (ops.gelu, gelu_ref, False),
+    (lambda x: ops.pow(x, 3), lambda x: x ** 3, False),
+])
+def test_unary(fn, ref, positive):
+    x = r(3, 4, positive=positive)
+    numpy.testing.assert_allclose(gradcheck(fn, x, tol=1e-5), ref(x), rtol=1e-6)
+
+
+def test_astype_round_trip_gradient():
+    x = dt(r(3, 4))
+    y = ops.astype(ops.astype(x, "bf16"), "fp64")
+    assert y.dtype == numpy.float64
+    numpy.testing.assert_allclose(value(y), value(x), rtol=1e-2)
+    (y * 3.0).sum().backward()
+    assert x.grad.dtype == numpy.float64
+    numpy.testing.assert_array_equal(value(x.grad), numpy.full((3, 4), 3.0))
+
+
+@pytest.mark.parametrize("fn,ref", [(ops.add, numpy.add), (ops.sub, numpy.subtract),
+                                    (ops.mul, numpy.multiply), (ops.div, numpy.divide)])
+def test_binary_broadcasting(fn, ref):
+    a, b = r(2, 3, 4), r(3, 1, positive=True)
+    numpy.testing.assert_allclose(gradcheck(fn, a, b), ref(a, b), rtol=1e-12)
+
+
+def test_matmul_and_einsum():
+    a, b, c = r(2, 3, 4), r(4, 5), r(2, 5, 4)
+    numpy.testing.assert_allclose(gradcheck(ops.matmul, a, b), a @ b, rtol=1e-12)
+    numpy.testing.assert_allclose(gradcheck(ops.matmul, a, c.transpose(0, 2, 1)),
+                                  a @ c.transpose(0, 2, 1), rtol=1e-12)
+    out = gradcheck(lambda x, y: ops.einsum("btc,bsc->bts", x, y), a, c)
+    numpy.testing.assert_allclose(out, numpy.einsum("btc,bsc->bts", a, c), rtol=1e-12)
+    with pytest.raises(ValueError, match="summed"):
+        ops.einsum("ab,bc->c", dt(r(2, 3)), dt(r(3, 4)))
+
+
+@pytest.mark.parametrize("name", ["sum", "mean", "max"])
+@pytest.mark.parametrize("dim,keepdim", [(None, False), (1, False), ((0, 2), True)])
+def test_reductions(name, dim, keepdim):
+    x = r(3, 4, 5)
+    out = gradcheck(lambda v: getattr(ops, name)(v, dim, keepdim), x)
+    expected = getattr(numpy, {"sum": "sum", "mean": "mean", "max": "max"}[name])(
+        x, axis=dim, keepdims=keepdim)
+    numpy.testing.assert_allclose(out, expected, rtol=1e-12)
+
+
+def test_shape_ops():
+    x = r(2, 3, 4)
+    numpy.testing.assert_allclose(gradcheck(lambda v: v.reshape(6, 4), x), x.reshape(6, 4))
+    numpy.testing.assert_allclose(gradcheck(lambda v: v.permute(2, 0, 1), x),
+                                  x.transpose(2, 0, 1))
+    numpy.testing.assert_allclose(gradcheck(lambda v: v[1, :, 1:3], x), x[1, :, 1:3])
+    numpy.testing.assert_allclose(gradcheck(lambda v: ops.concat([v, v * 3.0], 2), x),
+                                  numpy.concatenate([x, 3 * x], 2))
+    pieces = gradcheck(lambda v: ops.stack(ops.split(v, [1, 2], 1)[:1] * 2, 0), x)
+    numpy.testing.assert_allclose(pieces, numpy.stack([x[:, :1], x[:, :1]]))
+
+
+def test_softmax_log_softmax():
+    x = r(3, 5)
+    e = numpy.exp(x - x.max(-1, keepdims=True))
+    numpy.testing.assert_allclose(gradcheck(lambda v: ops.softmax(v, -1), x),
+                                  e / e.sum(-1, keepdims=True), rtol=1e-12)
+    numpy.testing.assert_allclose(gradcheck(lambda v: ops.log_softmax(v, -1), x),
+                                  numpy.log(e / e.sum(-1, keepdims=True)), rtol=1e-12)
+
+
+def test_layer_norm():
+    x, w, b = r(2, 3, 6), r(6), r(6)
+    out = gradcheck(lambda v, g, h: ops.layer_norm(v, g, h, eps=1e-5), x, w, b)
+    mean, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+    numpy.testing.assert_allclose(out, (x - mean) / numpy.sqrt(var + 1e-5) * w + b, rtol=1e-10)
+
+
+def test_embedding_and_take():
+    ids = numpy.array([[0, 3, 3], [1, 4, 0]])
+    table = r(5, 4)
+    numpy.testing.assert_allclose(gradcheck(ops.embedding, ids, table), table[ids])
+    x = r(2, 3, 5)
+    numpy.testing.assert_allclose(gradcheck(ops.take_along_last, x, ids),
+                                  numpy.take_along_axis(x, ids[..., None], -1)[..., 0])
+
+
+def test_cross_entropy():
+    x = r(4, 7)
+    t = numpy.array([1, 6, -100, 0])
+    out = gradcheck(lambda v, u: ops.cross_entropy(v, u, ignore_index=-100), x, t)
+    lse = numpy.log(numpy.exp(x).sum(-1))
+    picked = x[numpy.arange(4), numpy.clip(t, 0, None)]
+    numpy.testing.assert_allclose(out, ((lse - picked) * (t != -100)).sum() / 3, rtol=1e-12)
+
+
+def test_attention_matches_numpy():
+    q, k, v = r(1, 2, 4, 3), r(1, 2, 4, 3), r(1, 2, 4, 3)
+    out = gradcheck(ops.scaled_dot_product_attention, q, k, v)
+    scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(3)
+    scores = numpy.where(numpy.triu(numpy.ones((4, 4), bool), 1), -numpy.inf, scores)
+    p = numpy.exp(scores - scores.max(-1, keepdims=True))
+    numpy.testing.assert_allclose(out, (p / p.sum(-1, keepdims=True)) @ v, rtol=1e-12)
+
+
+def test_dropout_mask_and_scale():
+    x = numpy.ones((50, 40))
+    def fn(v):
+        cupytp.manual_seed(3)
+        return ops.dropout(v, 0.25)
+    out = gradcheck(fn, x[:6, :5])
+    out = value(fn(dt(x, grad=False)))
+    kept = out != 0
+    assert abs(kept.mean() - 0.75) < 0.03
+    numpy.testing.assert_allclose(out[kept], 1 / 0.75)
+
+
+def test_gradient_accumulates_and_graph_is_freed():
+    x = dt(r(3))
+    y = (x * 2.0).sum()
+    y.backward()
+    (x * 3.0).sum().backward()
+    numpy.testing.assert_allclose(value(x.grad), numpy.full(3, 5.0))
+    with pytest.raises(RuntimeError, match="freed"):
+        z = x * 2.0
+        w = z.sum() + z.sum()
+        w.backward()
+        w.backward()
+    with no_grad():
+        assert not (x * 2.0).requires_grad
