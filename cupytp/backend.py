@@ -85,6 +85,14 @@ def current_stream_ptr():
 
 
 def synchronize():
-    """Wait for all device work of this process (a no-op on CPU)."""
+    """Wait until the current stream's work is done (a no-op on CPU).
+
+    Polls an event, sleeping between polls, so other Python threads (the collective watchdog)
+    keep running while this one waits."""
     if on_gpu:
-        xp.cuda.get_current_stream().synchronize()
+        import time
+        event = xp.cuda.get_current_stream().record()
+        delay = 1e-6
+        while not event.done:
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)

@@ -18,6 +18,8 @@ import numpy
 from cupytp import backend
 from cupytp.distributed.process_group import Pending, ProcessGroup
 
+_COMPLETE = Pending()
+
 _NCCL_TYPES = {
     numpy.dtype(numpy.uint8): 1, numpy.dtype(numpy.int32): 2, numpy.dtype(numpy.int64): 4,
     numpy.dtype(numpy.float16): 6, numpy.dtype(numpy.float32): 7,
@@ -106,7 +108,7 @@ class ProcessGroupNCCL(ProcessGroup):
             call(current.ptr)
             if self not in self._watchdog.tracked:
                 self._watchdog.track(self, current.record(), op)
-            return Pending()
+            return _COMPLETE
         self.comm_stream.wait_event(current.record())
         call(self.comm_stream.ptr)
         finished = self.comm_stream.record()
@@ -131,8 +133,8 @@ class ProcessGroupNCCL(ProcessGroup):
                 send.data.ptr, recv.data.ptr, recv.size, _NCCL_TYPES[send.dtype], _NCCL_OPS[op], s))
 
     def _broadcast(self, buffer, src, async_op):
-        return self._launch("broadcast", [buffer], async_op, lambda s: self.comm.broadcast(
-            buffer.data.ptr, buffer.data.ptr, buffer.size, _NCCL_TYPES[buffer.dtype], src, s))
+        return self._launch("broadcast", [buffer], async_op, lambda s: self.comm.bcast(
+            buffer.data.ptr, buffer.size, _NCCL_TYPES[buffer.dtype], src, s))
 
     def _exchange(self, sends, recvs, async_op):
         def call(stream_ptr):

@@ -7,7 +7,8 @@ supplies only flat, equal-count primitives: `_all_reduce`, `_all_gather`, `_redu
 `_broadcast` and `_exchange` (a batch of point-to-point sends and receives), each taking the
 caller's `async_op` and returning a `Pending` that completes the transfer.
 
-Results are new arrays; on a group of one rank they may be the input itself.
+Results are new arrays; they may be the input itself on a group of one rank, and on the source
+rank of a broadcast.
 """
 import os
 import time
@@ -44,7 +45,8 @@ def split_sizes(length, parts):
 
 
 class Pending:
-    """A transfer that a backend has started; `wait()` completes it, `done()` polls it."""
+    """A transfer that a backend has started; `wait()` completes it, `done()` polls it.
+    `Pending()` is one that is already complete."""
 
     def __init__(self, wait=None, done=None):
         self._wait = wait
@@ -131,8 +133,10 @@ class ProcessGroup:
 
     @staticmethod
     def _run(pending, finish, async_op):
-        work = Work(pending, finish)
-        return work if async_op else work.wait()
+        if async_op:
+            return Work(pending, finish)
+        pending.wait()
+        return finish()
 
     # ---- collectives ----------------------------------------------------------------------------
     def all_reduce(self, array, op="sum", async_op=False):
@@ -140,10 +144,10 @@ class ProcessGroup:
         self._check("all_reduce", array, op)
         if self.size == 1:
             return _done(array) if async_op else array
-        send = backend.xp.ascontiguousarray(array)
+        send = array if array.flags.c_contiguous else backend.xp.ascontiguousarray(array)
         recv = backend.xp.empty_like(send)
         pending, finish = self._reduce_into(send, recv, op, self._all_reduce, async_op)
-        return self._run(pending, lambda: finish().reshape(array.shape), async_op)
+        return self._run(pending, finish, async_op)
 
     def reduce_scatter(self, array, dim=0, op="sum", async_op=False):
         """Reduce across ranks, then keep this rank's chunk of `dim` (array_split sizes)."""
@@ -154,9 +158,9 @@ class ProcessGroup:
         xp = backend.xp
         sizes = split_sizes(array.shape[dim], self.size)
         longest = sizes[0]
-        moved = xp.moveaxis(array, dim, 0)
+        moved = xp.moveaxis(array, dim, 0) if dim else array
         if sizes[-1] == longest:
-            send = xp.ascontiguousarray(moved)
+            send = moved if moved.flags.c_contiguous else xp.ascontiguousarray(moved)
         else:  # pad every chunk to the longest so the flat primitive sees equal counts
             send = xp.zeros((self.size * longest,) + moved.shape[1:], dtype=array.dtype)
             starts = numpy.cumsum([0] + sizes)
@@ -179,9 +183,12 @@ class ProcessGroup:
             return _done(array) if async_op else array
         xp = backend.xp
         longest = max(sizes)
-        moved = xp.moveaxis(array, dim, 0)
-        send = xp.zeros((longest,) + moved.shape[1:], dtype=array.dtype)
-        send[:moved.shape[0]] = moved
+        moved = xp.moveaxis(array, dim, 0) if dim else array
+        if moved.shape[0] == longest:
+            send = moved if moved.flags.c_contiguous else xp.ascontiguousarray(moved)
+        else:  # pad to the longest so the flat primitive sees equal counts
+            send = xp.zeros((longest,) + moved.shape[1:], dtype=array.dtype)
+            send[:moved.shape[0]] = moved
         recv = xp.empty((self.size * longest,) + moved.shape[1:], dtype=array.dtype)
         pending = self._all_gather(send, recv, async_op)
         return self._run(pending, lambda: self._unpad(recv, sizes, longest, dim), async_op)
@@ -192,7 +199,11 @@ class ProcessGroup:
         self._check_peer("broadcast", src)
         if self.size == 1:
             return _done(array) if async_op else array
-        buffer = backend.xp.ascontiguousarray(array).copy()
+        xp = backend.xp
+        if self.rank == src:
+            buffer = array if array.flags.c_contiguous else xp.ascontiguousarray(array)
+        else:
+            buffer = xp.empty_like(array)
         pending = self._broadcast(buffer, src, async_op)
         return self._run(pending, lambda: buffer, async_op)
 

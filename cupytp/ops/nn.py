@@ -110,14 +110,6 @@ def _vocab_window(table, placements, dim):
     return 0, table.shape[dim]
 
 
-def _scatter_add(target, index, values):
-    if backend.on_gpu:
-        import cupyx
-        cupyx.scatter_add(target, index, values)
-    else:
-        backend.xp.add.at(target, index, values)
-
-
 def embedding(ids, weight):
     """Rows of `weight` (V, C) at integer `ids` (any shape): output ids.shape + (C,).
 
@@ -155,7 +147,7 @@ def embedding(ids, weight):
     def backward(g):
         g = linear_grad(g, out.placements, strict=sharded)
         grad = xp.zeros(weight.local_shape, dtype=g.dtype)
-        _scatter_add(grad, safe[valid], g._local[valid])
+        xp.add.at(grad, safe[valid], g._local[valid])
         grad_placements = tuple(pw if isinstance(pw, Shard) else
                                 (Partial() if gp.is_partial() or isinstance(gp, Shard) else gp)
                                 for pw, gp in zip(weight.placements, g.placements))

@@ -1,0 +1,285 @@
+"""Tensor-parallel layers. Each says which dimension of its weight is split and what that does
+to its input and output; the collectives come from the DTensor rules, not from the layer.
+
+A layer's `mesh` may have several dimensions: its tensor-parallel placement goes on the mesh
+dimension named "tp" (the last one when none is named so), and it is Replicated on the others.
+Layers built without a mesh are dense (one rank); `cupytp.parallel` re-lays them onto a mesh.
+"""
+import math
+
+from cupytp import ops
+from cupytp.nn.module import Module
+from cupytp.tensor import Replicated, Shard, ones, randn, zeros
+from cupytp.tensor.factory import local_mesh
+
+
+def tp_dim(mesh):
+    """The mesh dimension tensor parallelism splits over: the one named "tp", else the last."""
+    return mesh.dim_names.index("tp") if "tp" in mesh.dim_names else mesh.ndim - 1
+
+
+def tp_placements(mesh, placement):
+    """`placement` on the tensor-parallel mesh dimension, Replicated on the others; a full tuple
+    of placements is taken as it is."""
+    if isinstance(placement, (tuple, list)):
+        return tuple(placement)
+    placements = [Replicated()] * mesh.ndim
+    placements[tp_dim(mesh)] = placement
+    return tuple(placements)
+
+
+def _mesh(mesh):
+    return local_mesh() if mesh is None else mesh
+
+
+class DLinear(Module):
+    """y = x @ weight + bias, weight `[in, out]` (the GPT-2 Conv1D layout).
+
+    weight Shard(1) (column-parallel): weight `[in, out/tp]`, output Shard(-1), no communication.
+    weight Shard(0) (row-parallel): weight `[in/tp, out]`, input Shard(-1) (a Replicated input is
+    sliced), output Partial; the bias (Replicated) is added once, after the all-reduce that the
+    addition itself triggers. Without a bias the output stays Partial until something needs it.
+    """
+
+    def __init__(self, in_features, out_features, mesh=None, weight=Replicated(), bias=True,
+                 bias_sharding=None, dtype="fp32", init_std=0.02):
+        super().__init__()
+        mesh = _mesh(mesh)
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = randn((in_features, out_features), mesh, tp_placements(mesh, weight),
+                            dtype=dtype, std=init_std, requires_grad=True)
+        if bias:
+            if bias_sharding is None:
+                bias_sharding = Shard(0) if isinstance(weight, Shard) and weight.dim == 1 \
+                    else Replicated()
+            self.bias = zeros((out_features,), mesh, tp_placements(mesh, bias_sharding),
+                              dtype=dtype, requires_grad=True)
+        else:
+            self.bias = None
+
+    def forward(self, x):
+        y = ops.matmul(x, self.weight)
+        return y + self.bias if self.bias is not None else y
+
+    def parallel_layout(self, style):
+        """Placements of (weight, bias) on the tensor-parallel dim for a parallel style."""
+        return {"colwise": (Shard(1), Shard(0)), "rowwise": (Shard(0), Replicated()),
+                "replicate": (Replicated(), Replicated())}[style]
+
+
+class DColumnLinear(DLinear):
+    """Column-parallel: weight `[in, out/tp]` Shard(1); output Shard(-1), or Replicated with
+    `gather_output` (one all-gather)."""
+
+    def __init__(self, in_features, out_features, mesh=None, bias=True, gather_output=False,
+                 dtype="fp32", init_std=0.02):
+        super().__init__(in_features, out_features, mesh, Shard(1), bias, dtype=dtype,
+                         init_std=init_std)
+        self.gather_output = gather_output
+
+    def forward(self, x):
+        y = super().forward(x)
+        if self.gather_output:
+            y = y.redistribute((Replicated(),) * y.mesh.ndim)
+        return y
+
+
+class DRowLinear(DLinear):
+    """Row-parallel: weight `[in/tp, out]` Shard(0); input Shard(-1) (`input_is_parallel`) or
+    Replicated (then sliced locally); output Replicated after one all-reduce."""
+
+    def __init__(self, in_features, out_features, mesh=None, bias=True, input_is_parallel=True,
+                 dtype="fp32", init_std=0.02):
+        super().__init__(in_features, out_features, mesh, Shard(0), bias, dtype=dtype,
+                         init_std=init_std)
+        self.input_is_parallel = input_is_parallel
+
+    def forward(self, x):
+        y = super().forward(x)
+        if any(p.is_partial() for p in y.placements):
+            y = y.redistribute(tuple(Replicated() if p.is_partial() else p
+                                     for p in y.placements))
+        return y
+
+
+class DEmbedding(Module):
+    """Rows of weight `[vocab, dim]` at integer ids.
+
+    weight Shard(0) (vocab-parallel): `[vocab/tp, dim]`; ids out of this rank's range give zeros
+    and the output is Partial, reduced by the next op that needs it. Replicated: plain lookup.
+    """
+
+    def __init__(self, num_embeddings, embedding_dim, mesh=None, weight=Replicated(),
+                 dtype="fp32", init_std=0.02):
+        super().__init__()
+        mesh = _mesh(mesh)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.weight = randn((num_embeddings, embedding_dim), mesh, tp_placements(mesh, weight),
+                            dtype=dtype, std=init_std, requires_grad=True)
+
+    def forward(self, ids):
+        return ops.embedding(ids, self.weight)
+
+    def parallel_layout(self, style):
+        return {"vocab": (Shard(0),), "colwise": (Shard(1),), "replicate": (Replicated(),)}[style]
+
+
+class LayerNorm(Module):
+    """Normalization over the last dimension (never sharded); weight and bias Replicated."""
+
+    def __init__(self, dim, mesh=None, eps=1e-5, bias=True, dtype="fp32"):
+        super().__init__()
+        mesh = _mesh(mesh)
+        replicated = (Replicated(),) * mesh.ndim
+        self.eps = eps
+        self.weight = ones((dim,), mesh, replicated, dtype=dtype, requires_grad=True)
+        self.bias = zeros((dim,), mesh, replicated, dtype=dtype, requires_grad=True) \
+            if bias else None
+
+    def forward(self, x):
+        return ops.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+class GeLU(Module):
+    """GeLU, tanh form; any layout."""
+
+    def forward(self, x):
+        return ops.gelu(x)
+
+
+class Dropout(Module):
+    """Dropout with the sharding-invariant generator: the same mask on any mesh."""
+
+    def __init__(self, p=0.0):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        return ops.dropout(x, self.p, self.training)
+
+
+class DMLP(Module):
+    """c_fc (column-parallel, `[C, 4C/tp]`) → GeLU → c_proj (row-parallel, `[4C/tp, C]`):
+    Replicated in, Replicated out, one all-reduce forward (at c_proj's bias) and one backward
+    (the Partial input gradient of c_fc)."""
+
+    def __init__(self, in_features, hidden_features, out_features=None, mesh=None, bias=True,
+                 dropout=0.0, dtype="fp32", init_std=0.02, proj_init_std=None):
+        super().__init__()
+        out_features = out_features or in_features
+        self.c_fc = DLinear(in_features, hidden_features, mesh, Shard(1), bias, dtype=dtype,
+                            init_std=init_std)
+        self.act = GeLU()
+        self.c_proj = DLinear(hidden_features, out_features, mesh, Shard(0), bias, dtype=dtype,
+                              init_std=proj_init_std or init_std)
+        self.dropout = Dropout(dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.act(self.c_fc(x))))
+
+    def parallel_plan(self):
+        return {"c_fc": "colwise", "c_proj": "rowwise"}
+
+
+class DAttention(Module):
+    """Causal multi-head self-attention with heads split across the tensor-parallel ranks.
+
+    c_attn.weight is `[C, 3, C]`: the `[C, 3C]` fused q|k|v weight of GPT-2 with q, k and v on
+    their own axis, sharded on the last (heads: `[C, 3, C/tp]`), so every rank holds q, k and v
+    of the same heads. c_proj is row-parallel. Heads must divide by the tensor-parallel size.
+    """
+
+    def __init__(self, embed_dim, num_heads, mesh=None, bias=True, dropout=0.0, dtype="fp32",
+                 init_std=0.02, proj_init_std=None):
+        super().__init__()
+        mesh = _mesh(mesh)
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim {embed_dim} is not a multiple of num_heads {num_heads}")
+        self.embed_dim, self.num_heads = embed_dim, num_heads
+        self.c_attn = DQKV(embed_dim, mesh, bias, dtype, init_std)
+        self.c_proj = DLinear(embed_dim, embed_dim, mesh, Shard(0), bias, dtype=dtype,
+                              init_std=proj_init_std or init_std)
+        self.attn_dropout = Dropout(dropout)
+        self.resid_dropout = Dropout(dropout)
+        check_heads(self)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        h = self.num_heads
+        qkv = self.c_attn(x).reshape(b, t, 3, h, c // h)            # (B, T, 3, H/tp, D)
+        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # (B, H/tp, T, D)
+        y = ops.scaled_dot_product_attention(q, k, v, causal=True)  # (B, H/tp, T, D)
+        y = y.transpose(1, 2).reshape(b, t, c)                     # (B, T, C/tp)
+        return self.resid_dropout(self.c_proj(y))
+
+    def parallel_plan(self):
+        return {"c_attn": "heads", "c_proj": "rowwise"}
+
+
+def check_heads(attention):
+    """Heads split over the tensor-parallel ranks: they must divide evenly."""
+    mesh = attention.c_attn.weight.mesh
+    size = mesh.shape[tp_dim(mesh)]
+    sharded = attention.c_attn.weight.placements[tp_dim(mesh)] != Replicated()
+    if sharded and attention.num_heads % size:
+        raise ValueError(f"{attention.num_heads} attention heads cannot be split over {size} "
+                         "tensor-parallel ranks: use a tp size that divides the heads")
+
+
+class DQKV(Module):
+    """The fused q|k|v projection: weight `[C, 3, C]` and bias `[3, C]`, heads on the last axis
+    (Shard(2) / Shard(1) when tensor-parallel); output `[B, T, 3, C]`."""
+
+    def __init__(self, embed_dim, mesh, bias, dtype, init_std):
+        super().__init__()
+        self.weight = randn((embed_dim, 3, embed_dim), mesh, tp_placements(mesh, Shard(2)),
+                            dtype=dtype, std=init_std, requires_grad=True)
+        self.bias = zeros((3, embed_dim), mesh, tp_placements(mesh, Shard(1)), dtype=dtype,
+                          requires_grad=True) if bias else None
+
+    def forward(self, x):
+        y = ops.einsum("btc,cjd->btjd", x, self.weight)
+        return y + self.bias if self.bias is not None else y
+
+    def parallel_layout(self, style):
+        return {"heads": (Shard(2), Shard(1)), "replicate": (Replicated(), Replicated())}[style]
+
+
+class DBlock(Module):
+    """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+
+    def __init__(self, embed_dim, num_heads, mesh=None, bias=True, dropout=0.0, dtype="fp32",
+                 init_std=0.02, proj_init_std=None, eps=1e-5):
+        super().__init__()
+        self.ln_1 = LayerNorm(embed_dim, mesh, eps, bias, dtype)
+        self.attn = DAttention(embed_dim, num_heads, mesh, bias, dropout, dtype, init_std,
+                               proj_init_std)
+        self.ln_2 = LayerNorm(embed_dim, mesh, eps, bias, dtype)
+        self.mlp = DMLP(embed_dim, 4 * embed_dim, embed_dim, mesh, bias, dropout, dtype, init_std,
+                        proj_init_std)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class DLMHead(Module):
+    """Logits `x @ weightᵀ` with the weight tied to an embedding `[vocab, C]`: vocab-parallel
+    embedding → vocab-sharded logits (Shard(-1)), fed to cross_entropy without gathering."""
+
+    def __init__(self, embedding):
+        super().__init__()
+        object.__setattr__(self, "_embedding", embedding)
+
+    def forward(self, x):
+        return ops.einsum("btc,vc->btv", x, self._embedding.weight)
+
+
+def scaled_init(init_std, n_layer):
+    """GPT-2's init for projections into the residual stream: std / sqrt(2 * n_layer)."""
+    return init_std / math.sqrt(2 * n_layer)
+
+
+__all__ = ["DLinear", "DColumnLinear", "DRowLinear", "DEmbedding", "LayerNorm", "GeLU",
+           "Dropout", "DMLP", "DAttention", "DQKV", "DBlock", "DLMHead", "tp_dim",
+           "tp_placements", "scaled_init"]

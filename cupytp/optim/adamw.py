@@ -1,0 +1,50 @@
+"""AdamW with torch.optim.AdamW semantics (no amsgrad, no maximize), fused: one `adamw_step`
+kernel call per (group, dtypes). Each rank updates its own shards; nothing is communicated."""
+from cupytp.kernels.adamw import adamw_step
+from cupytp.optim.optimizer import Optimizer, check_non_negative
+
+
+class AdamW(Optimizer):
+    """Per element: p -= lr weight_decay p; m = beta1 m + (1 - beta1) g;
+    v = beta2 v + (1 - beta2) g^2; p -= lr (m / (1 - beta1^t)) / (sqrt(v / (1 - beta2^t)) + eps).
+
+    States "exp_avg" (m) and "exp_avg_sq" (v), laid out like the parameter. The step count t is
+    kept per group (`group["step"]`, saved with the group) and advances on every step() in which
+    any of the group's parameters has a gradient. torch counts per parameter: the two differ only
+    for a parameter that has no gradient in some steps while others of its group update.
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, step=0)
+        super().__init__(params, defaults)
+
+    def check_group(self, group):
+        check_non_negative(lr=group["lr"], eps=group["eps"], weight_decay=group["weight_decay"],
+                           step=group["step"])
+        if len(group["betas"]) != 2:
+            raise ValueError(f"betas must be (beta1, beta2), got {group['betas']}")
+        for i, beta in enumerate(group["betas"]):
+            if not 0 <= beta < 1:
+                raise ValueError(f"betas[{i}] must be in [0, 1), got {beta}")
+
+    def state_names(self, group):
+        return ("exp_avg", "exp_avg_sq")
+
+    def update(self, group, buckets):
+        group["step"] += 1
+        beta1, beta2 = group["betas"]
+        for bucket in buckets.values():
+            adamw_step(bucket.params, bucket.grads, bucket.states["exp_avg"],
+                       bucket.states["exp_avg_sq"], lr=group["lr"], beta1=beta1, beta2=beta2,
+                       eps=group["eps"], weight_decay=group["weight_decay"], step=group["step"])
+
+
+def decay_groups(params, weight_decay):
+    """The usual AdamW grouping (GPT-2, nanoGPT): matrices (ndim >= 2: linear and embedding
+    weights) decay with `weight_decay`; biases and norm weights (ndim < 2) do not.
+
+        AdamW(decay_groups(model.parameters(), 0.1), lr=6e-4)
+    """
+    params = list(params)
+    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]

@@ -1,0 +1,68 @@
+"""Gradient clipping by the global norm over the whole mesh, with no host synchronisation."""
+import math
+
+import numpy
+
+from cupytp import backend
+from cupytp.kernels import compute_dtype
+from cupytp.kernels.multi_tensor import scale_, sum_of_squares
+from cupytp.optim.optimizer import check_non_negative, contiguous_grad
+
+NORM_OPS = {2.0: "sum", math.inf: "max"}
+
+
+def clip_grad_norm_(parameters, max_norm, norm_type=2.0):
+    """Scale every gradient in place by min(1, max_norm / (norm + 1e-6)) and return `norm`, the
+    2-norm (or, with norm_type=inf, the max-norm) of all the gradients as global tensors, as a
+    0-d device array that nothing here waits for.
+
+    Each gradient counts once. Gradients are grouped by (mesh, mesh dims along which they are
+    sharded); a group's local sum of squares (max of |g| for inf) is all-reduced over exactly
+    those mesh dims, not over the dims along which the group is Replicated (its ranks there hold
+    the same values); then the groups are added (maxed). Parameters without a gradient are left
+    out.
+    """
+    norm_type = float(norm_type)
+    if norm_type not in NORM_OPS:
+        raise ValueError(f"norm_type must be 2 or inf, got {norm_type}")
+    check_non_negative(max_norm=max_norm)
+    op = NORM_OPS[norm_type]
+    groups = {}     # (mesh, sharded mesh dims) -> {grad dtype: [local grads]}
+    for p in parameters:
+        if p.grad is None:
+            continue
+        dims = tuple(d for d, placement in enumerate(p.grad.placements) if placement.is_shard())
+        by_dtype = groups.setdefault((p.mesh, dims), {})
+        by_dtype.setdefault(p.grad.dtype, []).append(contiguous_grad(p))
+    xp = backend.xp
+    if not groups:
+        return xp.zeros((), dtype=numpy.float32)
+    totals = []
+    for (mesh, dims), by_dtype in groups.items():
+        total = _local_total(by_dtype, op)
+        for dim in dims[:0]:
+            total = mesh.get_process_group(dim).all_reduce(total, op=op)
+        totals.append(total)
+    total = _combine(totals, op)
+    norm = xp.asarray(xp.sqrt(total) if op == "sum" else total)
+    factor = xp.minimum(max_norm / (norm + 1e-6), 1.0)
+    for by_dtype in groups.values():
+        for grads in by_dtype.values():
+            scale_(grads, factor)
+    return norm
+
+
+def _local_total(by_dtype, op):
+    """This rank's sum of g^2 ("sum") or max of |g| ("max") over lists of grads, one per dtype,
+    accumulated in each dtype's compute dtype (float32 or float64)."""
+    if op == "sum":
+        return _combine([sum_of_squares(grads) for grads in by_dtype.values()], op)
+    maxima = [backend.xp.abs(g).max().astype(compute_dtype(dtype))
+              for dtype, grads in by_dtype.items() for g in grads if g.size]
+    return _combine([backend.xp.zeros((), dtype=numpy.float32)] + maxima, op)
+
+
+def _combine(values, op):
+    """The sum or max of 0-d arrays, as a 0-d array of their promoted dtype (on the device)."""
+    stacked = backend.xp.stack(values)
+    return backend.xp.asarray(stacked.sum() if op == "sum" else stacked.max())

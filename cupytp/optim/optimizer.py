@@ -1,0 +1,197 @@
+"""Optimizer: parameter groups, per-parameter state laid out like each parameter, and one fused
+multi-tensor kernel call per (group, dtypes) in `step()`.
+
+Parameters are DTensors; every rank updates only its own local arrays, in place (`p._local`), so
+the model sees the new values and no update needs communication: a gradient is laid out like its
+parameter (Partial contributions were reduced when it was accumulated), and each state (momenta)
+is laid out like its parameter too, so a sharded parameter's state stays sharded.
+"""
+import dataclasses
+
+from cupytp import backend
+from cupytp.nn.module import assign
+from cupytp.tensor import DTensor
+from cupytp.tensor.placement import describe
+from cupytp.tensor.redistribute import grad_placements
+
+
+def contiguous_grad(p):
+    """This rank's part of `p.grad`, made C-contiguous in place (a copy only when it is not), so
+    kernels may read and scale it; the gradient must be laid out like `p`."""
+    grad = p.grad
+    if grad.shape != p.shape or grad.placements != grad_placements(p.placements):
+        raise ValueError(f"gradient of shape {grad.shape} {describe(grad.placements)} is not laid "
+                         f"out like its parameter {p.shape} {describe(p.placements)}")
+    if not grad._local.flags.c_contiguous:
+        grad._local = backend.xp.ascontiguousarray(grad._local)
+    return grad._local
+
+
+@dataclasses.dataclass
+class Bucket:
+    """Parallel lists of local arrays for one kernel call: params (updated in place), their grads
+    and, per state name, their states."""
+    params: list = dataclasses.field(default_factory=list)
+    grads: list = dataclasses.field(default_factory=list)
+    states: dict = dataclasses.field(default_factory=dict)
+
+
+class Optimizer:
+    """Base of the optimizers: `params_or_groups` is an iterable of DTensors or of dicts
+    ({"params": [...], hyperparameter overrides}); `defaults` holds every hyperparameter.
+
+    A subclass supplies `check_group` (validate a group's hyperparameters), `state_names` (the
+    per-parameter states a group keeps) and `update` (one kernel call per bucket).
+    """
+
+    def __init__(self, params_or_groups, defaults):
+        if isinstance(params_or_groups, DTensor):
+            raise TypeError("an optimizer takes an iterable of DTensors or of dicts, got one "
+                            "DTensor")
+        groups = list(params_or_groups)
+        if not groups:
+            raise ValueError("optimizer got an empty parameter list")
+        if not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        self.defaults = dict(defaults)
+        self.param_groups = []
+        self.state = {}         # parameter -> {state name: DTensor laid out like the parameter}
+        for group in groups:
+            self.add_param_group(group)
+
+    def add_param_group(self, group):
+        """Add a group: its own hyperparameters override the defaults."""
+        params = group["params"]
+        params = [params] if isinstance(params, DTensor) else list(params)
+        for p in params:
+            if not isinstance(p, DTensor):
+                raise TypeError(f"optimizer parameters must be DTensors, got "
+                                f"{type(p).__name__}")
+        seen = {id(p) for g in self.param_groups for p in g["params"]}
+        if len({id(p) for p in params}) != len(params) or seen & {id(p) for p in params}:
+            raise ValueError("a parameter appears more than once in the optimizer's groups")
+        group = {**self.defaults, **group, "params": params}
+        self.check_group(group)
+        self.param_groups.append(group)
+
+    # ---- what a subclass provides ---------------------------------------------------------------
+    def check_group(self, group):
+        """Raise ValueError for a bad hyperparameter of `group`."""
+        raise NotImplementedError
+
+    def state_names(self, group):
+        """Names of the states each parameter of `group` keeps, each laid out like it."""
+        raise NotImplementedError
+
+    def update(self, group, buckets):
+        """Update `group` from `buckets`: {(param dtype, grad dtype, new state): Bucket}, where
+        `new state` means the states were just created (zeros): the parameters' first update."""
+        raise NotImplementedError
+
+    # ---- stepping -------------------------------------------------------------------------------
+    def step(self):
+        """Update every parameter that has a gradient, in place on each rank's local arrays."""
+        for group in self.param_groups:
+            buckets = self._buckets(group)
+            if buckets:
+                self.update(group, buckets)
+
+    def _buckets(self, group):
+        """The group's parameters with gradients, split by (param dtype, grad dtype, new state):
+        one kernel call each (the kernels take one dtype per list)."""
+        names = self.state_names(group)
+        buckets = {}
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            grad = contiguous_grad(p)
+            state = self.state.setdefault(p, {})
+            missing = [name for name in names if name not in state]
+            for name in missing:
+                state[name] = _zeros_like(p)
+            bucket = buckets.setdefault((p.dtype, grad.dtype, bool(missing)), Bucket())
+            bucket.params.append(p._local)
+            bucket.grads.append(grad)
+            for name in names:
+                bucket.states.setdefault(name, []).append(state[name]._local)
+        return buckets
+
+    def zero_grad(self, set_to_none=True):
+        """Drop every gradient (or, with set_to_none=False, fill it with zeros in place)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad._local[...] = 0
+
+    # ---- state ----------------------------------------------------------------------------------
+    def state_dict(self):
+        """{"state": {index: {name: DTensor}}, "param_groups": [{hyperparameters, "params":
+        [index, ...]}]}, indices counting parameters across groups in order.
+
+        States are the live DTensors (not copies), laid out like their parameters: each rank holds
+        only its shards. Save them before the next step changes them.
+        """
+        state = {}
+        groups = []
+        index = 0
+        for group in self.param_groups:
+            saved = {key: value for key, value in group.items() if key != "params"}
+            saved["params"] = []
+            for p in group["params"]:
+                if self.state.get(p):
+                    state[index] = dict(self.state[p])
+                saved["params"].append(index)
+                index += 1
+            groups.append(saved)
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict):
+        """Take the hyperparameters and copies of the states of `state_dict` (as `state_dict()`
+        gives). A state may be a DTensor of any placements (redistributed to its parameter's) or
+        a full array; each rank keeps its own block."""
+        saved_groups = state_dict["param_groups"]
+        sizes = [len(group["params"]) for group in self.param_groups]
+        saved_sizes = [len(group["params"]) for group in saved_groups]
+        if sizes != saved_sizes:
+            raise ValueError(f"state dict has groups of {saved_sizes} parameters, this optimizer "
+                             f"has {sizes}")
+        unknown = [index for index in state_dict["state"] if not 0 <= index < sum(sizes)]
+        if unknown:
+            raise ValueError(f"state dict has states for parameters {unknown}, this optimizer "
+                             f"has {sum(sizes)} parameters")
+        groups = []
+        for group, saved in zip(self.param_groups, saved_groups):
+            missing = sorted(set(self.defaults) - set(saved))
+            if missing:
+                raise ValueError(f"state dict's group lacks hyperparameters {missing}")
+            groups.append({**saved, "params": group["params"]})
+            self.check_group(groups[-1])
+        self.param_groups = groups
+        self.state = {}
+        index = 0
+        for group in self.param_groups:
+            names = set(self.state_names(group))
+            for p in group["params"]:
+                saved = state_dict["state"].get(index)
+                if saved is not None:
+                    if set(saved) != names:
+                        raise ValueError(f"state of parameter {index} has {sorted(saved)}, this "
+                                         f"optimizer keeps {sorted(names)}")
+                    self.state[p] = {name: _zeros_like(p) for name in names}
+                    for name, value in saved.items():
+                        assign(self.state[p][name], value, f"state {name!r} of parameter {index}")
+                index += 1
+
+
+def _zeros_like(p):
+    """Zeros laid out like parameter `p` (each rank holds its own block)."""
+    return DTensor._make(backend.xp.zeros(p.local_shape, dtype=p.dtype), p.layout)
+
+
+def check_non_negative(**values):
+    """Raise ValueError naming the first value that is negative."""
+    for name, value in values.items():
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
