@@ -3,7 +3,7 @@ from cupytp import backend
 from cupytp.autograd import no_grad
 from cupytp.distributed import DeviceMesh, init, init_device_mesh
 from cupytp.ops import (
-    ShardingError, concat, cross_entropy, dropout, einsum, embedding, gelu, layer_norm,
+    ShardingError, autocast, concat, cross_entropy, dropout, einsum, embedding, gelu, layer_norm,
     log_softmax, matmul, softmax, split, stack)
 from cupytp.tensor import (
     DTensor, Layout, Partial, Replicated, Shard, ShardingType, arange, distribute, from_local,

@@ -26,5 +26,13 @@ def mpiexec(ranks, args, timeout, env=None):
         command.append("--oversubscribe")
     command += [sys.executable] + list(args)
     full_env = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
-    return subprocess.run(command, cwd=REPO, env=full_env, capture_output=True, text=True,
-                          timeout=timeout)
+    try:
+        return subprocess.run(command, cwd=REPO, env=full_env, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired as err:
+        output = (err.stdout or b"").decode() if isinstance(err.stdout, bytes) else \
+            (err.stdout or "")
+        errors = (err.stderr or b"").decode() if isinstance(err.stderr, bytes) else \
+            (err.stderr or "")
+        raise AssertionError(f"{' '.join(command)} ran past {timeout} s; its output:\n"
+                             f"{output[-5000:]}\n{errors[-5000:]}") from None

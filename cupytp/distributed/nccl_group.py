@@ -34,27 +34,40 @@ def new_unique_id():
 
 
 class _Watchdog(threading.Thread):
-    """Ends the job when a tracked collective overruns its group's timeout."""
+    """Ends the job when a collective overruns its group's timeout.
+
+    Per group it watches one event: recorded after a collective when nothing of the group is
+    being watched. When that event completes and the group has issued collectives since, it
+    records a new event on the stream of the newest one (so a hung collective issued while an
+    earlier one was watched is still caught), else it stops watching the group.
+    """
 
     def __init__(self):
         super().__init__(name="cupytp-nccl-watchdog", daemon=True)
-        self.tracked = {}               # group -> (event, op, start time)
+        self.tracked = {}               # group -> (event, op, start time, issued count)
         self.lock = threading.Lock()
+        self.device = backend.xp.cuda.Device().id
 
     def track(self, group, event, op):
         with self.lock:
             if group not in self.tracked:
-                self.tracked[group] = (event, op, time.monotonic())
+                self.tracked[group] = (event, op, time.monotonic(), group.issued)
 
     def run(self):
+        backend.xp.cuda.Device(self.device).use()   # events and streams are this rank's GPU's
         while True:
             time.sleep(0.5)
             with self.lock:
                 items = list(self.tracked.items())
-            for group, (event, op, start) in items:
+            for group, (event, op, start, issued) in items:
                 if event.done:
                     with self.lock:
-                        self.tracked.pop(group, None)
+                        if group.issued > issued:
+                            stream, newest = group.newest
+                            self.tracked[group] = (stream.record(), newest, time.monotonic(),
+                                                   group.issued)
+                        else:
+                            self.tracked.pop(group, None)
                 elif time.monotonic() - start > group.timeout:
                     group.fail(f"{group.describe(op)} did not complete within "
                                f"{group.timeout:g} s (CUPYTP_TIMEOUT)")
@@ -86,16 +99,20 @@ class ProcessGroupNCCL(ProcessGroup):
         self.comm = nccl.NcclCommunicator(self.size, unique_id, self.rank)
         self.comm_stream = backend.xp.cuda.Stream(non_blocking=True)
         self._watchdog = _get_watchdog()
+        self.issued = 0                 # collectives launched, and (stream, op) of the newest
+        self.newest = None
+        # connect now, while every member is here: later collectives never block the host
+        self.all_reduce(backend.xp.zeros(1, dtype=numpy.float32))
+        backend.synchronize()
 
     def fail(self, message):
-        """Report a hang, abort the communicator and end the job (called by the watchdog)."""
+        """Report a hang and end the whole job (called by the watchdog thread). MPI_Abort comes
+        first: aborting a communicator whose kernel is stuck may itself block."""
         sys.stderr.write(f"cupytp: {message}; ending the job\n")
         sys.stderr.flush()
-        try:
-            self.comm.abort()
-        finally:
-            from mpi4py import MPI
-            MPI.COMM_WORLD.Abort(1)
+        threading.Thread(target=self.comm.abort, daemon=True).start()
+        from mpi4py import MPI
+        MPI.COMM_WORLD.Abort(1)
 
     def _reduction_dtype(self, dtype, op):
         return None
@@ -106,12 +123,16 @@ class ProcessGroupNCCL(ProcessGroup):
         current = backend.xp.cuda.get_current_stream()
         if not async_op:
             call(current.ptr)
+            self.newest = (current, op)     # newest first: the watchdog reads issued, then it
+            self.issued += 1
             if self not in self._watchdog.tracked:
                 self._watchdog.track(self, current.record(), op)
             return _COMPLETE
         self.comm_stream.wait_event(current.record())
         call(self.comm_stream.ptr)
         finished = self.comm_stream.record()
+        self.newest = (self.comm_stream, op)
+        self.issued += 1
         self._watchdog.track(self, finished, op)
 
         def wait():  # `buffers` stay referenced until the current stream is ordered after us

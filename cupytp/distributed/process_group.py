@@ -17,9 +17,9 @@ import numpy
 
 from cupytp import backend
 
-REDUCE_OPS = ("sum", "avg", "max", "min", "prod")
-SUPPORTED_DTYPES = tuple(backend.dtype(name) for name in
-                         ("bf16", "fp16", "fp32", "fp64", "int32", "int64", "uint8"))
+REDUCE_OPS = frozenset(("sum", "avg", "max", "min", "prod"))
+SUPPORTED_DTYPES = frozenset(backend.dtype(name) for name in
+                             ("bf16", "fp16", "fp32", "fp64", "int32", "int64", "uint8"))
 
 
 class CollectiveTimeoutError(RuntimeError):
@@ -118,7 +118,7 @@ class ProcessGroup:
             names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
             raise TypeError(f"{op}: dtype {array.dtype} is not supported (use one of {names})")
         if reduce_op is not None and reduce_op not in REDUCE_OPS:
-            raise ValueError(f"{op}: reduce op {reduce_op!r} is not one of {REDUCE_OPS}")
+            raise ValueError(f"{op}: reduce op {reduce_op!r} is not one of {sorted(REDUCE_OPS)}")
 
     def _check_dim(self, op, array, dim):
         if not -array.ndim <= dim < array.ndim:
@@ -127,7 +127,7 @@ class ProcessGroup:
         return dim % array.ndim
 
     def _check_peer(self, op, peer):
-        if not 0 <= peer < self.size:
+        if not 0 <= peer < self.size or not isinstance(peer, int):
             raise ValueError(f"{op}: rank {peer} is not in group {self.name!r} of size "
                              f"{self.size}")
 

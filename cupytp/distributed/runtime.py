@@ -5,6 +5,7 @@ single process). The local rank comes from an MPI shared-memory split and picks 
 are created collectively: every rank calls `new_group` in the same order; the group's first rank
 makes the NCCL unique id and broadcasts it over the group's MPI communicator.
 """
+import os
 import sys
 import traceback
 from dataclasses import dataclass
@@ -124,6 +125,7 @@ def new_group(color, key, name):
         return _groups[ranks]
     if info.backend == "nccl" and len(ranks) > 1:
         from cupytp.distributed.nccl_group import ProcessGroupNCCL, new_unique_id
+        os.environ.setdefault("NCCL_RUNTIME_CONNECT", "0")   # connect at init, not mid-step
         unique_id = sub.bcast(new_unique_id() if sub.rank == 0 else None, root=0)
         group = ProcessGroupNCCL(ranks, sub.rank, name, sub, unique_id, info.timeout)
     else:

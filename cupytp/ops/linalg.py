@@ -9,9 +9,34 @@ themselves, so their layouts (a Partial input gradient of a column-parallel laye
 from the same rule.
 """
 import string
+import threading
+from contextlib import contextmanager
 
 from cupytp.ops.base import (
     Partial, Replicated, Shard, backend, convert, engine, fail, make, same_mesh)
+from cupytp.ops.elementwise import astype
+
+_autocast = threading.local()
+
+
+@contextmanager
+def autocast(dtype="bf16"):
+    """Inside: contractions (einsum, matmul) cast floating operands to `dtype` (through the
+    differentiable cast, so fp32 parameters stay the masters and get fp32 gradients); other ops
+    keep their inputs' dtype. `autocast(None)` turns it off."""
+    previous = getattr(_autocast, "dtype", None)
+    _autocast.dtype = None if dtype is None else backend.dtype(dtype)
+    try:
+        yield
+    finally:
+        _autocast.dtype = previous
+
+
+def _autocast_operand(x):
+    dtype = getattr(_autocast, "dtype", None)
+    if dtype is None or x.dtype == dtype or x.dtype.kind not in "fV":
+        return x
+    return astype(x, dtype)
 
 
 def _parse(spec, a, b):
@@ -61,31 +86,45 @@ def _rule(spec, sa, sb, out, a, b):
     return targets_a, targets_b, tuple(placements)
 
 
+def _as_matmul(sa, sb, out, x, y):
+    """`x @ y` (each possibly transposed) when the spec is a batched matmul, else None."""
+    xp = backend.xp
+    if len(out) < 2 or len(sa) != len(out):
+        return None
+    batch, (m, n) = out[:-2], out[-2:]
+    k = ({*sa[-2:]} & {*sb[-2:]}) - {m, n}
+    if sa[:-2] != batch or not batch.endswith(sb[:-2]) or len(k) != 1:
+        return None
+    k = k.pop()
+    if {*sa[-2:]} != {m, k} or {*sb[-2:]} != {k, n}:
+        return None
+    x = x if sa[-2:] == m + k else xp.swapaxes(x, -1, -2)
+    y = y if sb[-2:] == k + n else xp.swapaxes(y, -1, -2)
+    return xp.matmul(x, y)
+
+
 def _local_einsum(sa, sb, out, x, y):
-    """The local contraction through BLAS: a (batched, possibly transposed) matmul, or a
-    tensordot when nothing shared is kept; einsum only for anything else."""
+    """The local contraction through BLAS: a tensordot when nothing shared is kept, a (batched,
+    possibly transposed or swapped) matmul; einsum only for anything else."""
     xp = backend.xp
     shared = [letter for letter in sa if letter in sb]
     if not any(letter in out for letter in shared):
-        free = [letter for letter in sa + sb if letter not in shared]
-        if out == "".join(free):
-            return xp.tensordot(x, y, axes=([sa.index(c) for c in shared],
-                                            [sb.index(c) for c in shared]))
-    if len(out) >= 2 and len(sa) == len(out):
-        batch, (m, n) = out[:-2], out[-2:]
-        k = ({*sa[-2:]} & {*sb[-2:]}) - {m, n}
-        if sa[:-2] == batch and batch.endswith(sb[:-2]) and len(k) == 1:
-            k = k.pop()
-            if {*sa[-2:]} == {m, k} and {*sb[-2:]} == {k, n}:
-                x = x if sa[-2:] == m + k else xp.swapaxes(x, -1, -2)
-                y = y if sb[-2:] == k + n else xp.swapaxes(y, -1, -2)
-                return xp.matmul(x, y)
+        free = "".join(letter for letter in sa + sb if letter not in shared)
+        if sorted(out) == sorted(free):
+            result = xp.tensordot(x, y, axes=([sa.index(c) for c in shared],
+                                              [sb.index(c) for c in shared]))
+            return result if out == free else xp.transpose(result, [free.index(c) for c in out])
+    for first, second, a, b in ((sa, sb, x, y), (sb, sa, y, x)):
+        result = _as_matmul(first, second, out, a, b)
+        if result is not None:
+            return result
     return xp.einsum(f"{sa},{sb}->{out}", x, y)
 
 
 def einsum(spec, a, b):
     """Two-operand einsum with explicit letters, e.g. 'btc,cd->btd' or 'bhtd,bhsd->bhts'."""
     same_mesh("einsum", [a, b])
+    a, b = _autocast_operand(a), _autocast_operand(b)
     sa, sb, out, shape = _parse(spec, a, b)
     targets_a, targets_b, placements = _rule(spec, sa, sb, out, a, b)
     a = convert(f"einsum {spec!r}", a, targets_a, [a, b])
@@ -94,6 +133,7 @@ def einsum(spec, a, b):
     result = make(local, a.mesh, shape, placements)
 
     def backward(g):
+        g = astype(g, result.dtype)
         return (einsum(f"{out},{sb}->{sa}", g, b) if a.requires_grad else None,
                 einsum(f"{sa},{out}->{sb}", a, g) if b.requires_grad else None)
     return engine.record(result, (a, b), backward, "einsum")

@@ -35,32 +35,32 @@ def _compute_dtype(dtype):
 def softmax(x, dim=-1):
     x, dim = _unsharded("softmax", x, dim)
     xp = backend.xp
-    v = x._local.astype(_compute_dtype(x.dtype))
+    v = x._local.astype(_compute_dtype(x.dtype), copy=False)
     e = xp.exp(v - v.max(axis=dim, keepdims=True))
     y = e / e.sum(axis=dim, keepdims=True)
-    out = make(y.astype(x.dtype), x.mesh, x.shape, x.placements)
+    out = make(y.astype(x.dtype, copy=False), x.mesh, x.shape, x.placements)
 
     def backward(g):
         g = linear_grad(g, out.placements)
-        gl = g._local.astype(y.dtype)
+        gl = g._local.astype(y.dtype, copy=False)
         local = y * (gl - (gl * y).sum(axis=dim, keepdims=True))
-        return (make(local.astype(x.dtype), x.mesh, x.shape, g.placements),)
+        return (make(local.astype(x.dtype, copy=False), x.mesh, x.shape, g.placements),)
     return engine.record(out, (x,), backward, "softmax")
 
 
 def log_softmax(x, dim=-1):
     x, dim = _unsharded("log_softmax", x, dim)
     xp = backend.xp
-    v = x._local.astype(_compute_dtype(x.dtype))
+    v = x._local.astype(_compute_dtype(x.dtype), copy=False)
     shifted = v - v.max(axis=dim, keepdims=True)
     y = shifted - xp.log(xp.exp(shifted).sum(axis=dim, keepdims=True))
-    out = make(y.astype(x.dtype), x.mesh, x.shape, x.placements)
+    out = make(y.astype(x.dtype, copy=False), x.mesh, x.shape, x.placements)
 
     def backward(g):
         g = linear_grad(g, out.placements)
-        gl = g._local.astype(y.dtype)
+        gl = g._local.astype(y.dtype, copy=False)
         local = gl - xp.exp(y) * gl.sum(axis=dim, keepdims=True)
-        return (make(local.astype(x.dtype), x.mesh, x.shape, g.placements),)
+        return (make(local.astype(x.dtype, copy=False), x.mesh, x.shape, g.placements),)
     return engine.record(out, (x,), backward, "log_softmax")
 
 
@@ -72,23 +72,23 @@ def layer_norm(x, weight, bias, eps=1e-5):
     weight = convert("layer_norm", weight, replicated, [x, weight]) if weight is not None else None
     bias = convert("layer_norm", bias, replicated, [x, bias]) if bias is not None else None
     xp = backend.xp
-    v = x._local.astype(_compute_dtype(x.dtype))
+    v = x._local.astype(_compute_dtype(x.dtype), copy=False)
     centered = v - v.mean(axis=-1, keepdims=True)
     rstd = 1.0 / xp.sqrt((centered * centered).mean(axis=-1, keepdims=True) + eps)
     xhat = centered * rstd
     y = xhat * weight._local if weight is not None else xhat
     y = y + bias._local if bias is not None else y
-    out = make(y.astype(x.dtype), x.mesh, x.shape, x.placements)
+    out = make(y.astype(x.dtype, copy=False), x.mesh, x.shape, x.placements)
     leading = tuple(range(x.ndim - 1))
 
     def backward(g):
         g = linear_grad(g, out.placements)
-        gl = g._local.astype(xhat.dtype)
+        gl = g._local.astype(xhat.dtype, copy=False)
         dxhat = gl * weight._local if weight is not None else gl
         dx = rstd * (dxhat - dxhat.mean(axis=-1, keepdims=True)
                      - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True))
-        grad_x = make(dx.astype(x.dtype), x.mesh, x.shape, g.placements)
-        grad_w = reduce_sum(make((gl * xhat).astype(x.dtype), x.mesh, x.shape, g.placements),
+        grad_x = make(dx.astype(x.dtype, copy=False), x.mesh, x.shape, g.placements)
+        grad_w = reduce_sum(make((gl * xhat).astype(x.dtype, copy=False), x.mesh, x.shape, g.placements),
                             leading) if weight is not None else None
         grad_b = reduce_sum(g, leading) if bias is not None else None
         return grad_x, grad_w, grad_b
@@ -139,7 +139,7 @@ def embedding(ids, weight):
     local_ids = ids._local - offset
     valid = (local_ids >= 0) & (local_ids < rows)
     safe = xp.where(valid, local_ids, 0)
-    local = weight._local[safe] * valid[..., None].astype(weight.dtype)
+    local = xp.where(valid[..., None], weight._local[safe], xp.zeros((), dtype=weight.dtype))
     out = make(local, weight.mesh, ids.shape + (weight.shape[1],), tuple(placements))
 
     sharded = {dim for dim, p in enumerate(weight.placements) if isinstance(p, Shard)}
@@ -189,7 +189,8 @@ def take_along_last(x, index):
     local_index = index._local - offset
     valid = (local_index >= 0) & (local_index < extent)
     safe = xp.where(valid, local_index, 0)[..., None]
-    local = xp.take_along_axis(x._local, safe, axis=-1)[..., 0] * valid.astype(x.dtype)
+    local = xp.where(valid, xp.take_along_axis(x._local, safe, axis=-1)[..., 0],
+                     xp.zeros((), dtype=x.dtype))
     out = make(local, x.mesh, index.shape, tuple(placements))
 
     sharded = {dim for dim, p in enumerate(x.placements) if isinstance(p, Shard)}

@@ -40,7 +40,7 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0):
     totals = []
     for (mesh, dims), by_dtype in groups.items():
         total = _local_total(by_dtype, op)
-        for dim in dims[:0]:
+        for dim in dims:
             total = mesh.get_process_group(dim).all_reduce(total, op=op)
         totals.append(total)
     total = _combine(totals, op)

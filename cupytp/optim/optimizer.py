@@ -55,7 +55,7 @@ class Optimizer:
             groups = [{"params": groups}]
         self.defaults = dict(defaults)
         self.param_groups = []
-        self.state = {}         # parameter -> {state name: DTensor laid out like the parameter}
+        self.state = {}     # parameter (by identity) -> {name: DTensor laid out like it}
         for group in groups:
             self.add_param_group(group)
 
@@ -149,8 +149,8 @@ class Optimizer:
 
     def load_state_dict(self, state_dict):
         """Take the hyperparameters and copies of the states of `state_dict` (as `state_dict()`
-        gives). A state may be a DTensor of any placements (redistributed to its parameter's) or
-        a full array; each rank keeps its own block."""
+        gives); nothing changes if it does not fit. A state may be a DTensor of any placements
+        (redistributed to its parameter's) or a full array; each rank keeps its own block."""
         saved_groups = state_dict["param_groups"]
         sizes = [len(group["params"]) for group in self.param_groups]
         saved_sizes = [len(group["params"]) for group in saved_groups]
@@ -168,10 +168,9 @@ class Optimizer:
                 raise ValueError(f"state dict's group lacks hyperparameters {missing}")
             groups.append({**saved, "params": group["params"]})
             self.check_group(groups[-1])
-        self.param_groups = groups
-        self.state = {}
+        states = {}
         index = 0
-        for group in self.param_groups:
+        for group in groups:
             names = set(self.state_names(group))
             for p in group["params"]:
                 saved = state_dict["state"].get(index)
@@ -179,10 +178,12 @@ class Optimizer:
                     if set(saved) != names:
                         raise ValueError(f"state of parameter {index} has {sorted(saved)}, this "
                                          f"optimizer keeps {sorted(names)}")
-                    self.state[p] = {name: _zeros_like(p) for name in names}
+                    states[p] = {name: _zeros_like(p) for name in names}
                     for name, value in saved.items():
-                        assign(self.state[p][name], value, f"state {name!r} of parameter {index}")
+                        assign(states[p][name], value, f"state {name!r} of parameter {index}")
                 index += 1
+        self.param_groups = groups
+        self.state = states
 
 
 def _zeros_like(p):

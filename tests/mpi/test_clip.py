@@ -1,6 +1,7 @@
 """Global-norm clipping and optimizer steps on sharded parameters: mixed placements on 1-D and 2-D
 meshes and a sub-mesh, uneven sizes (some ranks hold empty shards), each gradient counted once;
-checked against NumPy on the global arrays and against the same steps on one rank."""
+checked against NumPy on the global arrays and against the same steps on one rank. Also optimizer
+states saved from one sharding and loaded into another."""
 import math
 
 import numpy
@@ -74,15 +75,16 @@ def test_clip_counts_each_gradient_once(mesh1d, mesh2d, norm_type, shrink):
         numpy.testing.assert_allclose(full(p.grad), g * factor, rtol=1e-13, atol=1e-15)
 
 
-def test_clip_low_precision_gradients(mesh1d, mesh2d):
+@pytest.mark.parametrize("norm_type", [2.0, math.inf], ids=["l2", "inf"])
+def test_clip_low_precision_gradients(mesh1d, mesh2d, norm_type):
     """float32 and bfloat16 gradients: the norm is accumulated per dtype in float32."""
     specs = layouts(mesh1d, mesh2d)
     dtypes = [[numpy.float32, backend.bfloat16][i % 2] for i in range(len(specs))]
     _, params = make_params(specs, dtypes=[numpy.float32] * len(specs))
     grads = global_grads(specs, 0, dtypes)
     set_grads(params, grads)
-    expected = numpy_norm(grads, 2.0)
-    norm = clip_grad_norm_(params, 1.0)
+    expected = numpy_norm(grads, norm_type)
+    norm = clip_grad_norm_(params, 1.0, norm_type)
     assert norm.dtype == numpy.float32
     numpy.testing.assert_allclose(backend.asnumpy(norm), expected, rtol=1e-5)
     for p, g, dtype in zip(params, grads, dtypes):
@@ -136,3 +138,29 @@ def test_sharded_steps_equal_dense_steps(mesh1d, mesh2d, make):
             assert state.layout == p.layout, f"{name} is laid out like its parameter"
             numpy.testing.assert_allclose(full(state), full(dense.state[q][name]), rtol=1e-12,
                                           atol=1e-14)
+
+
+def test_state_dict_loads_into_other_placements(mesh2d):
+    """States saved from one sharding load into parameters sharded another way (redistributed
+    to each parameter's placements) and the two optimizers continue alike."""
+    shapes = [(9, 7), (5,), (3, 4)]
+    saved_specs = [(s, mesh2d, p) for s, p in zip(shapes, [(S0, S1), (R, S0), (S1, S0)])]
+    loaded_specs = [(s, mesh2d, p) for s, p in zip(shapes, [(R, S0), (S0, R), (R, R)])]
+    _, params = make_params(saved_specs)
+    _, other = make_params(loaded_specs)
+    optimizer, resumed = AdamW(params, lr=1e-2), AdamW(other, lr=1e-2)
+    for step in range(4):
+        grads = global_grads(saved_specs, step)
+        set_grads(params, grads)
+        optimizer.step()
+        if step == 1:
+            for p, q in zip(params, other):
+                q._local[...] = p.redistribute(q.placements).to_local()
+            resumed.load_state_dict(optimizer.state_dict())
+        if step >= 2:
+            set_grads(other, grads)
+            resumed.step()
+    for q in other:
+        assert all(state.layout == q.layout for state in resumed.state[q].values())
+    for p, q in zip(params, other):
+        numpy.testing.assert_allclose(full(q), full(p), rtol=1e-12, atol=1e-14)

@@ -16,4 +16,4 @@ if info.rank != 1:
         raise
 else:
     import time
-    time.sleep(60)
+    time.sleep(30)

@@ -270,21 +270,21 @@ def test_load_state_dict_rejects_a_mismatch():
     values, params = make_params()
     sgd = SGD(params, lr=0.1, momentum=0.9)
     run(sgd, params, values, steps=1)
+    split = SGD([{"params": params[:1]}, {"params": params[1:]}], lr=0.1)
     with pytest.raises(ValueError, match=r"groups of \[4\] parameters, this optimizer has "
                                          r"\[1, 3\]"):
-        split = SGD([{"params": params[:1]}, {"params": params[1:]}], lr=0.1)
         split.load_state_dict(sgd.state_dict())
     with pytest.raises(ValueError, match=r"lacks hyperparameters \['betas', 'eps', 'step'\]"):
         AdamW(params).load_state_dict(sgd.state_dict())
+    no_momentum = sgd.state_dict()
+    no_momentum["param_groups"][0]["momentum"] = 0.0
     with pytest.raises(ValueError, match=r"state of parameter 0 has \['momentum_buffer'\], "
                                          r"this optimizer keeps \[\]"):
-        state = sgd.state_dict()
-        state["param_groups"][0]["momentum"] = 0.0
-        SGD(params, lr=0.1).load_state_dict(state)
+        SGD(params, lr=0.1).load_state_dict(no_momentum)
+    extra = sgd.state_dict()
+    extra["state"][7] = extra["state"][0]
     with pytest.raises(ValueError, match=r"states for parameters \[7\]"):
-        state = sgd.state_dict()
-        state["state"][7] = state["state"][0]
-        SGD(params, lr=0.1).load_state_dict(state)
+        SGD(params, lr=0.1).load_state_dict(extra)
 
 
 # ---- learning-rate schedules --------------------------------------------------------------------

@@ -1,0 +1,282 @@
+"""GPT-2 from cupytp.nn, tensor-parallel by apply_tensor_parallel, with Hugging Face weights.
+
+Read bottom-up: config → model (embeddings, blocks, final norm, tied head) → weights in and out.
+Parameter names are Hugging Face GPT2LMHeadModel's (`transformer.h.0.attn.c_attn.weight`, ...).
+Two native shapes differ, both to keep tensor parallelism exact: the vocabulary is padded to a
+multiple of 64 × tp (padded logits are masked to -inf, so they never win the softmax), and the
+fused q|k|v weight is `[C, 3, C]` (heads on the last axis). `hf_state_dict()` and
+`save_pretrained` give exactly Hugging Face's keys and shapes; `load_hf_state_dict` and
+`from_pretrained` take them, each rank reading only its own slices from a safetensors file.
+"""
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, replace
+
+import numpy
+
+import cupytp
+from cupytp import backend, nn, ops
+from cupytp.autograd import no_grad
+from cupytp.parallel import apply_tensor_parallel
+from cupytp.tensor import Replicated, local_mesh
+from cupytp.tensor.layout import Layout
+
+
+@dataclass(frozen=True)
+class GPT2Config:
+    vocab_size: int = 50257
+    block_size: int = 1024
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True
+    layer_norm_epsilon: float = 1e-5
+    initializer_range: float = 0.02
+
+    def padded_vocab(self, tp=1):
+        """vocab_size rounded up to a multiple of 64 × tp (every rank gets an equal share)."""
+        unit = 64 * tp
+        return math.ceil(self.vocab_size / unit) * unit
+
+    def flops_per_token(self, seq_len):
+        """Training FLOPs per token (forward + backward), as in the PaLM appendix."""
+        n = 12 * self.n_layer * self.n_embd ** 2 + (self.vocab_size + self.block_size) * \
+            self.n_embd
+        return 6 * n + 12 * self.n_layer * self.n_embd * seq_len
+
+
+PRESETS = {
+    "tiny": GPT2Config(vocab_size=257, block_size=256, n_layer=4, n_head=4, n_embd=128),
+    "124M": GPT2Config(),
+    "350M": GPT2Config(n_layer=24, n_head=16, n_embd=1024),
+    "774M": GPT2Config(n_layer=36, n_head=20, n_embd=1280),
+    "1558M": GPT2Config(n_layer=48, n_head=25, n_embd=1600),
+}
+
+
+def preset(name, **overrides):
+    """A GPT2Config by preset name ("tiny", "124M", "350M", "774M", "1558M")."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown GPT-2 preset {name!r}: choose one of {', '.join(PRESETS)}")
+    return replace(PRESETS[name], **overrides)
+
+
+class GPT2Transformer(nn.Module):
+    """Token and position embeddings, the blocks, the final LayerNorm."""
+
+    def __init__(self, config, vocab, mesh):
+        super().__init__()
+        std = config.initializer_range
+        proj_std = nn.scaled_init(std, config.n_layer)
+        self.wte = _padded(nn.DEmbedding(config.vocab_size, config.n_embd, mesh, init_std=std),
+                           vocab)
+        self.wpe = nn.DEmbedding(config.block_size, config.n_embd, mesh, init_std=std)
+        self.drop = nn.Dropout(config.dropout)
+        self.h = nn.ModuleList([
+            nn.DBlock(config.n_embd, config.n_head, mesh, config.bias, config.dropout,
+                      init_std=std, proj_init_std=proj_std, eps=config.layer_norm_epsilon)
+            for _ in range(config.n_layer)])
+        self.ln_f = nn.LayerNorm(config.n_embd, mesh, config.layer_norm_epsilon, config.bias)
+
+    def forward(self, ids):
+        b, t = ids.shape
+        positions = cupytp.arange(t, ids.mesh, (Replicated(),) * ids.mesh.ndim)
+        x = self.drop(self.wte(ids) + self.wpe(positions))    # (B, T, C)
+        for block in self.h:
+            x = block(x)
+        return self.ln_f(x)
+
+
+def _padded(embedding, rows):
+    """`embedding` (dense) with zero rows appended up to `rows`; drawn at its real size first,
+    so the random initialization of the whole model does not depend on the padding (or tp)."""
+    w = embedding.weight
+    local = backend.xp.concatenate([w.to_local(), backend.xp.zeros(
+        (rows - w.shape[0], w.shape[1]), dtype=w.dtype)])
+    embedding.weight = cupytp.from_local(local, w.mesh, w.placements, shape=local.shape,
+                                         requires_grad=True)
+    embedding.num_embeddings = rows
+    return embedding
+
+
+class GPT2(nn.Module):
+    """GPT-2 language model; `forward(ids, targets=None)` returns (logits, loss or None), the
+    logits vocab-sharded (Shard(-1)) when tensor-parallel."""
+
+    def __init__(self, config, mesh=None, tp=None):
+        super().__init__()
+        self.config = config
+        tp = tp or (mesh.shape[nn.tp_dim(mesh)] if mesh is not None else 1)
+        self.vocab = config.padded_vocab(tp)
+        self.transformer = GPT2Transformer(config, self.vocab, local_mesh())
+        self.lm_head = nn.DLMHead(self.transformer.wte)
+        self.register_buffer("vocab_mask", cupytp.from_local(
+            backend.xp.arange(self.vocab) >= config.vocab_size, local_mesh(), (Replicated(),)))
+        if mesh is not None:
+            apply_tensor_parallel(self, mesh)
+
+    def forward(self, ids, targets=None):
+        if ids.shape[1] > self.config.block_size:
+            raise ValueError(f"sequence length {ids.shape[1]} is longer than the model's "
+                             f"context of {self.config.block_size} tokens")
+        logits = self.lm_head(self.transformer(ids)).astype("fp32")  # the loss in fp32
+        logits = ops.masked_fill(logits, self.vocab_mask, -math.inf)    # (B, T, V/tp)
+        loss = ops.cross_entropy(logits, targets) if targets is not None else None
+        return logits, loss
+
+    @property
+    def mesh(self):
+        return self.transformer.wte.weight.mesh
+
+    def generate(self, ids, max_new_tokens, temperature=1.0, top_k=None, seed=0):
+        """Append `max_new_tokens` sampled tokens to `ids` (NumPy (B, T)); the same on every
+        rank (the same seed picks the same tokens)."""
+        rng = numpy.random.default_rng(seed)
+        ids = numpy.asarray(ids)
+        replicated = (Replicated(),) * self.mesh.ndim
+        with no_grad():
+            for _ in range(max_new_tokens):
+                window = ids[:, -self.config.block_size:]
+                x = cupytp.from_local(backend.asarray(window), self.mesh, replicated,
+                                      shape=window.shape)
+                logits, _ = self(x)
+                last = backend.asnumpy(logits[:, -1].full_tensor()).astype(numpy.float64)
+                last = last[:, :self.config.vocab_size] / max(temperature, 1e-6)
+                if top_k is not None:
+                    cut = numpy.sort(last, axis=-1)[:, -min(top_k, last.shape[-1])][:, None]
+                    last = numpy.where(last < cut, -numpy.inf, last)
+                probs = numpy.exp(last - last.max(-1, keepdims=True))
+                probs /= probs.sum(-1, keepdims=True)
+                nxt = [rng.choice(len(p), p=p) for p in probs]
+                ids = numpy.concatenate([ids, numpy.array(nxt)[:, None]], axis=1)
+        return ids
+
+    # ---- Hugging Face weights -------------------------------------------------------------------
+    def hf_state_dict(self):
+        """{Hugging Face key: full NumPy array}, HF shapes (gathers every shard)."""
+        out = {}
+        c, v = self.config.n_embd, self.config.vocab_size
+        for name, tensor in self.state_dict().items():
+            if name == "vocab_mask":
+                continue
+            value = backend.asnumpy(tensor.full_tensor())
+            if name.endswith("attn.c_attn.weight"):
+                value = value.reshape(c, 3 * c)
+            elif name.endswith("attn.c_attn.bias"):
+                value = value.reshape(3 * c)
+            elif name == "transformer.wte.weight":
+                value = value[:v]
+            out[name] = value
+        out["lm_head.weight"] = out["transformer.wte.weight"]
+        return out
+
+    def load_hf_state_dict(self, read):
+        """Load from Hugging Face keys; `read(key, index)` returns the array `file[key][index]`
+        so each rank reads only its block. Missing or mis-shaped keys are errors."""
+        c, v = self.config.n_embd, self.config.vocab_size
+        for name, tensor in self.state_dict().items():
+            if name == "vocab_mask":
+                continue
+            layout = Layout(tensor.mesh, tensor.shape, tensor.placements)
+            offsets, local_shape = layout.local_block()
+            block = tuple(slice(o, o + n) for o, n in zip(offsets, local_shape))
+            if name.endswith("attn.c_attn.weight"):      # [C, 3C] file -> [C, 3, C] blocks
+                rows, _, cols = block
+                value = numpy.stack([read(name, (rows, slice(j * c + cols.start,
+                                                              j * c + cols.stop)))
+                                     for j in range(3)], axis=1)
+            elif name.endswith("attn.c_attn.bias"):
+                _, cols = block
+                value = numpy.stack([read(name, (slice(j * c + cols.start, j * c + cols.stop),))
+                                     for j in range(3)])
+            elif name == "transformer.wte.weight":      # padded rows past the vocabulary are 0
+                rows, cols = block
+                value = numpy.zeros(local_shape, dtype=numpy.float32)
+                stop = min(rows.stop, v)
+                if stop > rows.start:
+                    value[:stop - rows.start] = read(name, (slice(rows.start, stop), cols))
+            else:
+                value = read(name, block)
+            if tuple(value.shape) != local_shape:
+                raise ValueError(f"{name}: the checkpoint gives a block of shape {value.shape}, "
+                                 f"this model needs {local_shape}")
+            tensor._local[...] = backend.asarray(value.astype(tensor.dtype))
+
+    def save_pretrained(self, path):
+        """Write `model.safetensors` and `config.json` (Hugging Face GPT2LMHeadModel format) into
+        directory `path` from rank 0; written to temporary names, then renamed."""
+        from safetensors.numpy import save_file
+        tensors = self.hf_state_dict()
+        if cupytp.distributed.get_rank() != 0:
+            return
+        os.makedirs(path, exist_ok=True)
+        tensors.pop("lm_head.weight")                  # tied: HF stores it once
+        tensors = {k: numpy.ascontiguousarray(a, dtype=numpy.float32) for k, a in tensors.items()}
+        weights, config = os.path.join(path, "model.safetensors"), os.path.join(path,
+                                                                                "config.json")
+        save_file(tensors, weights + ".tmp", metadata={"format": "pt"})
+        with open(config + ".tmp", "w") as f:
+            json.dump(hf_config(self.config), f, indent=2)
+        os.replace(weights + ".tmp", weights)
+        os.replace(config + ".tmp", config)
+
+    @classmethod
+    def from_pretrained(cls, path, mesh=None, config=None):
+        """A GPT2 from a local Hugging Face checkpoint (a `model.safetensors` file or a directory
+        with it and `config.json`), laid out on `mesh`; each rank reads only its slices."""
+        from safetensors import safe_open
+        weights = os.path.join(path, "model.safetensors") if os.path.isdir(path) else path
+        if not os.path.isfile(weights):
+            raise FileNotFoundError(f"no checkpoint at {weights}: give a model.safetensors "
+                                    "file or a directory holding one")
+        if config is None:
+            config_path = os.path.join(os.path.dirname(weights), "config.json")
+            config = config_from_hf(config_path) if os.path.isfile(config_path) else None
+        try:
+            handle = safe_open(weights, framework="numpy")
+        except Exception as err:   # safetensors raises its own error types
+            raise ValueError(f"{weights} is not a readable safetensors file: {err}") from None
+        with handle as f:
+            keys = set(f.keys())
+            config = config or _infer_config(f)
+            model = cls(config, mesh)
+            prefix = "" if "transformer.wte.weight" in keys else "transformer."
+
+            def read(name, index):
+                key = name if prefix == "" else name.replace("transformer.", "", 1)
+                if key not in keys:
+                    raise KeyError(f"{weights} has no tensor {key!r}")
+                return f.get_slice(key)[index]
+            model.load_hf_state_dict(read)
+        return model
+
+
+def hf_config(config):
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+            "vocab_size": config.vocab_size, "n_positions": config.block_size,
+            "n_ctx": config.block_size, "n_embd": config.n_embd, "n_layer": config.n_layer,
+            "n_head": config.n_head, "layer_norm_epsilon": config.layer_norm_epsilon,
+            "initializer_range": config.initializer_range, "resid_pdrop": config.dropout,
+            "embd_pdrop": config.dropout, "attn_pdrop": config.dropout,
+            "activation_function": "gelu_new", "cupytp": asdict(config)}
+
+
+def config_from_hf(path):
+    with open(path) as f:
+        hf = json.load(f)
+    return GPT2Config(vocab_size=hf["vocab_size"], block_size=hf.get("n_positions", 1024),
+                      n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=hf["n_embd"],
+                      layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5))
+
+
+def _infer_config(f):
+    keys = set(f.keys())
+    prefix = "transformer." if "transformer.wte.weight" in keys else ""
+    vocab, embd = f.get_slice(prefix + "wte.weight").get_shape()
+    positions = f.get_slice(prefix + "wpe.weight").get_shape()[0]
+    layers = len({k.split(".")[2 if prefix else 1] for k in keys if ".h." in f".{k}"})
+    heads = max(1, embd // 64)
+    return GPT2Config(vocab_size=vocab, block_size=positions, n_layer=layers, n_head=heads,
+                      n_embd=embd)

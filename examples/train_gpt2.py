@@ -1,0 +1,275 @@
+"""Train GPT-2 with tensor (and data) parallelism:  mpiexec -n N python examples/train_gpt2.py
+
+With no arguments: tiny Shakespeare (shipped with cupytp), a byte-level tokenizer, the tiny
+model on CPU or GPT-2 124M on GPU. `--tp` ranks split every layer; the remaining ranks
+(world / tp) split the batch. Logs (CSV, JSON lines, loss.png) go to --out.
+"""
+import argparse
+import glob
+import os
+import sys
+import time
+
+os.environ.setdefault("CUPY_TF32", "1")     # fp32 matmuls on tensor cores (before CuPy loads)
+
+import numpy  # noqa: E402
+
+import cupytp  # noqa: E402
+from cupytp import backend  # noqa: E402
+from cupytp.autograd import no_grad  # noqa: E402
+from cupytp.data import (DataError, TokenLoader, default_corpus_path,  # noqa: E402
+                         get_tokenizer, prepare_corpus, read_tokens)
+from cupytp.models.gpt2 import GPT2, preset  # noqa: E402
+from cupytp.ops import autocast  # noqa: E402
+from cupytp.optim import (AdamW, clip_grad_norm_, constant, cosine_with_warmup,  # noqa: E402
+                          decay_groups, linear)
+from cupytp.tensor import Replicated, Shard, from_local  # noqa: E402
+from cupytp.utils import TrainLog, estimate_mfu, plot_loss  # noqa: E402
+
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+
+
+class RankZeroParser(argparse.ArgumentParser):
+    """Usage errors print once (rank 0), not once per rank."""
+
+    def error(self, message):
+        from mpi4py import MPI
+        if MPI.COMM_WORLD.rank == 0:
+            self.print_usage(sys.stderr)
+            print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def parse_args(argv):
+    p = RankZeroParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="tiny, 124M, 350M, 774M, 1558M "
+                   "(default: tiny on CPU, 124M on GPU)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel ranks (default world/tp)")
+    p.add_argument("--data", default=None, help="a text file, or a directory of llm.c .bin "
+                   "shards (*train*.bin, *val*.bin); default: tiny Shakespeare")
+    p.add_argument("--tokenizer", default="byte", choices=["byte", "bpe", "tiktoken"])
+    p.add_argument("--batch-size", type=int, default=None, help="sequences per data-parallel rank")
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--min-lr-frac", type=float, default=0.1)
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--schedule", default="cosine", choices=["cosine", "linear", "constant"])
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="bf16: matmuls in bfloat16, fp32 master weights and loss")
+    p.add_argument("--eval-interval", type=int, default=100)
+    p.add_argument("--eval-batches", type=int, default=10)
+    p.add_argument("--log-interval", type=int, default=10)
+    p.add_argument("--sample-tokens", type=int, default=200)
+    p.add_argument("--init-from", default=None, help="a Hugging Face GPT-2 checkpoint to start "
+                   "from (model.safetensors or its directory)")
+    p.add_argument("--checkpoint", default=None, help="directory to save the trained model to")
+    p.add_argument("--out", default="out/train_gpt2")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--peak-tflops", type=float, default=None, help="for MFU (default: by GPU)")
+    args = p.parse_args(argv)
+    gpu = backend.on_gpu
+    defaults = {"model": "124M" if gpu else "tiny", "batch_size": 8 if gpu else 16,
+                "seq_len": 1024 if gpu else 128, "steps": 300 if gpu else 400,
+                "lr": 6e-4 if gpu else 1e-3, "warmup": 30}
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+def fail(message):
+    """One clear line from rank 0 and a non-zero exit on every rank (all ranks see the same
+    bad input, before any collective)."""
+    if cupytp.distributed.get_rank() == 0:
+        print(f"train_gpt2: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def make_mesh(args, world):
+    dp = args.dp or world // args.tp
+    if args.tp < 1 or dp < 1 or args.tp * dp != world:
+        raise ValueError(f"--tp {args.tp} × --dp {dp} must equal the {world} launched ranks "
+                         f"(mpiexec -n {args.tp * max(dp, 1)})")
+    return cupytp.DeviceMesh((dp, args.tp), ("dp", "tp"))
+
+
+def load_data(args, tokenizer, rank):
+    """(train tokens, val tokens): .bin shards from a directory, or a text file tokenized once
+    (by rank 0; the others wait)."""
+    if args.data and os.path.isdir(args.data):
+        train = sorted(glob.glob(os.path.join(args.data, "*train*.bin")))
+        val = sorted(glob.glob(os.path.join(args.data, "*val*.bin")))
+        if not train or not val:
+            raise DataError(f"{args.data} holds no *train*.bin and *val*.bin token files")
+        return (numpy.concatenate([read_tokens(f) for f in train]),
+                numpy.concatenate([read_tokens(f) for f in val]))
+    text = args.data or default_corpus_path()
+    if not os.path.isfile(text):
+        raise DataError(f"data file {text} does not exist")
+    paths, error = None, None
+    if rank == 0:
+        try:
+            paths = prepare_corpus(text, os.path.join(args.out, "data"), tokenizer)
+        except DataError as err:       # every rank must fail with it, not wait for rank 0
+            error = str(err)
+    paths, error = cupytp.distributed.runtime.world_comm().bcast((paths, error), root=0)
+    if error:
+        raise DataError(error)
+    return read_tokens(paths[0]), read_tokens(paths[1])
+
+
+def batch_tensor(array, mesh):
+    """A (B·dp, T) DTensor: this rank's rows Shard(0) over dp, Replicated over tp."""
+    dp = mesh.shape[0]
+    return from_local(backend.asarray(array), mesh, (Shard(0), Replicated()),
+                      shape=(array.shape[0] * dp, array.shape[1]))
+
+
+def evaluate(model, loader, mesh, batches):
+    model.eval()
+    losses = []
+    with no_grad():
+        for x, y in loader.val_batches(batches):
+            _, loss = model(batch_tensor(x, mesh), batch_tensor(y, mesh))
+            losses.append(loss.item())
+    model.train()
+    return float(numpy.mean(losses))
+
+
+def memory_gib():
+    if backend.on_gpu:
+        return backend.xp.get_default_memory_pool().total_bytes() / 2 ** 30
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+
+
+def train(args):
+    info = cupytp.init()
+    mesh = make_mesh(args, info.world_size)
+    dp_rank, dp = mesh.get_local_rank("dp"), mesh.shape[0]
+    text_for_bpe = None
+    if args.tokenizer == "bpe":
+        with open(args.data or default_corpus_path(), encoding="utf-8") as f:
+            text_for_bpe = f.read()
+    tokenizer = get_tokenizer(args.tokenizer, corpus_text=text_for_bpe)
+    config = preset(args.model, vocab_size=tokenizer.vocab_size)
+    if args.seq_len > config.block_size:
+        raise ValueError(f"--seq-len {args.seq_len} is longer than the model's context "
+                         f"({config.block_size})")
+    if config.n_head % args.tp:
+        raise ValueError(f"--tp {args.tp} does not divide the model's {config.n_head} heads")
+    train_tokens, val_tokens = load_data(args, tokenizer, info.rank)
+    loader = TokenLoader(train_tokens, args.batch_size, args.seq_len, dp_rank, dp, args.seed)
+    val_loader = TokenLoader(val_tokens, args.batch_size, args.seq_len, dp_rank, dp, args.seed)
+
+    cupytp.manual_seed(args.seed)
+    if args.init_from:
+        model = GPT2.from_pretrained(args.init_from, mesh)
+    else:
+        model = GPT2(config, mesh)
+    optimizer = AdamW(decay_groups(model.parameters(), args.weight_decay), lr=args.lr,
+                      betas=(0.9, 0.95), eps=1e-8)
+    lr_at = lr_schedule(args)
+    tokens_per_step = args.batch_size * dp * args.seq_len * args.grad_accum
+    peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items()
+                                     if backend.on_gpu and k in gpu_name()), None)
+    log = TrainLog(args.out) if info.rank == 0 else None
+    progress = _progress(args.steps) if info.rank == 0 else None
+    if info.rank == 0:
+        print(f"GPT-2 {args.model}: {model.num_parameters() / 1e6:.2f}M parameters, "
+              f"vocab {tokenizer.vocab_size} (padded {model.vocab}), mesh dp={dp} tp={args.tp}, "
+              f"{backend.device_name}, {tokens_per_step} tokens/step", flush=True)
+    first_loss, logged_step = None, -1
+    clock = time.perf_counter()
+    for step in range(args.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step)
+        for _ in range(args.grad_accum):
+            x, y = loader.next_batch()
+            with autocast(None if args.dtype == "fp32" else args.dtype):
+                _, loss = model(batch_tensor(x, mesh), batch_tensor(y, mesh))
+            (loss * (1.0 / args.grad_accum)).backward()
+        norm = clip_grad_norm_(model.parameters(), args.grad_clip) if args.grad_clip else None
+        optimizer.step()
+        optimizer.zero_grad()
+        last = step == args.steps - 1
+        if step % args.log_interval == 0 or last:
+            value = loss.item()           # the one host sync, at log steps only
+            first_loss = value if first_loss is None else first_loss
+            elapsed = time.perf_counter() - clock
+            steps_done, logged_step = step - logged_step, step
+            tokens_per_s = tokens_per_step * steps_done / elapsed
+            clock = time.perf_counter()
+            mfu = estimate_mfu(config.flops_per_token(args.seq_len), tokens_per_s / info.world_size,
+                               peak * 1e12) if peak else None
+            val = evaluate(model, val_loader, mesh, args.eval_batches) \
+                if step % args.eval_interval == 0 or last else None
+            if info.rank == 0:
+                row = {"loss": value, "val_loss": val, "lr": lr_at(step),
+                       "tokens_per_s": tokens_per_s, "mfu": mfu, "mem_gib": memory_gib()}
+                log.log(step, **row)
+                progress.set_postfix_str(_postfix(row, norm))  # norm: read at log steps only
+                progress.update(steps_done)
+    if info.rank == 0:
+        progress.close()
+        plot_loss(args.out)
+        print(f"first loss {first_loss:.4f} (ln vocab = {numpy.log(tokenizer.vocab_size):.4f}), "
+              f"final train loss {value:.4f}, final val loss {val:.4f}", flush=True)
+    if args.sample_tokens:
+        prompt = numpy.array([tokenizer.encode("\n")])
+        sample = model.generate(prompt, args.sample_tokens, temperature=0.8, top_k=40,
+                                seed=args.seed)
+        if info.rank == 0:
+            print("--- sample ---\n" + tokenizer.decode(sample[0].tolist()) + "\n---", flush=True)
+    if args.checkpoint:
+        model.save_pretrained(args.checkpoint)
+        if info.rank == 0:
+            print(f"saved {args.checkpoint}", flush=True)
+
+
+def lr_schedule(args):
+    """The learning rate at each step, by --schedule."""
+    warmup = min(args.warmup, args.steps)
+    if args.schedule == "constant":
+        return lambda step: constant(step, args.lr, warmup)
+    decay = cosine_with_warmup if args.schedule == "cosine" else linear
+    return lambda step: decay(step, args.lr, warmup, args.steps, args.lr * args.min_lr_frac)
+
+
+def gpu_name():
+    return backend.xp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+
+
+def _progress(total):
+    from tqdm import tqdm
+    return tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stdout)
+
+
+def _postfix(row, norm):
+    parts = [f"loss {row['loss']:.3f}"]
+    if norm is not None:
+        parts.append(f"|g| {float(norm):.2f}")
+    if row["val_loss"] is not None:
+        parts.append(f"val {row['val_loss']:.3f}")
+    parts.append(f"{row['tokens_per_s'] / 1e3:.1f}k tok/s")
+    if row["mfu"] is not None:
+        parts.append(f"MFU {100 * row['mfu']:.1f}%")
+    parts.append(f"{row['mem_gib']:.2f} GiB")
+    return ", ".join(parts)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        train(args)
+    except (ValueError, KeyError, FileNotFoundError, DataError) as err:
+        fail(err)
+
+
+if __name__ == "__main__":
+    main()

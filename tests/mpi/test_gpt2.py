@@ -1,0 +1,107 @@
+"""GPT-2: initial loss, tensor-parallel equals dense, Hugging Face format round trip, padded
+vocabulary, bad input."""
+import json
+import math
+import os
+import tempfile
+
+import numpy
+import pytest
+
+import cupytp
+from cupytp.models.gpt2 import GPT2, GPT2Config, preset
+from cupytp.tensor import Replicated, local_mesh
+from sharding import full, lay_out
+
+CONFIG = GPT2Config(vocab_size=61, block_size=16, n_layer=2, n_head=4, n_embd=16)
+
+
+def tokens(shape, seed):
+    return numpy.random.default_rng(seed).integers(0, CONFIG.vocab_size, size=shape)
+
+
+def loss_and_grads(model, mesh, x, y):
+    replicated = (Replicated(),) * mesh.ndim
+    logits, loss = model(lay_out(x, mesh, replicated), lay_out(y, mesh, replicated))
+    loss.backward()
+    return full(loss), {n: full(p.grad) for n, p in model.named_parameters()}, logits
+
+
+def skip_unless_heads_split(mesh):
+    tp = mesh.shape[-1]
+    if CONFIG.n_head % tp:
+        pytest.skip(f"{CONFIG.n_head} heads do not split over {tp}")
+
+
+def test_initial_loss_is_log_vocab(world):
+    cupytp.manual_seed(0)
+    model = GPT2(CONFIG)
+    _, loss = model(lay_out(tokens((4, 16), 1), local_mesh(), (Replicated(),)),
+                    lay_out(tokens((4, 16), 2), local_mesh(), (Replicated(),)))
+    assert abs(full(loss) - math.log(CONFIG.vocab_size)) < 0.1
+
+
+def test_tensor_parallel_equals_dense(mesh):
+    skip_unless_heads_split(mesh)
+    x, y = tokens((2, 16), 3), tokens((2, 16), 4)
+    cupytp.manual_seed(5)
+    dense = GPT2(CONFIG, tp=mesh.shape[-1])
+    cupytp.manual_seed(5)
+    parallel = GPT2(CONFIG, mesh)
+    assert dense.vocab == parallel.vocab and parallel.vocab % (64 * mesh.shape[-1]) == 0
+    loss_d, grads_d, _ = loss_and_grads(dense, local_mesh(), x, y)
+    loss_p, grads_p, logits = loss_and_grads(parallel, mesh, x, y)
+    numpy.testing.assert_allclose(loss_p, loss_d, rtol=1e-6)
+    for name in grads_d:
+        numpy.testing.assert_allclose(grads_p[name], grads_d[name], rtol=1e-4, atol=1e-6,
+                                      err_msg=name)
+    assert numpy.isneginf(full(logits)[..., CONFIG.vocab_size:]).all()
+
+
+def test_padded_vocab_never_sampled(world):
+    cupytp.manual_seed(6)
+    model = GPT2(CONFIG)
+    out = model.generate(tokens((2, 3), 7), 12, seed=1)
+    assert out.shape == (2, 15) and out.max() < CONFIG.vocab_size
+
+
+def test_hugging_face_round_trip(mesh):
+    skip_unless_heads_split(mesh)
+    cupytp.manual_seed(8)
+    model = GPT2(CONFIG)
+    world = cupytp.distributed.runtime.world_comm()
+    path = os.path.join(world.bcast(tempfile.mkdtemp() if world.rank == 0 else None), "ckpt")
+    model.save_pretrained(path)
+    cupytp.distributed.runtime.world_comm().Barrier()
+    from safetensors.numpy import load_file
+    stored = load_file(os.path.join(path, "model.safetensors"))
+    c = CONFIG.n_embd
+    assert stored["transformer.h.0.attn.c_attn.weight"].shape == (c, 3 * c)
+    assert stored["transformer.h.0.attn.c_attn.bias"].shape == (3 * c,)
+    assert stored["transformer.wte.weight"].shape == (CONFIG.vocab_size, c)
+    assert stored["transformer.h.1.mlp.c_fc.weight"].shape == (c, 4 * c)
+    assert json.load(open(os.path.join(path, "config.json")))["n_layer"] == 2
+    # q, k and v keep HF's order: columns [0, C) of c_attn are the q projection
+    q_dense = full(model.transformer.h[0].attn.c_attn.weight)[:, 0]
+    numpy.testing.assert_array_equal(stored["transformer.h.0.attn.c_attn.weight"][:, :c],
+                                     q_dense)
+    loaded = GPT2.from_pretrained(path, mesh)
+    x = tokens((2, 9), 9)
+    logits_a, _ = model(lay_out(x, local_mesh(), (Replicated(),)))
+    logits_b, _ = loaded(lay_out(x, mesh, (Replicated(),) * mesh.ndim))
+    a, b = full(logits_a)[..., :CONFIG.vocab_size], full(logits_b)[..., :CONFIG.vocab_size]
+    numpy.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_input(world, tmp_path):
+    with pytest.raises(ValueError, match="unknown GPT-2 preset"):
+        preset("13B")
+    model = GPT2(CONFIG)
+    with pytest.raises(ValueError, match="longer than the model's context"):
+        model(lay_out(tokens((1, 17), 1), local_mesh(), (Replicated(),)))
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        GPT2.from_pretrained(str(tmp_path / "missing"))
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="not a readable safetensors"):
+        GPT2.from_pretrained(str(bad))
