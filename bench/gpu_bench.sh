@@ -15,13 +15,13 @@ if [ "$what" = all ] || [ "$what" = comm ]; then
   mpiexec -n 2 python3 bench/collectives.py --out "$out" > "$out/collectives.txt" 2>&1
   grep -E "^(all_reduce|all_gather|reduce_scatter|broadcast) +(1\.000|16\.000|32\.000|1024\.000|2048\.000)M" "$out/collectives.txt"
 fi
+dtypes=${DTYPES:-fp32 bf16}
 if [ "$what" = all ] || [ "$what" = train ]; then
-  {
-    python3 bench/train_gpt2.py --tp 1 --steps 10
-    mpiexec -n 2 python3 bench/train_gpt2.py --tp 2 --steps 10
-    python3 .carry/anchors/torch_tp_gpt2.py --dtype fp32 --sdpa 0 --steps 10
-    python3 .carry/anchors/torch_tp_gpt2.py --dtype fp32 --sdpa 1 --steps 10
-    torchrun --nproc_per_node=2 .carry/anchors/torch_tp_gpt2.py --dtype fp32 --sdpa 1 --steps 10
-  } > "$out/train_bench.txt" 2>&1
+  for dtype in $dtypes; do
+    python3 bench/train_gpt2.py --tp 1 --steps 10 --dtype "$dtype"
+    mpiexec -n 2 python3 bench/train_gpt2.py --tp 2 --steps 10 --dtype "$dtype"
+    python3 .carry/anchors/torch_tp_gpt2.py --dtype "$dtype" --sdpa 0 --steps 10
+    torchrun --nproc_per_node=2 .carry/anchors/torch_tp_gpt2.py --dtype "$dtype" --sdpa 1 --steps 10
+  done > "$out/train_bench.txt" 2>&1
   grep -E "tokens/s|tok/s|Error|error" "$out/train_bench.txt" | tail -12
 fi
