@@ -10,6 +10,8 @@ from the same rule.
 """
 import string
 import threading
+
+import numpy
 from contextlib import contextmanager
 
 from cupytp.ops.base import (
@@ -100,7 +102,29 @@ def _as_matmul(sa, sb, out, x, y):
         return None
     x = x if sa[-2:] == m + k else xp.swapaxes(x, -1, -2)
     y = y if sb[-2:] == k + n else xp.swapaxes(y, -1, -2)
-    return xp.matmul(x, y)
+    return _matmul(x, y)
+
+
+def _matmul(x, y):
+    """Local matmul; bfloat16 through cuBLAS with fp32 accumulation (kernels.gemm)."""
+    if x.dtype == backend.bfloat16 and y.dtype == backend.bfloat16:
+        from cupytp.kernels.gemm import matmul
+        return matmul(x, y)
+    return backend.xp.matmul(x, y)
+
+
+def _tensordot(x, y, axes_x, axes_y):
+    """tensordot; for bfloat16, as one matmul of the contracted axes moved to the front."""
+    if x.dtype != backend.bfloat16:
+        return backend.xp.tensordot(x, y, axes=(axes_x, axes_y))
+    xp = backend.xp
+    keep_x = [d for d in range(x.ndim) if d not in axes_x]
+    keep_y = [d for d in range(y.ndim) if d not in axes_y]
+    inner = int(numpy.prod([x.shape[d] for d in axes_x], dtype=numpy.int64))
+    x2 = xp.ascontiguousarray(xp.transpose(x, keep_x + list(axes_x))).reshape(-1, inner)
+    y2 = xp.ascontiguousarray(xp.transpose(y, list(axes_y) + keep_y)).reshape(inner, -1)
+    out = _matmul(x2, y2)
+    return out.reshape([x.shape[d] for d in keep_x] + [y.shape[d] for d in keep_y])
 
 
 def _local_einsum(sa, sb, out, x, y):
@@ -111,8 +135,8 @@ def _local_einsum(sa, sb, out, x, y):
     if not any(letter in out for letter in shared):
         free = "".join(letter for letter in sa + sb if letter not in shared)
         if sorted(out) == sorted(free):
-            result = xp.tensordot(x, y, axes=([sa.index(c) for c in shared],
-                                              [sb.index(c) for c in shared]))
+            result = _tensordot(x, y, [sa.index(c) for c in shared],
+                                [sb.index(c) for c in shared])
             return result if out == free else xp.transpose(result, [free.index(c) for c in out])
     for first, second, a, b in ((sa, sb, x, y), (sb, sa, y, x)):
         result = _as_matmul(first, second, out, a, b)

@@ -151,3 +151,15 @@ def test_plan_errors(mesh1d):
         parallelize_module(model, mesh1d, {"c_fc": "diagonal"})
     with pytest.raises(ValueError, match="no 'vocab' layout"):
         parallelize_module(model, mesh1d, {"c_fc": "vocab"})
+
+
+def test_block_under_bf16_autocast_matches_fp32(mesh):
+    """A sharded block in bf16 autocast stays within bf16 accuracy of the dense fp32 block."""
+    skip_unless_heads_split(mesh)
+    x = rng_array((2, 4, 8), 6).astype(numpy.float32)
+    dense = build(lambda m: nn.DBlock(8, 4, m), local_mesh())
+    parallel = build(lambda m: nn.DBlock(8, 4, m), mesh)
+    expected = full(dense(lay_out(x, local_mesh(), (Replicated(),))))
+    with cupytp.autocast("bf16"):
+        got = full(parallel(lay_out(x, mesh, (Replicated(),) * mesh.ndim)))
+    numpy.testing.assert_allclose(got.astype(numpy.float64), expected, rtol=5e-2, atol=5e-2)

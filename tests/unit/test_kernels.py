@@ -377,3 +377,37 @@ def test_tensor_table_is_cached_and_points_at_the_arrays():
     numpy.testing.assert_array_equal(asnumpy(table.blocks),
                                      chunk_blocks([a.size for a in arrays]))
     assert tensor_table([arrays[:-1]]) is not table
+
+
+# ---- bf16 GEMM (cuBLAS) and its NumPy twin -------------------------------------------------------
+def _bf16(shape, seed):
+    return numpy.random.default_rng(seed).standard_normal(shape).astype(bfloat16)
+
+
+def test_gemm_twin_accumulates_in_float32():
+    from cupytp.kernels.gemm import matmul_numpy
+    a, b = _bf16((3, 5, 7), 1), _bf16((7, 4), 2)
+    exact = a.astype(numpy.float64) @ b.astype(numpy.float64)
+    out = matmul_numpy(a, b)
+    assert out.dtype == bfloat16
+    numpy.testing.assert_allclose(out.astype(numpy.float64), exact, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not on_gpu, reason="needs a GPU")
+@pytest.mark.parametrize("a_shape,b_shape,transpose_a,transpose_b", [
+    ((33, 17), (17, 9), False, False), ((4, 33, 17), (17, 9), False, False),
+    ((4, 33, 17), (4, 17, 9), False, True), ((4, 33, 17), (17, 9), True, False),
+    ((2, 3, 8, 5), (2, 3, 5, 6), True, True),
+])
+def test_gemm_matches_twin(a_shape, b_shape, transpose_a, transpose_b):
+    from cupytp.kernels.gemm import matmul, matmul_numpy
+    a, b = _bf16(a_shape, 3), _bf16(b_shape, 4)
+    da = xp.swapaxes(xp.ascontiguousarray(xp.swapaxes(xp.asarray(a), -1, -2)), -1, -2) \
+        if transpose_a else xp.asarray(a)
+    db = xp.swapaxes(xp.ascontiguousarray(xp.swapaxes(xp.asarray(b), -1, -2)), -1, -2) \
+        if transpose_b else xp.asarray(b)
+    assert da.flags.c_contiguous != transpose_a and db.flags.c_contiguous != transpose_b
+    got = asnumpy(matmul(da, db)).astype(numpy.float64)
+    want = matmul_numpy(a, b).astype(numpy.float64)
+    numpy.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)

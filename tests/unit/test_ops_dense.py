@@ -186,3 +186,20 @@ def test_gradient_accumulates_and_graph_is_freed():
         w.backward()
     with no_grad():
         assert not (x * 2.0).requires_grad
+
+
+def test_autocast_bf16_contractions():
+    """Inside autocast("bf16") contractions run in bfloat16 (fp32 accumulation) and the fp32
+    leaves still get fp32 gradients, within bf16 accuracy of the fp32 result."""
+    a, w = r(2, 5, 16), r(16, 8)
+    results = {}
+    for dtype in (None, "bf16"):
+        x, y = dt(a.astype(numpy.float32)), dt(w.astype(numpy.float32))
+        with ops.autocast(dtype):
+            out = ops.einsum("btc,cd->btd", x, y)
+        assert out.dtype == (backend.bfloat16 if dtype else numpy.float32)
+        ops.astype(out, "fp32").sum().backward()
+        assert x.grad.dtype == y.grad.dtype == numpy.float32
+        results[dtype] = [value(out).astype(numpy.float64), value(x.grad), value(y.grad)]
+    for got, want in zip(results["bf16"], results[None]):
+        numpy.testing.assert_allclose(got, want, rtol=3e-2, atol=3e-2)
