@@ -79,8 +79,9 @@ def check_lists(**lists):
 
 @functools.cache
 def _module(cu_file, options):
-    source = (Path(__file__).parent / cu_file).read_text()
-    return xp.RawModule(code=source, options=options)
+    folder = Path(__file__).parent
+    return xp.RawModule(code=(folder / cu_file).read_text(),
+                        options=options + (f"-I{folder}",))
 
 
 @functools.cache

@@ -7,14 +7,7 @@
 //     p = decay p - step_size m / (sqrt(v) / bias_correction2_sqrt + eps)
 // with decay = 1 - lr wd, step_size = lr / (1 - beta1^step) and
 // bias_correction2_sqrt = sqrt(1 - beta2^step).
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
-// bf16/fp16 convert only to float, so loads widen through float unless T is double.
-template <typename C, typename T>
-__device__ __forceinline__ C widen(T x) { return static_cast<C>(static_cast<float>(x)); }
-template <>
-__device__ __forceinline__ double widen<double, double>(double x) { return x; }
+#include "common.cuh"
 
 template <typename P, typename G>
 __device__ void adamw(P* const* params, const G* const* grads, P* const* exp_avgs,

@@ -3,14 +3,7 @@
 //     dy/dx = 0.5 (1 + tanh(u)) + 0.5 x (1 - tanh(u)^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)
 // One kernel pair per storage dtype T, computing in C: float for fp32/bf16/fp16, double for fp64.
 // Grid-stride loops, so any grid covers any n.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
-// bf16/fp16 convert only to float, so loads widen through float unless T is double.
-template <typename C, typename T>
-__device__ __forceinline__ C widen(T x) { return static_cast<C>(static_cast<float>(x)); }
-template <>
-__device__ __forceinline__ double widen<double, double>(double x) { return x; }
+#include "common.cuh"
 
 template <typename C>
 __device__ __forceinline__ C tanh_arg(C x)

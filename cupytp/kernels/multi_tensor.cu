@@ -6,14 +6,7 @@
 //   sum_partials:            *out = sum of partials[0:n], one block (fixed order: deterministic);
 //   scale:                   x *= *factor, the factor read from device memory (no host sync).
 // Blocks must have a multiple of 32 threads, at most 1024.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
-// bf16/fp16 convert only to float, so loads widen through float unless T is double.
-template <typename C, typename T>
-__device__ __forceinline__ C widen(T x) { return static_cast<C>(static_cast<float>(x)); }
-template <>
-__device__ __forceinline__ double widen<double, double>(double x) { return x; }
+#include "common.cuh"
 
 // The sum of v over the block, valid in thread 0.
 template <typename C>

@@ -7,14 +7,7 @@
 //     g = nesterov ? g + momentum buf : buf            (if momentum != 0)
 //     p -= lr g
 // momentum_bufs is never read when momentum == 0.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
-// bf16/fp16 convert only to float, so loads widen through float unless T is double.
-template <typename C, typename T>
-__device__ __forceinline__ C widen(T x) { return static_cast<C>(static_cast<float>(x)); }
-template <>
-__device__ __forceinline__ double widen<double, double>(double x) { return x; }
+#include "common.cuh"
 
 template <typename P, typename G>
 __device__ void sgd(P* const* params, const G* const* grads, P* const* momentum_bufs,

@@ -139,29 +139,6 @@ def assign(target, value, name="tensor"):
     target._local[...] = value.astype(target.dtype)
 
 
-class Sequential(Module):
-    """Modules applied in order."""
-
-    def __init__(self, *modules):
-        super().__init__()
-        for i, module in enumerate(modules):
-            object.__setattr__(self, str(i), module)
-
-    def __iter__(self):
-        return iter(self.children())
-
-    def __getitem__(self, index):
-        return self.children()[index]
-
-    def __len__(self):
-        return len(self.children())
-
-    def forward(self, x):
-        for module in self:
-            x = module(x)
-        return x
-
-
 class ModuleList(Module):
     """A list of modules, named by index (`h.0`, `h.1`, ...)."""
 
@@ -182,3 +159,15 @@ class ModuleList(Module):
 
     def __len__(self):
         return len(self.children())
+
+
+class Sequential(ModuleList):
+    """Modules applied in order."""
+
+    def __init__(self, *modules):
+        super().__init__(modules)
+
+    def forward(self, x):
+        for module in self:
+            x = module(x)
+        return x
