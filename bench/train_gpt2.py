@@ -53,7 +53,7 @@ def main():
         loss.backward()
         clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=False)   # keep the buffers: no reallocation
         return loss
 
     for _ in range(args.warmup):

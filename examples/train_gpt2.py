@@ -196,7 +196,7 @@ def train(args):
             (loss * (1.0 / args.grad_accum)).backward()
         norm = clip_grad_norm_(model.parameters(), args.grad_clip) if args.grad_clip else None
         optimizer.step()
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=False)   # keep the buffers: no reallocation
         last = step == args.steps - 1
         if step % args.log_interval == 0 or last:
             value = loss.item()           # the one host sync, at log steps only

@@ -145,18 +145,21 @@ class DTensor:
 
     def accumulate_grad(self, grad):
         """Add a gradient contribution into `.grad`, laid out like this tensor (Partial
-        contributions are reduced here: the gradient sync of replicated parameters)."""
+        contributions are reduced here: the gradient sync of replicated parameters).
+
+        The first contribution is copied into a buffer of its own and later ones are added into
+        it in place, so a gradient kept between steps (zero_grad(set_to_none=False)) keeps its
+        address: the fused optimizer's pointer tables stay valid, with no copy to the device."""
         target = grad_placements(self.placements)
         if grad.placements != target:
             local, _ = redistribute_local(grad._local, grad.layout, target)
             grad = DTensor._make(local, self.layout.with_placements(target))
-        if grad.dtype != self.dtype:
-            grad = DTensor._make(grad._local.astype(self.dtype), grad.layout)
+        local = grad._local if grad.dtype == self.dtype else grad._local.astype(self.dtype)
         if self.grad is None:
-            self.grad = DTensor._make(grad._local.copy() if grad._local is self._local
-                                      else grad._local, grad.layout)
+            self.grad = DTensor._make(backend.xp.array(local, copy=True, order="C"),
+                                      grad.layout)
         else:
-            self.grad = DTensor._make(self.grad._local + grad._local, self.grad.layout)
+            self.grad._local += local
 
     def zero_grad(self):
         self.grad = None
