@@ -34,7 +34,7 @@ def make(local, mesh, shape, placements):
     """A DTensor from an op's local result (NumPy's full reductions give scalars: wrapped)."""
     if local is not None and not isinstance(local, backend.xp.ndarray):
         local = backend.xp.asarray(local)
-    return DTensor._make(local, Layout(mesh, shape, placements))
+    return DTensor._make(local, Layout.trusted(mesh, tuple(shape), tuple(placements)))
 
 
 def automatic(current, target):

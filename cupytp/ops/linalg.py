@@ -8,6 +8,7 @@ Partial (linear); shards on two different letters have no rule. The gradients ar
 themselves, so their layouts (a Partial input gradient of a column-parallel layer, say) follow
 from the same rule.
 """
+import functools
 import string
 import threading
 
@@ -42,22 +43,27 @@ def _autocast_operand(x):
 
 
 def _parse(spec, a, b):
+    return _parse_shapes(spec, a.shape, b.shape)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_shapes(spec, shape_a, shape_b):
     try:
         inputs, out = spec.replace(" ", "").split("->")
         sa, sb = inputs.split(",")
     except ValueError:
         raise ValueError(f"einsum spec {spec!r} is not of the form 'ab,bc->ac'") from None
-    for name, letters, t in (("first", sa, a), ("second", sb, b)):
-        if len(letters) != t.ndim or len(set(letters)) != len(letters):
-            raise ValueError(f"einsum {spec!r}: {name} operand has shape {t.shape}, the spec "
+    for name, letters, shape in (("first", sa, shape_a), ("second", sb, shape_b)):
+        if len(letters) != len(shape) or len(set(letters)) != len(letters):
+            raise ValueError(f"einsum {spec!r}: {name} operand has shape {shape}, the spec "
                              f"gives it {letters!r}")
     for letter in sa + sb:
         if letter not in out and (letter not in sa or letter not in sb):
             raise ValueError(f"einsum {spec!r}: letter {letter!r} of one operand is summed "
                              "alone; sum it first with .sum()")
     sizes = {}
-    for letters, t in ((sa, a), (sb, b)):
-        for letter, n in zip(letters, t.shape):
+    for letters, shape in ((sa, shape_a), (sb, shape_b)):
+        for letter, n in zip(letters, shape):
             if sizes.setdefault(letter, n) != n:
                 raise ValueError(f"einsum {spec!r}: letter {letter!r} has sizes {sizes[letter]} "
                                  f"and {n}")

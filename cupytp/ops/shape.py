@@ -100,7 +100,7 @@ def permute(x, dims):
                        for p in x.placements)
     out = make(backend.xp.transpose(x._local, dims), x.mesh,
                tuple(x.shape[d] for d in dims), placements)
-    inverse = tuple(numpy.argsort(dims))
+    inverse = tuple(sorted(range(len(dims)), key=dims.__getitem__))
     return engine.record(out, (x,), lambda g: (permute(g, inverse),), "permute")
 
 

@@ -38,6 +38,15 @@ class Layout:
         self.placements = tuple(normalized)
         self._local = None
 
+    @classmethod
+    def trusted(cls, mesh, shape, placements):
+        """A Layout from an op's own shape tuple and normalized placements tuple (Shard dims
+        non-negative, one per mesh dimension), without re-checking them."""
+        layout = cls.__new__(cls)
+        layout.mesh, layout.shape, layout.placements, layout._local = \
+            mesh, shape, placements, None
+        return layout
+
     @property
     def ndim(self):
         return len(self.shape)
