@@ -64,7 +64,8 @@ def bench(group, op, nbytes):
     iters = max(5, min(200, int(2e9 // max(nbytes, 1))))
     t_raw, t_ours = timed(raw, iters), timed(ours, iters)
     return {"op": op, "bytes": nbytes, "raw_us": t_raw * 1e6, "ours_us": t_ours * 1e6,
-            "raw_busbw": nbytes / t_raw * factor / 1e9, "ours_busbw": nbytes / t_ours * factor / 1e9}
+            "raw_busbw": nbytes / t_raw * factor / 1e9,
+            "ours_busbw": nbytes / t_ours * factor / 1e9}
 
 
 def main():
@@ -78,13 +79,15 @@ def main():
     if info.rank == 0:
         with open(os.path.join(args.out, "collectives.json"), "w") as f:
             json.dump(rows, f, indent=1)
-        print(f"{info.world_size} ranks, {backend.xp.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
+        name = backend.xp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+        print(f"{info.world_size} ranks, {name}")
         print(f"{'op':15}{'size':>10}{'raw us':>10}{'ours us':>10}{'lat x':>7}"
               f"{'raw GB/s':>10}{'ours GB/s':>10}{'bw %':>7}")
         for r in rows:
-            print(f"{r['op']:15}{r['bytes'] / 2 ** 20:>9.3f}M{r['raw_us']:>10.1f}{r['ours_us']:>10.1f}"
-                  f"{r['ours_us'] / r['raw_us']:>7.2f}{r['raw_busbw']:>10.1f}"
-                  f"{r['ours_busbw']:>10.1f}{100 * r['ours_busbw'] / r['raw_busbw']:>7.1f}")
+            print(f"{r['op']:15}{r['bytes'] / 2 ** 20:>9.3f}M{r['raw_us']:>10.1f}"
+                  f"{r['ours_us']:>10.1f}{r['ours_us'] / r['raw_us']:>7.2f}"
+                  f"{r['raw_busbw']:>10.1f}{r['ours_busbw']:>10.1f}"
+                  f"{100 * r['ours_busbw'] / r['raw_busbw']:>7.1f}")
 
 
 if __name__ == "__main__":

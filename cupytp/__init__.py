@@ -10,3 +10,11 @@ from cupytp.tensor import (
     full, local_mesh, manual_seed, ones, rand, randn, zeros)
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "backend", "no_grad", "DeviceMesh", "init", "init_device_mesh", "ShardingError", "autocast",
+    "concat", "cross_entropy", "dropout", "einsum", "embedding", "gelu", "layer_norm",
+    "log_softmax", "matmul", "softmax", "split", "stack", "DTensor", "Layout", "Partial",
+    "Replicated", "Shard", "ShardingType", "arange", "distribute", "from_local", "full",
+    "local_mesh", "manual_seed", "ones", "rand", "randn", "zeros",
+]

@@ -11,7 +11,6 @@ Results are new arrays; they may be the input itself on a group of one rank, and
 rank of a broadcast.
 """
 import os
-import time
 
 import numpy
 

@@ -85,14 +85,14 @@ class DColumnLinear(DLinear):
 
 
 class DRowLinear(DLinear):
-    """Row-parallel: weight `[in/tp, out]` Shard(0); input Shard(-1) (`input_is_parallel`) or
-    Replicated (then sliced locally); output Replicated after one all-reduce."""
+    """Row-parallel: weight `[in/tp, out]` Shard(0); input Shard(-1), or Replicated (then each
+    rank slices its part locally, so no `input_is_parallel` flag is needed); output Replicated
+    after one all-reduce."""
 
-    def __init__(self, in_features, out_features, mesh=None, bias=True, input_is_parallel=True,
-                 dtype="fp32", init_std=0.02):
+    def __init__(self, in_features, out_features, mesh=None, bias=True, dtype="fp32",
+                 init_std=0.02):
         super().__init__(in_features, out_features, mesh, Shard(0), bias, dtype=dtype,
                          init_std=init_std)
-        self.input_is_parallel = input_is_parallel
 
     def forward(self, x):
         y = super().forward(x)

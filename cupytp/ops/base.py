@@ -111,5 +111,7 @@ def linear_grad(g, placements, strict=()):
     return g
 
 
+# names the op modules take from here along with the helpers
 __all__ = ["ShardingError", "Partial", "Replicated", "Shard", "backend", "engine", "DTensor",
-           "Layout"]
+           "Layout", "convert", "fail", "is_tensor", "linear_grad", "make", "redistribute",
+           "reduce_all", "same_mesh", "scalar_or_tensor"]

@@ -88,8 +88,8 @@ def layer_norm(x, weight, bias, eps=1e-5):
         dx = rstd * (dxhat - dxhat.mean(axis=-1, keepdims=True)
                      - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True))
         grad_x = make(dx.astype(x.dtype, copy=False), x.mesh, x.shape, g.placements)
-        grad_w = reduce_sum(make((gl * xhat).astype(x.dtype, copy=False), x.mesh, x.shape, g.placements),
-                            leading) if weight is not None else None
+        scaled = make((gl * xhat).astype(x.dtype, copy=False), x.mesh, x.shape, g.placements)
+        grad_w = reduce_sum(scaled, leading) if weight is not None else None
         grad_b = reduce_sum(g, leading) if bias is not None else None
         return grad_x, grad_w, grad_b
     return engine.record(out, (x, weight, bias), backward, "layer_norm")

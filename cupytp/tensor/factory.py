@@ -31,7 +31,9 @@ def _mesh_and_placements(mesh, placements):
 
 
 def _shape(shape):
-    return (int(shape),) if isinstance(shape, (int, numpy.integer)) else tuple(int(n) for n in shape)
+    if isinstance(shape, (int, numpy.integer)):
+        return (int(shape),)
+    return tuple(int(n) for n in shape)
 
 
 def distribute(array, mesh=None, placements=None, src=0, requires_grad=False):

@@ -2,14 +2,14 @@
 
 One table names the collective for each change of placement along one mesh dimension:
 
-| from → to     | collective                                   | its backward (conjugate)       |
-|---------------|----------------------------------------------|--------------------------------|
-| S(d) → R      | all-gather along d                           | R → S(d): local slice          |
-| R → S(d)      | local slice                                  | all-gather along d             |
-| P → R         | all-reduce                                   | identity (R → R)               |
-| P → S(d)      | reduce-scatter along d                       | all-gather along d             |
-| S(d) → S(e)   | all-to-all                                   | all-to-all                     |
-| R → P         | rank 0 keeps the value, the others zeros     | identity                       |
+| from → to   | collective                               | its backward (conjugate)  |
+|-------------|------------------------------------------|---------------------------|
+| S(d) → R    | all-gather along d                       | R → S(d): local slice     |
+| R → S(d)    | local slice                              | all-gather along d        |
+| P → R       | all-reduce                               | identity (R → R)          |
+| P → S(d)    | reduce-scatter along d                   | all-gather along d        |
+| S(d) → S(e) | all-to-all                               | all-to-all                |
+| R → P       | rank 0 keeps the value, the others zeros | identity                  |
 
 The backward of a redistribution is the redistribution of the gradient back to the input's
 placements (a Partial input's gradient is Replicated), which yields the conjugate above.

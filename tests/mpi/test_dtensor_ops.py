@@ -7,7 +7,7 @@ import cupytp
 from cupytp import ops
 from cupytp.ops import ShardingError
 from cupytp.tensor import Partial, Replicated, Shard
-from sharding import check_against_dense, full, lay_out, placements_for, rng_array
+from sharding import check_against_dense, full, lay_out, rng_array
 
 R, P = Replicated(), Partial()
 S = Shard

@@ -24,7 +24,8 @@ def build(factory, mesh, seed=0):
 
 def compare(dense, parallel, x, mesh, x_placement=None, rtol=1e-10, atol=1e-12):
     """Same parameters, outputs and gradients (inputs and parameters) for the two models."""
-    dense_params, parallel_params = dict(dense.named_parameters()), dict(parallel.named_parameters())
+    dense_params = dict(dense.named_parameters())
+    parallel_params = dict(parallel.named_parameters())
     assert list(dense_params) == list(parallel_params)
     for name in dense_params:
         numpy.testing.assert_array_equal(full(parallel_params[name]), full(dense_params[name]),
