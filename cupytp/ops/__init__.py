@@ -17,8 +17,8 @@ from cupytp.ops.shape import (
 
 __all__ = [
     "ShardingError", "autocast", "redistribute", "add", "astype", "div", "exp", "gelu", "log",
-    "masked_fill", "mul", "neg", "pow", "sqrt", "sub", "tanh", "einsum", "matmul", "cross_entropy", "dropout",
-    "embedding", "layer_norm", "log_softmax", "scaled_dot_product_attention", "softmax",
+    "masked_fill", "mul", "neg", "pow", "sqrt", "sub", "tanh", "einsum", "matmul", "cross_entropy",
+    "dropout", "embedding", "layer_norm", "log_softmax", "scaled_dot_product_attention", "softmax",
     "take_along_last", "broadcast_to", "max", "mean", "sum", "sum_to_shape", "concat", "getitem",
     "permute", "reshape", "split", "stack", "transpose", "unsqueeze",
 ]
