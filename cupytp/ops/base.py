@@ -79,16 +79,12 @@ def redistribute(x, placements, async_op=False):
     return finish(local)
 
 
-def scalar_or_tensor(op, x, like):
+def scalar_or_tensor(op, x):
     """Python numbers stay numbers; arrays must be DTensors on the same mesh."""
     if isinstance(x, numbers.Number) or is_tensor(x):
         return x
     raise TypeError(f"{op}: cannot combine a DTensor with {type(x).__name__}; wrap arrays with "
                     "cupytp.distribute or DTensor.from_local")
-
-
-def local_of(x):
-    return x._local if is_tensor(x) else x
 
 
 def same_mesh(op, tensors):

@@ -70,7 +70,7 @@ def elementwise_rule(op, operands, out_shape, linear):
 
 def apply(op, fn, operands, linear, backward_fn=None):
     """Run elementwise `fn` on the local arrays of `operands` (DTensors and numbers)."""
-    operands = [scalar_or_tensor(op, x, None) for x in operands]
+    operands = [scalar_or_tensor(op, x) for x in operands]
     tensors = [x for x in operands if is_tensor(x)]
     same_mesh(op, tensors)
     out_shape = numpy.broadcast_shapes(*[t.shape for t in tensors])
