@@ -9,16 +9,17 @@ from cupytp.ops.elementwise import (
     add, astype, div, exp, gelu, log, masked_fill, mul, neg, pow, sqrt, sub, tanh)
 from cupytp.ops.linalg import autocast, einsum, matmul
 from cupytp.ops.nn import (
-    cross_entropy, dropout, embedding, layer_norm, log_softmax, scaled_dot_product_attention,
-    softmax, take_along_last)
+    causal_softmax, cross_entropy, dropout, embedding, layer_norm, log_softmax,
+    scaled_dot_product_attention, softmax, take_along_last)
 from cupytp.ops.reduction import broadcast_to, max, mean, sum, sum_to_shape
 from cupytp.ops.shape import (
     concat, getitem, permute, reshape, split, stack, transpose, unsqueeze)
 
 __all__ = [
-    "ShardingError", "autocast", "redistribute", "add", "astype", "div", "exp", "gelu", "log",
-    "masked_fill", "mul", "neg", "pow", "sqrt", "sub", "tanh", "einsum", "matmul", "cross_entropy",
-    "dropout", "embedding", "layer_norm", "log_softmax", "scaled_dot_product_attention", "softmax",
-    "take_along_last", "broadcast_to", "max", "mean", "sum", "sum_to_shape", "concat", "getitem",
-    "permute", "reshape", "split", "stack", "transpose", "unsqueeze",
+    "ShardingError", "causal_softmax", "autocast", "redistribute", "add", "astype", "div", "exp",
+    "gelu", "log", "masked_fill", "mul", "neg", "pow", "sqrt", "sub", "tanh", "einsum", "matmul",
+    "cross_entropy", "dropout", "embedding", "layer_norm", "log_softmax",
+    "scaled_dot_product_attention", "softmax", "take_along_last", "broadcast_to", "max", "mean",
+    "sum", "sum_to_shape", "concat", "getitem", "permute", "reshape", "split", "stack",
+    "transpose", "unsqueeze",
 ]

@@ -12,7 +12,7 @@ import math
 from cupytp.ops.base import (
     Partial, Replicated, Shard, backend, convert, engine, fail, is_tensor, linear_grad, make,
     reduce_all)
-from cupytp.ops.elementwise import log, masked_fill, mul, sub
+from cupytp.ops.elementwise import log, mul, sub
 from cupytp.ops.linalg import einsum
 from cupytp.ops.reduction import max as reduce_max, sum as reduce_sum
 from cupytp.ops.shape import concat, getitem, unsqueeze
@@ -62,6 +62,23 @@ def log_softmax(x, dim=-1):
         local = gl - xp.exp(y) * gl.sum(axis=dim, keepdims=True)
         return (make(local.astype(x.dtype, copy=False), x.mesh, x.shape, g.placements),)
     return engine.record(out, (x,), backward, "log_softmax")
+
+
+def causal_softmax(scores, scale=1.0):
+    """softmax(scale · scores) over the last dimension, query t seeing keys s <= t + S - T of
+    (..., T, S) scores; one fused kernel on GPU. The last two dimensions are unsharded."""
+    from cupytp.kernels.softmax import causal_softmax as forward, causal_softmax_backward
+    x, _ = _unsharded("causal_softmax", scores, -1)
+    x, _ = _unsharded("causal_softmax", x, -2)
+    xp = backend.xp
+    y = forward(xp.ascontiguousarray(x._local), scale)
+    out = make(y, x.mesh, x.shape, x.placements)
+
+    def backward(g):
+        g = linear_grad(g, out.placements)
+        local = causal_softmax_backward(y, xp.ascontiguousarray(g._local), scale)
+        return (make(local, x.mesh, x.shape, g.placements),)
+    return engine.record(out, (x,), backward, "causal_softmax")
 
 
 def layer_norm(x, weight, bias, eps=1e-5):
@@ -252,11 +269,9 @@ def dropout(x, p, training=True, generator=None):
 
 
 def scaled_dot_product_attention(q, k, v, causal=True):
-    """softmax(q kᵀ / sqrt(d)) v over (B, H, T, D) inputs; heads may be sharded (Shard(1))."""
-    scores = mul(einsum("bhtd,bhsd->bhts", q, k), 1.0 / math.sqrt(q.shape[-1]))
-    if causal:
-        t, s = scores.shape[-2:]
-        mask = backend.xp.triu(backend.xp.ones((t, s), dtype=bool), k=1 + s - t)
-        scores = masked_fill(scores, make(mask, q.mesh, (t, s), (Replicated(),) * q.mesh.ndim),
-                             -math.inf)
-    return einsum("bhts,bhsd->bhtd", softmax(scores, -1), v)
+    """softmax(q kᵀ / sqrt(d)) v over (B, H, T, D) inputs; heads may be sharded (Shard(1)).
+    Causal: scale, mask and softmax are one fused kernel (one pass over the scores)."""
+    scores = einsum("bhtd,bhsd->bhts", q, k)                    # (B, H/tp, T, S)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    probs = causal_softmax(scores, scale) if causal else softmax(mul(scores, scale), -1)
+    return einsum("bhts,bhsd->bhtd", probs, v)

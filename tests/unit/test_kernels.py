@@ -411,3 +411,61 @@ def test_gemm_matches_twin(a_shape, b_shape, transpose_a, transpose_b):
     got = asnumpy(matmul(da, db)).astype(numpy.float64)
     want = matmul_numpy(a, b).astype(numpy.float64)
     numpy.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
+
+
+# ---- causal softmax ---------------------------------------------------------------------------
+def _masked_softmax_reference(x, scale):
+    """Independent float64 reference: -inf above the causal diagonal, then softmax."""
+    t_len, s_len = x.shape[-2:]
+    scores = x.astype(numpy.float64) * scale
+    for t in range(t_len):
+        scores[..., t, t + s_len - t_len + 1:] = -numpy.inf
+    out = numpy.zeros_like(scores)
+    for index in numpy.ndindex(scores.shape[:-1]):
+        row = scores[index]
+        if numpy.isfinite(row).any():
+            e = numpy.exp(row - row[numpy.isfinite(row)].max())
+            out[index] = e / e.sum()
+    return out
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 5, 5), (4, 7), (2, 3, 6)])
+def test_causal_softmax_twin(shape):
+    from cupytp.kernels.softmax import causal_softmax_backward_numpy, causal_softmax_numpy
+    x = numpy.random.default_rng(5).standard_normal(shape)
+    y = causal_softmax_numpy(x, 0.7)
+    numpy.testing.assert_allclose(y, _masked_softmax_reference(x, 0.7), rtol=1e-12, atol=1e-15)
+    if shape[-2] > shape[-1]:                       # queries with no visible key: zeros
+        assert not y[..., 0, :].any()
+    g = numpy.random.default_rng(6).standard_normal(shape)
+    grad = causal_softmax_backward_numpy(y, g, 0.7)
+    eps, numeric = 1e-6, numpy.zeros_like(x)
+    for index in numpy.ndindex(shape):
+        plus, minus = x.copy(), x.copy()
+        plus[index] += eps
+        minus[index] -= eps
+        numeric[index] = ((causal_softmax_numpy(plus, 0.7) - causal_softmax_numpy(minus, 0.7))
+                          * g).sum() / (2 * eps)
+    numpy.testing.assert_allclose(grad, numeric, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not on_gpu, reason="needs a GPU")
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-6), ("float64", 1e-12), ("bf16", 2e-2)])
+@pytest.mark.parametrize("shape", [(3, 2, 37, 37), (5, 300, 300), (2, 9, 1030)])
+def test_causal_softmax_kernel_matches_twin(dtype, tol, shape):
+    from cupytp.kernels.softmax import (causal_softmax, causal_softmax_backward,
+                                        causal_softmax_backward_numpy, causal_softmax_numpy)
+    dtype = bfloat16 if dtype == "bf16" else numpy.dtype(dtype)
+    rng = numpy.random.default_rng(7)
+    x = (3 * rng.standard_normal(shape)).astype(dtype)
+    g = rng.standard_normal(shape).astype(dtype)
+    y = causal_softmax(xp.asarray(x), 0.125)
+    numpy.testing.assert_allclose(asnumpy(y).astype(numpy.float64),
+                                  causal_softmax_numpy(x, 0.125).astype(numpy.float64),
+                                  rtol=tol, atol=tol)
+    y_twin = causal_softmax_numpy(x, 0.125)
+    dx = causal_softmax_backward(xp.asarray(y_twin), xp.asarray(g), 0.125)
+    numpy.testing.assert_allclose(asnumpy(dx).astype(numpy.float64),
+                                  causal_softmax_backward_numpy(y_twin, g, 0.125).astype(
+                                      numpy.float64), rtol=tol, atol=tol)
