@@ -7,6 +7,17 @@
 // divide pass each. Storage dtype T, compute dtype C (float for fp32/bf16/fp16, double for fp64).
 #include "common.cuh"
 
+// -infinity without <math.h> (NVRTC compiles without the host headers)
+template <typename C>
+__device__ __forceinline__ C negative_infinity();
+template <>
+__device__ __forceinline__ float negative_infinity<float>() { return __int_as_float(0xff800000); }
+template <>
+__device__ __forceinline__ double negative_infinity<double>()
+{
+    return __longlong_as_double(0xfff0000000000000ULL);
+}
+
 template <typename C>
 struct Max {
     __device__ C operator()(C a, C b) const { return a > b ? a : b; }
@@ -48,10 +59,10 @@ __device__ void causal_softmax_forward(const T* x, T* y, int t_len, int s_len, C
     const int visible = (int)(row % t_len) + s_len - t_len + 1;  // keys 0 .. visible-1
     const T* xr = x + row * s_len;
     T* yr = y + row * s_len;
-    C m = -INFINITY;
+    C m = negative_infinity<C>();
     for (int s = threadIdx.x; s < visible; s += blockDim.x)
         m = Max<C>()(m, scale * widen<C>(xr[s]));
-    m = block_reduce(m, Max<C>(), C(-INFINITY));
+    m = block_reduce(m, Max<C>(), negative_infinity<C>());
     C total = 0;
     for (int s = threadIdx.x; s < visible; s += blockDim.x)
         total += exp(scale * widen<C>(xr[s]) - m);
