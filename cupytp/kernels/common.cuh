@@ -8,3 +8,48 @@ template <typename C, typename T>
 __device__ __forceinline__ C widen(T x) { return static_cast<C>(static_cast<float>(x)); }
 template <>
 __device__ __forceinline__ double widen<double, double>(double x) { return x; }
+
+// -infinity without <math.h> (NVRTC compiles without the host headers)
+template <typename C>
+__device__ __forceinline__ C negative_infinity();
+template <>
+__device__ __forceinline__ float negative_infinity<float>() { return __int_as_float(0xff800000); }
+template <>
+__device__ __forceinline__ double negative_infinity<double>()
+{
+    return __longlong_as_double(0xfff0000000000000ULL);
+}
+
+template <typename C>
+struct Max {
+    __device__ C operator()(C a, C b) const { return a > b ? a : b; }
+};
+
+template <typename C>
+struct Sum {
+    __device__ C operator()(C a, C b) const { return a + b; }
+};
+
+// The reduction of v over the block, returned to every thread. All threads must call it.
+template <typename C, typename Op>
+__device__ C block_reduce(C v, Op op, C identity)
+{
+    __shared__ C partial[32];
+    for (int offset = 16; offset > 0; offset >>= 1)
+        v = op(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    if (lane == 0)
+        partial[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < (blockDim.x + 31) / 32 ? partial[lane] : identity;
+        for (int offset = 16; offset > 0; offset >>= 1)
+            v = op(v, __shfl_xor_sync(0xffffffffu, v, offset));
+        if (lane == 0)
+            partial[0] = v;
+    }
+    __syncthreads();
+    v = partial[0];
+    __syncthreads();  // the next reduction may reuse `partial`
+    return v;
+}

@@ -83,30 +83,30 @@ def causal_softmax(scores, scale=1.0):
 
 def layer_norm(x, weight, bias, eps=1e-5):
     """Normalize over the last dimension (unsharded), then scale by `weight` and shift by `bias`
-    (both Replicated, shape (C,); either may be None)."""
+    (both Replicated, shape (C,); either may be None). One fused kernel per direction on GPU;
+    the weight and bias gradients are column sums over the leading (maybe sharded) dims."""
+    from cupytp.kernels.layernorm import layer_norm_backward, layer_norm_forward
     x, _ = _unsharded("layer_norm", x, -1)
     replicated = (Replicated(),) * x.mesh.ndim
     weight = convert("layer_norm", weight, replicated, [x, weight]) if weight is not None else None
     bias = convert("layer_norm", bias, replicated, [x, bias]) if bias is not None else None
     xp = backend.xp
-    v = x._local.astype(_compute_dtype(x.dtype), copy=False)
-    centered = v - v.mean(axis=-1, keepdims=True)
-    rstd = 1.0 / xp.sqrt((centered * centered).mean(axis=-1, keepdims=True) + eps)
-    xhat = centered * rstd
-    y = xhat * weight._local if weight is not None else xhat
-    y = y + bias._local if bias is not None else y
-    out = make(y.astype(x.dtype, copy=False), x.mesh, x.shape, x.placements)
+    w_local = weight._local.astype(x.dtype, copy=False) if weight is not None else None
+    b_local = bias._local.astype(x.dtype, copy=False) if bias is not None else None
+    y, xhat, rstd = layer_norm_forward(xp.ascontiguousarray(x._local), w_local, b_local, eps)
+    out = make(y, x.mesh, x.shape, x.placements)
     leading = tuple(range(x.ndim - 1))
 
     def backward(g):
         g = linear_grad(g, out.placements)
-        gl = g._local.astype(xhat.dtype, copy=False)
-        dxhat = gl * weight._local if weight is not None else gl
-        dx = rstd * (dxhat - dxhat.mean(axis=-1, keepdims=True)
-                     - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True))
-        grad_x = make(dx.astype(x.dtype, copy=False), x.mesh, x.shape, g.placements)
-        scaled = make((gl * xhat).astype(x.dtype, copy=False), x.mesh, x.shape, g.placements)
-        grad_w = reduce_sum(scaled, leading) if weight is not None else None
+        gl = xp.ascontiguousarray(g._local)
+        grad_x = make(layer_norm_backward(gl, xhat, rstd, w_local), x.mesh, x.shape,
+                      g.placements)
+        grad_w = None
+        if weight is not None:
+            scaled = make((gl * xhat).astype(weight.dtype, copy=False), x.mesh, x.shape,
+                          g.placements)
+            grad_w = reduce_sum(scaled, leading)
         grad_b = reduce_sum(g, leading) if bias is not None else None
         return grad_x, grad_w, grad_b
     return engine.record(out, (x, weight, bias), backward, "layer_norm")

@@ -469,3 +469,46 @@ def test_causal_softmax_kernel_matches_twin(dtype, tol, shape):
     numpy.testing.assert_allclose(asnumpy(dx).astype(numpy.float64),
                                   causal_softmax_backward_numpy(y_twin, g, 0.125).astype(
                                       numpy.float64), rtol=tol, atol=tol)
+
+
+# ---- layer norm -------------------------------------------------------------------------------
+def test_layer_norm_twin_against_float64_formula():
+    from cupytp.kernels.layernorm import layer_norm_backward_numpy, layer_norm_forward_numpy
+    rng = numpy.random.default_rng(8)
+    x, w, b, g = (rng.standard_normal(s) for s in ((3, 4, 10), (10,), (10,), (3, 4, 10)))
+    y, xhat, rstd = layer_norm_forward_numpy(x, w, b, 1e-5)
+    mean, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+    numpy.testing.assert_allclose(y, (x - mean) / numpy.sqrt(var + 1e-5) * w + b, rtol=1e-12)
+    eps, numeric = 1e-6, numpy.zeros_like(x)
+    for index in numpy.ndindex(x.shape):
+        plus, minus = x.copy(), x.copy()
+        plus[index] += eps
+        minus[index] -= eps
+        numeric[index] = ((layer_norm_forward_numpy(plus, w, b, 1e-5)[0]
+                           - layer_norm_forward_numpy(minus, w, b, 1e-5)[0]) * g).sum() / (2 * eps)
+    numpy.testing.assert_allclose(layer_norm_backward_numpy(g, xhat, rstd, w), numeric,
+                                  rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not on_gpu, reason="needs a GPU")
+@pytest.mark.parametrize("dtype,tol", [("float32", 2e-5), ("float64", 1e-12), ("bf16", 3e-2)])
+@pytest.mark.parametrize("shape,affine", [((7, 5, 768), True), ((3, 1030), False), ((1, 33), True)])
+def test_layer_norm_kernel_matches_twin(dtype, tol, shape, affine):
+    from cupytp.kernels.layernorm import (layer_norm_backward, layer_norm_backward_numpy,
+                                          layer_norm_forward, layer_norm_forward_numpy)
+    dtype = bfloat16 if dtype == "bf16" else numpy.dtype(dtype)
+    rng = numpy.random.default_rng(9)
+    x, g = (rng.standard_normal(shape).astype(dtype) for _ in range(2))
+    w, b = ((rng.standard_normal(shape[-1:]).astype(dtype) if affine else None)
+            for _ in range(2))
+    on = lambda a: None if a is None else xp.asarray(a)
+    y, xhat, rstd = layer_norm_forward(on(x), on(w), on(b), 1e-5)
+    y_twin, xhat_twin, rstd_twin = layer_norm_forward_numpy(x, w, b, 1e-5)
+    for got, want in ((y, y_twin), (xhat, xhat_twin), (rstd, rstd_twin)):
+        numpy.testing.assert_allclose(asnumpy(got).astype(numpy.float64),
+                                      want.astype(numpy.float64), rtol=tol, atol=tol)
+    dx = layer_norm_backward(on(g), xp.asarray(xhat_twin), xp.asarray(rstd_twin), on(w))
+    numpy.testing.assert_allclose(asnumpy(dx).astype(numpy.float64),
+                                  layer_norm_backward_numpy(g, xhat_twin, rstd_twin, w).astype(
+                                      numpy.float64), rtol=tol, atol=tol)

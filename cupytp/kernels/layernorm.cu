@@ -1,0 +1,74 @@
+// LayerNorm over the last dimension (length `cols`), one block per row:
+//     xhat = (x - mean) rstd,  rstd = 1 / sqrt(var + eps)  (two passes: mean, then variance)
+//     y = xhat w + b                                       (w, b optional)
+//     dx = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat)),  dxhat = g w
+// The forward also writes xhat and rstd in the compute dtype C for the backward (and for the
+// weight and bias gradients, which are column sums the caller takes). Storage dtype T.
+#include "common.cuh"
+
+template <typename T, typename C>
+__device__ void layer_norm_forward(const T* x, const T* w, const T* b, T* y, C* xhat, C* rstd,
+                                   int cols, C eps)
+{
+    const long long row = blockIdx.x;
+    const T* xr = x + row * cols;
+    C sum = 0;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x)
+        sum += widen<C>(xr[i]);
+    const C mean = block_reduce(sum, Sum<C>(), C(0)) / C(cols);
+    C squares = 0;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        const C d = widen<C>(xr[i]) - mean;
+        squares += d * d;
+    }
+    const C r = C(1) / sqrt(block_reduce(squares, Sum<C>(), C(0)) / C(cols) + eps);
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        const C h = (widen<C>(xr[i]) - mean) * r;
+        xhat[row * cols + i] = h;
+        C out = w ? h * widen<C>(w[i]) : h;
+        y[row * cols + i] = static_cast<T>(b ? out + widen<C>(b[i]) : out);
+    }
+    if (threadIdx.x == 0)
+        rstd[row] = r;
+}
+
+template <typename T, typename C>
+__device__ void layer_norm_backward(const T* g, const C* xhat, const C* rstd, const T* w, T* dx,
+                                    int cols)
+{
+    const long long row = blockIdx.x;
+    const T* gr = g + row * cols;
+    const C* hr = xhat + row * cols;
+    C sum = 0, dot = 0;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        const C d = w ? widen<C>(gr[i]) * widen<C>(w[i]) : widen<C>(gr[i]);
+        sum += d;
+        dot += d * hr[i];
+    }
+    const C mean_d = block_reduce(sum, Sum<C>(), C(0)) / C(cols);
+    const C mean_dh = block_reduce(dot, Sum<C>(), C(0)) / C(cols);
+    const C r = rstd[row];
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        const C d = w ? widen<C>(gr[i]) * widen<C>(w[i]) : widen<C>(gr[i]);
+        dx[row * cols + i] = static_cast<T>(r * (d - mean_d - hr[i] * mean_dh));
+    }
+}
+
+#define LAYER_NORM_KERNELS(T, C, SUFFIX)                                                         \
+    extern "C" __global__ void layer_norm_forward_##SUFFIX(const T* x, const T* w, const T* b,  \
+                                                           T* y, C* xhat, C* rstd, int cols,     \
+                                                           C eps)                                \
+    {                                                                                            \
+        layer_norm_forward<T, C>(x, w, b, y, xhat, rstd, cols, eps);                             \
+    }                                                                                            \
+    extern "C" __global__ void layer_norm_backward_##SUFFIX(const T* g, const C* xhat,          \
+                                                            const C* rstd, const T* w, T* dx,    \
+                                                            int cols)                            \
+    {                                                                                            \
+        layer_norm_backward<T, C>(g, xhat, rstd, w, dx, cols);                                   \
+    }
+
+LAYER_NORM_KERNELS(float, float, f32)
+LAYER_NORM_KERNELS(double, double, f64)
+LAYER_NORM_KERNELS(__nv_bfloat16, float, bf16)
+LAYER_NORM_KERNELS(__half, float, f16)
