@@ -16,10 +16,11 @@ NULL = numpy.uint64(0)
 
 
 def _check(x, weight, bias):
-    optional = {name: [a] for name, a in (("weight", weight), ("bias", bias)) if a is not None}
-    dtypes = check_lists(x=[x], **optional)
-    dtype_suffix(dtypes["x"])
+    """Each array on its own (check_lists compares shapes across lists, position by position)."""
+    dtype_suffix(check_lists(x=[x])["x"])
     for name, array in (("weight", weight), ("bias", bias)):
+        if array is not None:
+            check_lists(**{name: [array]})
         if array is not None and (array.dtype != x.dtype or array.shape != x.shape[-1:]):
             raise ValueError(f"layer_norm: {name} must have dtype {x.dtype} and shape "
                              f"{x.shape[-1:]}, got {array.dtype} {array.shape}")
@@ -47,7 +48,8 @@ def layer_norm_backward(g, xhat, rstd, weight):
     if not is_device_array(g):
         return layer_norm_backward_numpy(g, xhat, rstd, weight)
     _check(g, weight, None)
-    check_lists(xhat=[xhat], rstd=[rstd])
+    check_lists(xhat=[xhat])
+    check_lists(rstd=[rstd])
     cols = g.shape[-1]
     rows = g.size // cols if cols else 0
     dx = xp.empty_like(g)
