@@ -165,7 +165,7 @@ def astype(x, dtype):
 def masked_fill(x, mask, value):
     """`x` with `value` where the boolean DTensor `mask` (broadcast to x) is true."""
     def fill(v, m):
-        return backend.xp.where(m, backend.xp.asarray(value, dtype=v.dtype), v)
+        return backend.xp.where(m, v.dtype.type(value), v)   # a scalar: no copy to the device
 
     def backward(g, x, mask, out):
         return (masked_fill(g, mask, 0.0), None)

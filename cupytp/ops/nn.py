@@ -156,7 +156,7 @@ def embedding(ids, weight):
     local_ids = ids._local - offset
     valid = (local_ids >= 0) & (local_ids < rows)
     safe = xp.where(valid, local_ids, 0)
-    local = xp.where(valid[..., None], weight._local[safe], xp.zeros((), dtype=weight.dtype))
+    local = xp.where(valid[..., None], weight._local[safe], weight.dtype.type(0))
     out = make(local, weight.mesh, ids.shape + (weight.shape[1],), tuple(placements))
 
     sharded = {dim for dim, p in enumerate(weight.placements) if isinstance(p, Shard)}
@@ -206,8 +206,7 @@ def take_along_last(x, index):
     local_index = index._local - offset
     valid = (local_index >= 0) & (local_index < extent)
     safe = xp.where(valid, local_index, 0)[..., None]
-    local = xp.where(valid, xp.take_along_axis(x._local, safe, axis=-1)[..., 0],
-                     xp.zeros((), dtype=x.dtype))
+    local = xp.where(valid, xp.take_along_axis(x._local, safe, axis=-1)[..., 0], x.dtype.type(0))
     out = make(local, x.mesh, index.shape, tuple(placements))
 
     sharded = {dim for dim, p in enumerate(x.placements) if isinstance(p, Shard)}
