@@ -4,10 +4,14 @@ Philox-4x32-10 keyed by the seed, with the global element index (plus the genera
 offset) as the counter: element (i, j) of a global tensor gets the same value whatever the mesh,
 the placements or the number of ranks. Every draw advances the offset by the global element
 count, identically on all ranks. The same array code runs on NumPy and CuPy.
+
+Inside a captured CUDA graph the offset cannot be a constant of the graph: draws made while
+capturing count from a device-resident base that is rewritten before every replay (see
+`cupytp.graph`), so each replay draws fresh numbers, the same ones an eager run would draw.
 """
 import numpy
 
-from cupytp import backend
+from cupytp import backend, graph
 
 _M0, _M1 = 0xD2511F53, 0xCD9E8D57
 _W0, _W1 = 0x9E3779B9, 0xBB67AE85
@@ -54,10 +58,14 @@ def global_indices(shape, offsets, local_shape):
     return index
 
 
-class Generator:
-    """A seed and a running offset; `draw` reserves the counters of one global tensor."""
+class Generator(graph.GraphState):
+    """A seed and a running offset; each draw reserves the counters of one global tensor."""
 
     def __init__(self, seed=0):
+        self._zero = None            # device 0-d uint64 zero: the base of eager draws
+        self._graph_base = None      # device 0-d uint64: the base of captured draws
+        self._capture_start = None
+        self._per_replay = 0
         self.manual_seed(seed)
 
     def manual_seed(self, seed):
@@ -71,12 +79,45 @@ class Generator:
     def set_state(self, state):
         self.seed, self.offset = int(state[0]), int(state[1])
 
+    def philox_args(self, count):
+        """Reserve `count` counters: (seed, base, add), the counters being base + add + i for
+        i < count, with `base` a 0-d uint64 device array (zero outside a CUDA-graph capture,
+        rewritten before each replay inside one) for kernels that read it from memory."""
+        xp = backend.xp
+        if graph.is_capturing():
+            graph.join(self)
+            if self._graph_base is None:
+                self._graph_base = xp.empty((), dtype=xp.uint64)
+            base, add = self._graph_base, self.offset - self._capture_start
+        else:
+            if self._zero is None:
+                self._zero = xp.zeros((), dtype=xp.uint64)
+            base, add = self._zero, self.offset
+        self.offset += count
+        return self.seed, base, add
+
+    # ---- CUDA-graph state (cupytp.graph.GraphState) ---------------------------------------------
+    def capture_begin(self):
+        self._capture_start = self.offset
+        self._captured_seed = self.seed
+
+    def capture_end(self):
+        self._per_replay = self.offset - self._capture_start
+        self.offset = self._capture_start
+
+    def before_replay(self):
+        if self.seed != self._captured_seed:
+            raise graph.GraphCaptureError("the generator was reseeded after a CUDA graph captured "
+                                          "draws from it: capture the step again")
+        self._graph_base.fill(backend.xp.uint64(self.offset))
+        self.offset += self._per_replay
+
     def _words(self, shape, offsets, local_shape):
         count = int(numpy.prod(shape, dtype=numpy.int64))
-        counter = global_indices(shape, offsets, local_shape) + backend.xp.uint64(self.offset)
-        self.offset += count
+        seed, base, add = self.philox_args(count)
+        counter = global_indices(shape, offsets, local_shape) + (base + backend.xp.uint64(add))
         return philox4x32(counter & backend.xp.uint64(_MASK32), counter >> backend.xp.uint64(32),
-                          self.seed)
+                          seed)
 
     def uniform(self, shape, offsets, local_shape):
         """float64 uniforms in [0, 1) for the block `local_shape` at `offsets` of `shape`."""
