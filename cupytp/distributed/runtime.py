@@ -93,29 +93,9 @@ def world_comm():
     return _world_comm
 
 
-def all_gather_object(obj):
-    """Every rank's small picklable `obj`, in rank order, on every rank (host, over MPI)."""
-    return world_comm().allgather(obj)
-
-
-def broadcast_object(obj, src=0):
-    """Rank `src`'s small picklable `obj` on every rank (host, over MPI)."""
-    return world_comm().bcast(obj, root=src)
-
-
 def barrier():
     """Return once every rank of the job has called barrier() (host only: no device work)."""
     world_comm().Barrier()
-
-
-def broadcast_object(obj, src=0):
-    """A small picklable object from global rank `src` to every rank (host, over MPI)."""
-    return world_comm().bcast(obj, root=src)
-
-
-def all_gather_object(obj):
-    """Every rank's small picklable object, as a list in global rank order (host, over MPI)."""
-    return world_comm().allgather(obj)
 
 
 def self_group():
