@@ -93,6 +93,16 @@ def world_comm():
     return _world_comm
 
 
+def all_gather_object(obj):
+    """Every rank's small picklable `obj`, in rank order, on every rank (host, over MPI)."""
+    return world_comm().allgather(obj)
+
+
+def broadcast_object(obj, src=0):
+    """Rank `src`'s small picklable `obj` on every rank (host, over MPI)."""
+    return world_comm().bcast(obj, root=src)
+
+
 def barrier():
     """Return once every rank of the job has called barrier() (host only: no device work)."""
     world_comm().Barrier()
