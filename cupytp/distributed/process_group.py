@@ -304,6 +304,10 @@ class ProcessGroup:
         self._check_peer("broadcast_object", src)
         return self.host_comm.bcast(obj, root=src) if self.size > 1 else obj
 
+    def all_gather_object(self, obj):
+        """Every rank's small picklable object, in group order (host, over MPI)."""
+        return self.host_comm.allgather(obj) if self.size > 1 else [obj]
+
     # ---- shared helpers -----------------------------------------------------------------------
     def _gather_sizes(self, op, array, dim, sizes):
         if sizes is None:
