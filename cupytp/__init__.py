@@ -2,6 +2,7 @@
 from cupytp import backend
 from cupytp.autograd import no_grad
 from cupytp.distributed import DeviceMesh, init, init_device_mesh
+from cupytp.graph import GraphCaptureError, cuda_graph
 from cupytp.ops import (
     ShardingError, autocast, concat, cross_entropy, dropout, einsum, embedding, gelu, layer_norm,
     log_softmax, matmul, softmax, split, stack)
@@ -12,7 +13,8 @@ from cupytp.tensor import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "backend", "no_grad", "DeviceMesh", "init", "init_device_mesh", "ShardingError", "autocast",
+    "backend", "no_grad", "DeviceMesh", "init", "init_device_mesh", "GraphCaptureError",
+    "cuda_graph", "ShardingError", "autocast",
     "concat", "cross_entropy", "dropout", "einsum", "embedding", "gelu", "layer_norm",
     "log_softmax", "matmul", "softmax", "split", "stack", "DTensor", "Layout", "Partial",
     "Replicated", "Shard", "ShardingType", "arange", "distribute", "from_local", "full",

@@ -8,7 +8,8 @@ count) take part through `GraphState`: the first time one is used while a captur
 the capture (`capture_begin`: remember the host state), when the capture ends it puts its host
 state back as it was (`capture_end`: the capture computed nothing), and before every replay it
 advances its host state as one eager call would and writes what the graph reads into device
-memory (`before_replay`). Everything else the step reads (parameters, gradients, optimizer
+memory (`before_replay`). Each hook gets a dict private to that capture and that object, so one
+object may take part in several graphs. Everything else the step reads (parameters, gradients, optimizer
 moments) already lives in device memory at fixed addresses.
 
 Allocations made while capturing come from a pool private to the graph, so its addresses stay
@@ -32,24 +33,35 @@ class GraphCaptureError(RuntimeError):
 
 
 class GraphState:
-    """Host state that a captured step reads from device memory; see the module docstring."""
+    """Host state that a captured step reads from device memory; see the module docstring.
+    `record` is a dict kept by the capture for this object."""
 
-    def capture_begin(self):
+    def capture_begin(self, record):
         raise NotImplementedError
 
-    def capture_end(self):
+    def capture_end(self, record):
         raise NotImplementedError
 
-    def before_replay(self):
+    def before_replay(self, record):
         raise NotImplementedError
 
 
 class _Capture:
-    """What one capture collects: the states it touched and the process groups it used."""
+    """What one capture collects: the states it touched, each with its record, and the process
+    groups it used."""
 
     def __init__(self):
         self.states = []
         self.groups = []
+        self.kept = []
+
+    def end(self):
+        for state, record in self.states:
+            state.capture_end(record)
+
+    def before_replay(self):
+        for state, record in self.states:
+            state.before_replay(record)
 
 
 def is_capturing():
@@ -58,11 +70,18 @@ def is_capturing():
 
 
 def join(state):
-    """Make `state` (a GraphState) part of the capture in progress, once; no-op outside one."""
+    """Make `state` (a GraphState) part of the capture in progress, once, and return its record
+    (None outside a capture)."""
     capture = getattr(_state, "capture", None)
-    if capture is not None and not any(s is state for s in capture.states):
-        state.capture_begin()
-        capture.states.append(state)
+    if capture is None:
+        return None
+    for joined, record in capture.states:
+        if joined is state:
+            return record
+    record = {}
+    state.capture_begin(record)
+    capture.states.append((state, record))
+    return record
 
 
 def note_group(group):
@@ -70,6 +89,14 @@ def note_group(group):
     capture = getattr(_state, "capture", None)
     if capture is not None and group not in capture.groups:
         capture.groups.append(group)
+
+
+def keep_alive(obj):
+    """Keep `obj` (device memory made before the capture that the graph reads, such as a cached
+    pointer table) alive as long as the graph being captured; no-op outside a capture."""
+    capture = getattr(_state, "capture", None)
+    if capture is not None:
+        capture.kept.append(obj)
 
 
 def forbid_in_capture(what, advice):
@@ -138,8 +165,7 @@ class CudaGraph:
 
     def replay(self):
         """Launch the graph once on the current stream (after `before_replay` of its states)."""
-        for state in self.capture.states:
-            state.before_replay()
+        self.capture.before_replay()
         stream = backend.xp.cuda.get_current_stream()
         self.graph.launch(stream)
         for group in self.capture.groups:
@@ -199,8 +225,7 @@ class CudaGraph:
                 raise
             graph = self._stream.end_capture()
             _state.capture = None
-            for state in capture.states:
-                state.capture_end()
+            capture.end()
         caller.wait_event(self._stream.record())
         graph.upload(caller)
         self.graph, self.capture, self.signature = graph, capture, signature
@@ -213,8 +238,7 @@ class CudaGraph:
             self._stream.end_capture()
         except Exception:  # noqa: BLE001 - an invalidated capture fails here too; report the first
             pass
-        for state in capture.states:
-            state.capture_end()
+        capture.end()
 
 
 def cuda_graph(fn=None, *, warmup=1):

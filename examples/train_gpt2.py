@@ -71,6 +71,8 @@ def parse_args(argv):
     p.add_argument("--out", default="out/train_gpt2")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--peak-tflops", type=float, default=None, help="for MFU (default: by GPU)")
+    p.add_argument("--no-cuda-graph", action="store_true", help="on GPU, run each step eagerly "
+                   "instead of replaying it as one captured CUDA graph")
     args = p.parse_args(argv)
     gpu = backend.on_gpu
     defaults = {"model": "124M" if gpu else "tiny", "batch_size": 8 if gpu else 16,
@@ -148,6 +150,22 @@ def memory_gib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
 
 
+def make_train_step(model, optimizer, args):
+    """One optimizer step over a list of (x, y) micro-batches: forward and backward of each
+    (gradients accumulate), clipping, AdamW. On GPU it is captured as one CUDA graph and replayed
+    (unless --no-cuda-graph). Returns the last micro-batch's loss and the gradient norm."""
+    def train_step(batches):
+        for x, y in batches:
+            with autocast(None if args.dtype == "fp32" else args.dtype):
+                _, loss = model(x, y)
+            (loss * (1.0 / len(batches))).backward()
+        norm = clip_grad_norm_(model.parameters(), args.grad_clip) if args.grad_clip else None
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)   # keep the buffers: no reallocation
+        return loss, norm
+    return train_step if args.no_cuda_graph else cupytp.cuda_graph(train_step)
+
+
 def train(args):
     info = cupytp.init()
     mesh = make_mesh(args, info.world_size)
@@ -184,19 +202,15 @@ def train(args):
         print(f"GPT-2 {args.model}: {model.num_parameters() / 1e6:.2f}M parameters, "
               f"vocab {tokenizer.vocab_size} (padded {model.vocab}), mesh dp={dp} tp={args.tp}, "
               f"{backend.device_name}, {tokens_per_step} tokens/step", flush=True)
+    train_step = make_train_step(model, optimizer, args)
     first_loss, logged_step = None, -1
     clock = time.perf_counter()
     for step in range(args.steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
-        for _ in range(args.grad_accum):
-            x, y = loader.next_batch()
-            with autocast(None if args.dtype == "fp32" else args.dtype):
-                _, loss = model(batch_tensor(x, mesh), batch_tensor(y, mesh))
-            (loss * (1.0 / args.grad_accum)).backward()
-        norm = clip_grad_norm_(model.parameters(), args.grad_clip) if args.grad_clip else None
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=False)   # keep the buffers: no reallocation
+        batches = [tuple(batch_tensor(a, mesh) for a in loader.next_batch())
+                   for _ in range(args.grad_accum)]
+        loss, norm = train_step(batches)
         last = step == args.steps - 1
         if step % args.log_interval == 0 or last:
             value = loss.item()           # the one host sync, at log steps only

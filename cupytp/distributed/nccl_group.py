@@ -7,7 +7,8 @@ makes the current stream wait for it. Neither blocks the host.
 
 Hangs: a watchdog thread tracks the newest unfinished collective of each group; one that is not
 done within the timeout is reported (op, group, ranks), its communicator aborted, and the whole
-job ended with a non-zero exit code.
+job ended with a non-zero exit code. Collectives recorded into a CUDA graph are not tracked while
+capturing (nothing runs then); each replay of the graph is tracked instead (`track_replay`).
 """
 import sys
 import threading
@@ -15,7 +16,7 @@ import time
 
 import numpy
 
-from cupytp import backend
+from cupytp import backend, graph
 from cupytp.distributed.process_group import Pending, ProcessGroup
 
 _COMPLETE = Pending()
@@ -121,24 +122,35 @@ class ProcessGroupNCCL(ProcessGroup):
         """Run `call(stream_ptr)` on the current stream, or (async) on the communication stream
         after the current stream's pending writes; returns the Pending of the transfer."""
         current = backend.xp.cuda.get_current_stream()
+        capturing = graph.is_capturing()
+        if capturing:
+            graph.note_group(self)
         if not async_op:
             call(current.ptr)
-            self.newest = (current, op)     # newest first: the watchdog reads issued, then it
-            self.issued += 1
-            if self not in self._watchdog.tracked:
-                self._watchdog.track(self, current.record(), op)
+            if not capturing:
+                self._track(current, op)
             return _COMPLETE
         self.comm_stream.wait_event(current.record())
         call(self.comm_stream.ptr)
         finished = self.comm_stream.record()
-        self.newest = (self.comm_stream, op)
-        self.issued += 1
-        self._watchdog.track(self, finished, op)
+        if not capturing:
+            self._track(self.comm_stream, op, finished)
 
         def wait():  # `buffers` stay referenced until the current stream is ordered after us
             backend.xp.cuda.get_current_stream().wait_event(finished)
             buffers.clear()
         return Pending(wait, lambda: finished.done)
+
+    def _track(self, stream, op, event=None):
+        """Hand the newest collective, `op` on `stream` (done at `event`), to the watchdog."""
+        self.newest = (stream, op)      # newest first: the watchdog reads issued, then it
+        self.issued += 1
+        if event is not None or self not in self._watchdog.tracked:
+            self._watchdog.track(self, event or stream.record(), op)
+
+    def track_replay(self, stream, what):
+        """Watch a CUDA-graph replay launched on `stream` that runs this group's collectives."""
+        self._track(stream, what)
 
     def _all_reduce(self, send, recv, op, async_op):
         return self._launch("all_reduce", [send, recv], async_op, lambda s: self.comm.allReduce(

@@ -2,19 +2,27 @@
 // tensors.
 // The tables hold one data pointer per tensor; block b updates the chunk
 // blocks[3b : 3b + 3] = (tensor, start, end) of its tensor. Params and both moments are P (fp32 or
-// fp64, also the compute type); grads are G (P, bf16 or fp16), widened on load. The scalars come
-// from the host already rounded to P:
+// fp64, also the compute type); grads are G (P, bf16 or fp16), widened on load. The scalars are
+// read from device memory (float64, computed on the host, rounded to P here), so a captured CUDA
+// graph sees each step's values:
 //     p = decay p - step_size m / (sqrt(v) / bias_correction2_sqrt + eps)
 // with decay = 1 - lr wd, step_size = lr / (1 - beta1^step) and
-// bias_correction2_sqrt = sqrt(1 - beta2^step).
+// bias_correction2_sqrt = sqrt(1 - beta2^step); scalars = (decay, beta1, 1 - beta1, beta2,
+// 1 - beta2, step_size, bias_correction2_sqrt, eps).
 #include "common.cuh"
 
 template <typename P, typename G>
 __device__ void adamw(P* const* params, const G* const* grads, P* const* exp_avgs,
-                      P* const* exp_avg_sqs, const long long* blocks, P decay, P beta1,
-                      P one_minus_beta1, P beta2, P one_minus_beta2, P step_size,
-                      P bias_correction2_sqrt, P eps)
+                      P* const* exp_avg_sqs, const long long* blocks, const double* scalars)
 {
+    const P decay = P(scalars[0]);
+    const P beta1 = P(scalars[1]);
+    const P one_minus_beta1 = P(scalars[2]);
+    const P beta2 = P(scalars[3]);
+    const P one_minus_beta2 = P(scalars[4]);
+    const P step_size = P(scalars[5]);
+    const P bias_correction2_sqrt = P(scalars[6]);
+    const P eps = P(scalars[7]);
     const long long* chunk = blocks + 3 * blockIdx.x;  // (tensor, start, end)
     P* p = params[chunk[0]];
     const G* g = grads[chunk[0]];
@@ -33,11 +41,9 @@ __device__ void adamw(P* const* params, const G* const* grads, P* const* exp_avg
 #define ADAMW_KERNEL(P, G, SUFFIX)                                                               \
     extern "C" __global__ void adamw_##SUFFIX(                                                   \
         P* const* params, const G* const* grads, P* const* exp_avgs, P* const* exp_avg_sqs,      \
-        const long long* blocks, P decay, P beta1, P one_minus_beta1, P beta2,                   \
-        P one_minus_beta2, P step_size, P bias_correction2_sqrt, P eps)                          \
+        const long long* blocks, const double* scalars)                                          \
     {                                                                                            \
-        adamw<P, G>(params, grads, exp_avgs, exp_avg_sqs, blocks, decay, beta1, one_minus_beta1, \
-                    beta2, one_minus_beta2, step_size, bias_correction2_sqrt, eps);              \
+        adamw<P, G>(params, grads, exp_avgs, exp_avg_sqs, blocks, scalars);                      \
     }
 
 ADAMW_KERNEL(float, float, f32_f32)

@@ -7,57 +7,60 @@ Per element, with bc1 = 1 - beta1^step and bc2 = 1 - beta2^step:
     v = beta2 v + (1 - beta2) g^2
     p = p - lr (m / bc1) / (sqrt(v / bc2) + eps)
 evaluated as torch does: p = (1 - lr wd) p - (lr / bc1) m / (sqrt(v) / sqrt(bc2) + eps). No
-amsgrad, no maximize.
+amsgrad, no maximize. The per-step scalars are computed once in float64 (`adamw_scalars`) and
+rounded to the params' dtype; the kernel reads them from device memory, so a CUDA graph replays
+each step with that step's values.
 """
 import math
 
 import numpy
 
+from cupytp.backend import xp
 from cupytp.kernels import dtype_suffix, get_kernel, is_device_array
 from cupytp.kernels.multi_tensor import THREADS, check_optimizer_lists, tensor_table
 
 
-def adamw_step(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay, step):
-    """One AdamW step (step counts from 1), in place on params, exp_avgs and exp_avg_sqs.
-
-    params/exp_avgs/exp_avg_sqs: lists of C-contiguous arrays of one dtype, float32 or float64
-    (also the compute dtype); grads: same shapes, the params' dtype or bfloat16/float16. On the GPU
-    one kernel launch updates the whole list, with no host synchronisation.
-    """
-    if not (params and is_device_array(params[0])):
-        adamw_step_numpy(params, grads, exp_avgs, exp_avg_sqs, lr=lr, beta1=beta1, beta2=beta2,
-                         eps=eps, weight_decay=weight_decay, step=step)
-        return
-    param_dtype, grad_dtype = check_optimizer_lists(params, grads, exp_avgs=exp_avgs,
-                                                    exp_avg_sqs=exp_avg_sqs)
-    scalars = _scalars(param_dtype, lr, beta1, beta2, eps, weight_decay, step)
-    table = tensor_table([params, grads, exp_avgs, exp_avg_sqs])
-    if table.num_blocks == 0:
-        return
-    kernel = get_kernel("adamw.cu", f"adamw_{dtype_suffix(param_dtype)}_{dtype_suffix(grad_dtype)}")
-    kernel((table.num_blocks,), (THREADS,), (*table.rows, table.blocks, *scalars))
-
-
-def _scalars(dtype, lr, beta1, beta2, eps, weight_decay, step):
-    """The kernel's scalar arguments, computed in float64 and rounded once to the params' dtype:
-    decay, beta1, 1 - beta1, beta2, 1 - beta2, step_size, sqrt(bc2), eps."""
+def adamw_scalars(*, lr, beta1, beta2, eps, weight_decay, step):
+    """The kernel's scalars in float64: decay, beta1, 1 - beta1, beta2, 1 - beta2, step_size,
+    sqrt(bc2), eps (step counts from 1)."""
     if step < 1:
         raise ValueError(f"step counts from 1, got {step}")
     bias_correction1 = 1 - beta1 ** step
     bias_correction2 = 1 - beta2 ** step
-    values = (1 - lr * weight_decay, beta1, 1 - beta1, beta2, 1 - beta2, lr / bias_correction1,
-              math.sqrt(bias_correction2), eps)
-    return tuple(dtype.type(value) for value in values)
+    return (1 - lr * weight_decay, beta1, 1 - beta1, beta2, 1 - beta2, lr / bias_correction1,
+            math.sqrt(bias_correction2), eps)
 
 
-def adamw_step_numpy(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps,
-                     weight_decay, step):
+def adamw_step(params, grads, exp_avgs, exp_avg_sqs, scalars):
+    """One AdamW step, in place on params, exp_avgs and exp_avg_sqs.
+
+    params/exp_avgs/exp_avg_sqs: lists of C-contiguous arrays of one dtype, float32 or float64
+    (also the compute dtype); grads: same shapes, the params' dtype or bfloat16/float16.
+    `scalars`: `adamw_scalars(...)`, or (GPU) a float64 device vector holding them, read when the
+    kernel runs. On the GPU one kernel launch updates the whole list, with no host
+    synchronisation.
+    """
+    if not (params and is_device_array(params[0])):
+        adamw_step_numpy(params, grads, exp_avgs, exp_avg_sqs, scalars)
+        return
+    param_dtype, grad_dtype = check_optimizer_lists(params, grads, exp_avgs=exp_avgs,
+                                                    exp_avg_sqs=exp_avg_sqs)
+    if not is_device_array(scalars):
+        scalars = xp.asarray(numpy.asarray(scalars, dtype=numpy.float64))
+    table = tensor_table([params, grads, exp_avgs, exp_avg_sqs])
+    if table.num_blocks == 0:
+        return
+    kernel = get_kernel("adamw.cu", f"adamw_{dtype_suffix(param_dtype)}_{dtype_suffix(grad_dtype)}")
+    kernel((table.num_blocks,), (THREADS,), (*table.rows, table.blocks, scalars))
+
+
+def adamw_step_numpy(params, grads, exp_avgs, exp_avg_sqs, scalars):
     """NumPy twin of `adamw_step`."""
     dtypes = check_optimizer_lists(params, grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs)
     if dtypes is None:
         return
     (decay, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, bias_correction2_sqrt,
-     eps) = _scalars(dtypes[0], lr, beta1, beta2, eps, weight_decay, step)
+     eps) = (dtypes[0].type(value) for value in numpy.asarray(scalars, dtype=numpy.float64)[:8])
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
         g = g.astype(p.dtype)
         m[...] = beta1 * m + one_minus_beta1 * g

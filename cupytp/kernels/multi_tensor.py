@@ -13,6 +13,7 @@ import dataclasses
 
 import numpy
 
+from cupytp import graph
 from cupytp.backend import bfloat16, xp
 from cupytp.kernels import ceil_div, check_lists, compute_dtype, dtype_suffix, get_kernel
 from cupytp.kernels import is_device_array
@@ -43,12 +44,16 @@ def tensor_table(lists):
     key = (tuple(tuple(array.data.ptr for array in arrays) for arrays in lists), sizes)
     table = _TABLES.get(key)
     if table is None:
+        graph.forbid_in_capture("a new multi-tensor pointer table (a host-to-device copy)",
+                                "run the step eagerly at least once first (cuda_graph's warmup) "
+                                "and keep gradient buffers between steps")
         table = _build_table(lists, sizes)
         _TABLES[key] = table
         if len(_TABLES) > MAX_TABLES:
             _TABLES.popitem(last=False)
     else:
         _TABLES.move_to_end(key)
+    graph.keep_alive(table)     # a graph replays the table's addresses: it must outlive the cache
     return table
 
 

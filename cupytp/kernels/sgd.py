@@ -6,70 +6,69 @@ Per element:
     buf = g on the first step, else momentum buf + (1 - dampening) g   (if momentum != 0)
     g = g + momentum buf if nesterov, else buf          (if momentum != 0)
     p = p - lr g
-No maximize.
+No maximize. The scalars (`sgd_scalars`) are float64, rounded to the params' dtype; the kernel
+reads them from device memory, so a CUDA graph replays each step with that step's values.
 """
 import numpy
 
+from cupytp.backend import xp
 from cupytp.kernels import dtype_suffix, get_kernel, is_device_array
 from cupytp.kernels.multi_tensor import THREADS, check_optimizer_lists, tensor_table
 
 
-def sgd_step(params, grads, momentum_bufs, *, lr, momentum, dampening, nesterov, weight_decay,
-             first_step):
-    """One SGD step, in place on params and (when momentum != 0) momentum_bufs.
+def sgd_scalars(*, lr, momentum, dampening, weight_decay, nesterov=False):
+    """The kernel's scalars in float64: lr, momentum, 1 - dampening, weight_decay; raises
+    ValueError as torch does for nesterov without momentum or with dampening."""
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError("nesterov momentum needs momentum > 0 and dampening == 0")
+    return (lr, momentum, 1 - dampening, weight_decay)
+
+
+def sgd_step(params, grads, momentum_bufs, scalars, *, nesterov, first_step):
+    """One SGD step, in place on params and momentum_bufs.
 
     params/momentum_bufs: lists of C-contiguous arrays of one dtype, float32 or float64 (also the
     compute dtype); grads: same shapes, the params' dtype or bfloat16/float16. momentum_bufs is
-    ignored (may be None) when momentum == 0; on the first step its contents are ignored and it is
-    set to the gradient. On the GPU one kernel launch updates the whole list.
+    None without momentum; on the first step its contents are ignored and it is set to the
+    gradient. `scalars`: `sgd_scalars(...)`, or (GPU) a float64 device vector holding them. On
+    the GPU one kernel launch updates the whole list.
     """
     if not (params and is_device_array(params[0])):
-        sgd_step_numpy(params, grads, momentum_bufs, lr=lr, momentum=momentum,
-                       dampening=dampening, nesterov=nesterov, weight_decay=weight_decay,
+        sgd_step_numpy(params, grads, momentum_bufs, scalars, nesterov=nesterov,
                        first_step=first_step)
         return
-    param_dtype, grad_dtype = _check(params, grads, momentum_bufs, momentum, dampening, nesterov)
-    lists = [params, grads, momentum_bufs] if momentum != 0 else [params, grads]
+    param_dtype, grad_dtype = _check(params, grads, momentum_bufs)
+    if not is_device_array(scalars):
+        scalars = xp.asarray(numpy.asarray(scalars, dtype=numpy.float64))
+    lists = [params, grads] if momentum_bufs is None else [params, grads, momentum_bufs]
     table = tensor_table(lists)
     if table.num_blocks == 0:
         return
-    bufs_row = table.rows[-1] if momentum != 0 else table.rows[0]  # not read when momentum == 0
-    scalars = _scalars(param_dtype, lr, momentum, dampening, weight_decay)
+    bufs_row = table.rows[-1]   # the params' row without momentum: never read then
     kernel = get_kernel("sgd.cu", f"sgd_{dtype_suffix(param_dtype)}_{dtype_suffix(grad_dtype)}")
     kernel((table.num_blocks,), (THREADS,),
-           (table.rows[0], table.rows[1], bufs_row, table.blocks, *scalars,
+           (table.rows[0], table.rows[1], bufs_row, table.blocks, scalars,
             numpy.int32(nesterov), numpy.int32(first_step)))
 
 
-def _check(params, grads, momentum_bufs, momentum, dampening, nesterov):
-    """(param dtype, grad dtype), or None for empty lists; raises ValueError as torch does."""
-    if nesterov and (momentum <= 0 or dampening != 0):
-        raise ValueError("nesterov momentum needs momentum > 0 and dampening == 0")
-    if momentum != 0 and momentum_bufs is None:
-        raise ValueError(f"momentum={momentum} needs momentum_bufs")
-    states = {"momentum_bufs": momentum_bufs} if momentum != 0 else {}
+def _check(params, grads, momentum_bufs):
+    """(param dtype, grad dtype), or None for empty lists."""
+    states = {"momentum_bufs": momentum_bufs} if momentum_bufs is not None else {}
     return check_optimizer_lists(params, grads, **states)
 
 
-def _scalars(dtype, lr, momentum, dampening, weight_decay):
-    """The kernel's scalar arguments rounded to the params' dtype: lr, momentum, 1 - dampening,
-    weight_decay."""
-    return tuple(dtype.type(value) for value in (lr, momentum, 1 - dampening, weight_decay))
-
-
-def sgd_step_numpy(params, grads, momentum_bufs, *, lr, momentum, dampening, nesterov,
-                   weight_decay, first_step):
+def sgd_step_numpy(params, grads, momentum_bufs, scalars, *, nesterov, first_step):
     """NumPy twin of `sgd_step`."""
-    dtypes = _check(params, grads, momentum_bufs, momentum, dampening, nesterov)
+    dtypes = _check(params, grads, momentum_bufs)
     if dtypes is None:
         return
-    lr, momentum, one_minus_dampening, weight_decay = _scalars(dtypes[0], lr, momentum,
-                                                                dampening, weight_decay)
+    lr, momentum, one_minus_dampening, weight_decay = (
+        dtypes[0].type(value) for value in numpy.asarray(scalars, dtype=numpy.float64)[:4])
     for i, (p, g) in enumerate(zip(params, grads)):
         g = g.astype(p.dtype)
         if weight_decay != 0:
             g = g + weight_decay * p
-        if momentum != 0:
+        if momentum_bufs is not None:
             buf = momentum_bufs[i]
             buf[...] = g if first_step else momentum * buf + one_minus_dampening * g
             g = g + momentum * buf if nesterov else buf

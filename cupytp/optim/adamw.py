@@ -1,6 +1,6 @@
 """AdamW with torch.optim.AdamW semantics (no amsgrad, no maximize), fused: one `adamw_step`
 kernel call per (group, dtypes). Each rank updates its own shards; nothing is communicated."""
-from cupytp.kernels.adamw import adamw_step
+from cupytp.kernels.adamw import adamw_scalars, adamw_step
 from cupytp.optim.optimizer import Optimizer, check_non_negative
 
 
@@ -30,13 +30,16 @@ class AdamW(Optimizer):
     def state_names(self, group):
         return ("exp_avg", "exp_avg_sq")
 
-    def update(self, group, buckets):
+    def scalars(self, group):
         group["step"] += 1
         beta1, beta2 = group["betas"]
+        return adamw_scalars(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                             weight_decay=group["weight_decay"], step=group["step"])
+
+    def update(self, group, buckets, scalars):
         for bucket in buckets.values():
             adamw_step(bucket.params, bucket.grads, bucket.states["exp_avg"],
-                       bucket.states["exp_avg_sq"], lr=group["lr"], beta1=beta1, beta2=beta2,
-                       eps=group["eps"], weight_decay=group["weight_decay"], step=group["step"])
+                       bucket.states["exp_avg_sq"], scalars)
 
 
 def decay_groups(params, weight_decay):

@@ -12,6 +12,7 @@ min_lr after.
 """
 import math
 
+from cupytp import graph
 from cupytp.optim.optimizer import check_non_negative
 
 
@@ -69,6 +70,9 @@ class LRScheduler:
         self._apply()
 
     def step(self):
+        graph.forbid_in_capture("a learning-rate schedule step",
+                                "call scheduler.step() outside the captured function (a replay "
+                                "reads each group's current lr)")
         self.last_step += 1
         self._apply()
 

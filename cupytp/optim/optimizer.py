@@ -5,10 +5,16 @@ Parameters are DTensors; every rank updates only its own local arrays, in place 
 the model sees the new values and no update needs communication: a gradient is laid out like its
 parameter (Partial contributions were reduced when it was accumulated), and each state (momenta)
 is laid out like its parameter too, so a sharded parameter's state stays sharded.
+
+Per-step scalars (learning rate, bias corrections) reach the kernels through device memory: each
+step writes them into a small float64 vector per group (one launch), and inside a captured CUDA
+graph the optimizer takes part as a `cupytp.graph.GraphState`, writing them before every replay
+instead, so a replayed step uses the current "lr" of each group and advances its step count.
 """
 import dataclasses
 
-from cupytp import backend
+from cupytp import backend, graph
+from cupytp.kernels.values import MAX_VALUES, write_values
 from cupytp.nn.module import assign
 from cupytp.tensor import DTensor
 from cupytp.tensor.placement import describe
@@ -36,12 +42,13 @@ class Bucket:
     states: dict = dataclasses.field(default_factory=dict)
 
 
-class Optimizer:
+class Optimizer(graph.GraphState):
     """Base of the optimizers: `params_or_groups` is an iterable of DTensors or of dicts
     ({"params": [...], hyperparameter overrides}); `defaults` holds every hyperparameter.
 
     A subclass supplies `check_group` (validate a group's hyperparameters), `state_names` (the
-    per-parameter states a group keeps) and `update` (one kernel call per bucket).
+    per-parameter states a group keeps), `scalars` (advance a group's counters, give the kernel
+    scalars of this step) and `update` (one kernel call per bucket).
     """
 
     def __init__(self, params_or_groups, defaults):
@@ -56,6 +63,7 @@ class Optimizer:
         self.defaults = dict(defaults)
         self.param_groups = []
         self.state = {}     # parameter (by identity) -> {name: DTensor laid out like it}
+        self._device_scalars = {}   # group index -> float64 vector of the step's scalars
         for group in groups:
             self.add_param_group(group)
 
@@ -83,18 +91,44 @@ class Optimizer:
         """Names of the states each parameter of `group` keeps, each laid out like it."""
         raise NotImplementedError
 
-    def update(self, group, buckets):
+    def scalars(self, group):
+        """Advance `group`'s per-step counters and return this step's kernel scalars (floats)."""
+        raise NotImplementedError
+
+    def update(self, group, buckets, scalars):
         """Update `group` from `buckets`: {(param dtype, grad dtype, new state): Bucket}, where
-        `new state` means the states were just created (zeros): the parameters' first update."""
+        `new state` means the states were just created (zeros): the parameters' first update.
+        `scalars`: what `scalars(group)` gave, as floats (NumPy) or a float64 device vector."""
         raise NotImplementedError
 
     # ---- stepping -------------------------------------------------------------------------------
     def step(self):
         """Update every parameter that has a gradient, in place on each rank's local arrays."""
-        for group in self.param_groups:
+        record = graph.join(self)
+        for index, group in enumerate(self.param_groups):
             buckets = self._buckets(group)
-            if buckets:
-                self.update(group, buckets)
+            if not buckets:
+                continue
+            device = self._device_scalars.get(index)
+            if device is None:
+                device = self._device_scalars[index] = backend.xp.empty(MAX_VALUES,
+                                                                        backend.xp.float64)
+            if record is None:
+                write_values(device, self.scalars(group))
+            else:
+                record.setdefault("groups", []).append(index)
+            self.update(group, buckets, device)
+
+    # ---- CUDA-graph state (cupytp.graph.GraphState) ---------------------------------------------
+    def capture_begin(self, record):
+        pass
+
+    def capture_end(self, record):
+        pass
+
+    def before_replay(self, record):
+        for index in record.get("groups", ()):
+            write_values(self._device_scalars[index], self.scalars(self.param_groups[index]))
 
     def _buckets(self, group):
         """The group's parameters with gradients, split by (param dtype, grad dtype, new state):
@@ -107,6 +141,10 @@ class Optimizer:
             grad = contiguous_grad(p)
             state = self.state.setdefault(p, {})
             missing = [name for name in names if name not in state]
+            if missing:
+                graph.forbid_in_capture("an optimizer's first step (it creates its states)",
+                                        "run the step eagerly at least once first (cuda_graph's "
+                                        "warmup)")
             for name in missing:
                 state[name] = _zeros_like(p)
             bucket = buckets.setdefault((p.dtype, grad.dtype, bool(missing)), Bucket())
@@ -117,7 +155,10 @@ class Optimizer:
         return buckets
 
     def zero_grad(self, set_to_none=True):
-        """Drop every gradient (or, with set_to_none=False, fill it with zeros in place)."""
+        """Drop every gradient (or, with set_to_none=False, fill it with zeros in place). Inside a
+        captured CUDA graph gradients are always zero-filled: their buffers must stay where the
+        graph reads them (the values are the same)."""
+        set_to_none = set_to_none and not graph.is_capturing()
         for group in self.param_groups:
             for p in group["params"]:
                 if set_to_none:

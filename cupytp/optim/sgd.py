@@ -1,6 +1,6 @@
 """SGD with torch.optim.SGD semantics (no maximize), fused: one `sgd_step` kernel call per
 (group, dtypes). Each rank updates its own shards; nothing is communicated."""
-from cupytp.kernels.sgd import sgd_step
+from cupytp.kernels.sgd import sgd_scalars, sgd_step
 from cupytp.optim.optimizer import Optimizer, check_non_negative
 
 
@@ -25,9 +25,12 @@ class SGD(Optimizer):
     def state_names(self, group):
         return ("momentum_buffer",) if group["momentum"] != 0 else ()
 
-    def update(self, group, buckets):
+    def scalars(self, group):
+        return sgd_scalars(lr=group["lr"], momentum=group["momentum"],
+                           dampening=group["dampening"], weight_decay=group["weight_decay"],
+                           nesterov=group["nesterov"])
+
+    def update(self, group, buckets, scalars):
         for (_, _, first_step), bucket in buckets.items():
-            sgd_step(bucket.params, bucket.grads, bucket.states.get("momentum_buffer"),
-                     lr=group["lr"], momentum=group["momentum"], dampening=group["dampening"],
-                     nesterov=group["nesterov"], weight_decay=group["weight_decay"],
-                     first_step=first_step)
+            sgd_step(bucket.params, bucket.grads, bucket.states.get("momentum_buffer"), scalars,
+                     nesterov=group["nesterov"], first_step=first_step)

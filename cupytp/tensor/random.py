@@ -64,8 +64,6 @@ class Generator(graph.GraphState):
     def __init__(self, seed=0):
         self._zero = None            # device 0-d uint64 zero: the base of eager draws
         self._graph_base = None      # device 0-d uint64: the base of captured draws
-        self._capture_start = None
-        self._per_replay = 0
         self.manual_seed(seed)
 
     def manual_seed(self, seed):
@@ -84,11 +82,11 @@ class Generator(graph.GraphState):
         i < count, with `base` a 0-d uint64 device array (zero outside a CUDA-graph capture,
         rewritten before each replay inside one) for kernels that read it from memory."""
         xp = backend.xp
-        if graph.is_capturing():
-            graph.join(self)
+        record = graph.join(self)
+        if record is not None:
             if self._graph_base is None:
                 self._graph_base = xp.empty((), dtype=xp.uint64)
-            base, add = self._graph_base, self.offset - self._capture_start
+            base, add = self._graph_base, self.offset - record["start"]
         else:
             if self._zero is None:
                 self._zero = xp.zeros((), dtype=xp.uint64)
@@ -97,20 +95,19 @@ class Generator(graph.GraphState):
         return self.seed, base, add
 
     # ---- CUDA-graph state (cupytp.graph.GraphState) ---------------------------------------------
-    def capture_begin(self):
-        self._capture_start = self.offset
-        self._captured_seed = self.seed
+    def capture_begin(self, record):
+        record["start"], record["seed"] = self.offset, self.seed
 
-    def capture_end(self):
-        self._per_replay = self.offset - self._capture_start
-        self.offset = self._capture_start
+    def capture_end(self, record):
+        record["per_replay"] = self.offset - record["start"]
+        self.offset = record["start"]
 
-    def before_replay(self):
-        if self.seed != self._captured_seed:
+    def before_replay(self, record):
+        if self.seed != record["seed"]:
             raise graph.GraphCaptureError("the generator was reseeded after a CUDA graph captured "
                                           "draws from it: capture the step again")
         self._graph_base.fill(backend.xp.uint64(self.offset))
-        self.offset += self._per_replay
+        self.offset += record["per_replay"]
 
     def _words(self, shape, offsets, local_shape):
         count = int(numpy.prod(shape, dtype=numpy.int64))

@@ -9,11 +9,12 @@ import pytest
 
 from cupytp.backend import asnumpy, bfloat16, on_gpu, xp
 from cupytp.kernels import ceil_div, compute_dtype, dtype_suffix, get_kernel
-from cupytp.kernels.adamw import adamw_step, adamw_step_numpy
+from cupytp.kernels.adamw import adamw_scalars, adamw_step, adamw_step_numpy
 from cupytp.kernels.gelu import gelu, gelu_backward, gelu_backward_numpy, gelu_numpy
 from cupytp.kernels.multi_tensor import CHUNK, chunk_blocks, scale_, scale_numpy
 from cupytp.kernels.multi_tensor import sum_of_squares, sum_of_squares_numpy, tensor_table
-from cupytp.kernels.sgd import sgd_step, sgd_step_numpy
+from cupytp.kernels.sgd import sgd_scalars, sgd_step, sgd_step_numpy
+from cupytp.kernels.values import write_values
 
 F16 = numpy.dtype(numpy.float16)
 F32 = numpy.dtype(numpy.float32)
@@ -152,7 +153,7 @@ def test_adamw_numpy_matches_torch_algorithm(param_dtype, grad_dtype, tolerance_
     exp_avgs = [numpy.zeros_like(p) for p in params]
     exp_avg_sqs = [numpy.zeros_like(p) for p in params]
     for step, grads in enumerate(grads_per_step, start=1):
-        adamw_step(params, grads, exp_avgs, exp_avg_sqs, step=step, **ADAMW)
+        adamw_step(params, grads, exp_avgs, exp_avg_sqs, adamw_scalars(step=step, **ADAMW))
     for actual, reference in zip((params, exp_avgs, exp_avg_sqs), expected):
         for a, r in zip(actual, reference):
             assert a.dtype == param_dtype
@@ -163,24 +164,25 @@ def test_adamw_rejects_bad_lists():
     p = [random((4,), F32), random((3,), F32)]
     def state():
         return [numpy.zeros_like(x) for x in p]
+    scalars = adamw_scalars(step=1, **ADAMW)
     with pytest.raises(ValueError, match="grads has 1 arrays but params has 2"):
-        adamw_step_numpy(p, p[:1], state(), state(), step=1, **ADAMW)
+        adamw_step_numpy(p, p[:1], state(), state(), scalars)
     with pytest.raises(ValueError, match=r"grads\[1\] has shape \(4,\)"):
-        adamw_step_numpy(p, [p[0], p[0]], state(), state(), step=1, **ADAMW)
+        adamw_step_numpy(p, [p[0], p[0]], state(), state(), scalars)
     with pytest.raises(ValueError, match="exp_avgs must have the params' dtype"):
-        adamw_step_numpy(p, p, [x.astype(F64) for x in p], state(), step=1, **ADAMW)
+        adamw_step_numpy(p, p, [x.astype(F64) for x in p], state(), scalars)
     with pytest.raises(ValueError, match="grads must be float32, bfloat16 or float16"):
-        adamw_step_numpy(p, [x.astype(F64) for x in p], state(), state(), step=1, **ADAMW)
+        adamw_step_numpy(p, [x.astype(F64) for x in p], state(), state(), scalars)
     with pytest.raises(ValueError, match="params must be float32 or float64"):
         half = [x.astype(F16) for x in p]
-        adamw_step_numpy(half, half, half, half, step=1, **ADAMW)
+        adamw_step_numpy(half, half, half, half, scalars)
     with pytest.raises(ValueError, match=r"grads\[1\] has dtype float64"):
-        adamw_step_numpy(p, [p[0], p[1].astype(F64)], state(), state(), step=1, **ADAMW)
+        adamw_step_numpy(p, [p[0], p[1].astype(F64)], state(), state(), scalars)
     with pytest.raises(ValueError, match="step counts from 1"):
-        adamw_step_numpy(p, p, state(), state(), step=0, **ADAMW)
+        adamw_scalars(step=0, **ADAMW)
     square = random((4, 4), F32)
     with pytest.raises(ValueError, match=r"params\[0\] is not C-contiguous"):
-        adamw_step_numpy([square.T], [square], [square.copy()], [square.copy()], step=1, **ADAMW)
+        adamw_step_numpy([square.T], [square], [square.copy()], [square.copy()], scalars)
 
 
 # ---- SGD twin -----------------------------------------------------------------------------------
@@ -217,8 +219,10 @@ def test_sgd_numpy_matches_torch_algorithm(config, param_dtype, grad_dtype):
                        enumerate(params)] for step in range(4)]
     expected_params, expected_bufs = sgd_reference(params, grads_per_step, **config)
     bufs = [numpy.full_like(p, numpy.nan) for p in params] if config["momentum"] else None
+    scalars = sgd_scalars(**config)
     for step, grads in enumerate(grads_per_step):
-        sgd_step(params, grads, bufs, first_step=step == 0, **config)
+        sgd_step(params, grads, bufs, scalars, nesterov=config["nesterov"],
+                 first_step=step == 0)
     for p, r in zip(params, expected_params):
         assert_close(p.ravel(), r, param_dtype)
     for b, r in zip(bufs or [], expected_bufs):
@@ -228,11 +232,20 @@ def test_sgd_numpy_matches_torch_algorithm(config, param_dtype, grad_dtype):
 def test_sgd_rejects_bad_settings():
     p = [random((3,), F32)]
     with pytest.raises(ValueError, match="nesterov momentum needs"):
-        sgd_step_numpy(p, p, [p[0].copy()], lr=0.1, momentum=0.9, dampening=0.1, nesterov=True,
-                       weight_decay=0.0, first_step=True)
-    with pytest.raises(ValueError, match="needs momentum_bufs"):
-        sgd_step_numpy(p, p, None, lr=0.1, momentum=0.9, dampening=0.0, nesterov=False,
-                       weight_decay=0.0, first_step=True)
+        sgd_scalars(lr=0.1, momentum=0.9, dampening=0.1, nesterov=True, weight_decay=0.0)
+    with pytest.raises(ValueError, match=r"momentum_bufs\[0\] has shape"):
+        sgd_step_numpy(p, p, [p[0][:1].copy()], sgd_scalars(lr=0.1, momentum=0.9, dampening=0.0,
+                       weight_decay=0.0), nesterov=False, first_step=True)
+
+
+def test_write_values_twin():
+    out = numpy.full(8, numpy.nan)
+    write_values(out, [1.5, -2.0, 3.25])
+    assert out[:3].tolist() == [1.5, -2.0, 3.25] and numpy.isnan(out[3:]).all()
+    with pytest.raises(ValueError, match="at most 8 values"):
+        write_values(out, range(9))
+    with pytest.raises(ValueError, match="float64 vector"):
+        write_values(numpy.zeros(8, numpy.float32), [1.0])
 
 
 # ---- sum_of_squares / scale_ twins --------------------------------------------------------------
@@ -312,8 +325,11 @@ def test_adamw_kernel_matches_twin(param_dtype, grad_dtype):
     device = [upload(params), upload(exp_avgs), upload(exp_avg_sqs)]
     for step in range(1, 4):
         grads = [random(p.shape, grad_dtype, seed=100 * step + i) for i, p in enumerate(params)]
-        adamw_step_numpy(params, grads, exp_avgs, exp_avg_sqs, step=step, **ADAMW)
-        adamw_step(device[0], upload(grads), device[1], device[2], step=step, **ADAMW)
+        scalars = adamw_scalars(step=step, **ADAMW)
+        adamw_step_numpy(params, grads, exp_avgs, exp_avg_sqs, scalars)
+        on_device = xp.empty(8, xp.float64)
+        write_values(on_device, scalars)
+        adamw_step(device[0], upload(grads), device[1], device[2], on_device)
     for host_list, device_list in zip((params, exp_avgs, exp_avg_sqs), device):
         for host, on_device in zip(host_list, device_list):
             assert_close(on_device, host, param_dtype)
@@ -328,10 +344,13 @@ def test_sgd_kernel_matches_twin(config, param_dtype, grad_dtype):
     bufs = [numpy.full_like(p, numpy.nan) for p in params] if config["momentum"] else None
     device_params = upload(params)
     device_bufs = upload(bufs) if bufs else None
+    scalars = sgd_scalars(**config)
     for step in range(3):
         grads = [random(p.shape, grad_dtype, seed=100 * step + i) for i, p in enumerate(params)]
-        sgd_step_numpy(params, grads, bufs, first_step=step == 0, **config)
-        sgd_step(device_params, upload(grads), device_bufs, first_step=step == 0, **config)
+        sgd_step_numpy(params, grads, bufs, scalars, nesterov=config["nesterov"],
+                       first_step=step == 0)
+        sgd_step(device_params, upload(grads), device_bufs, scalars, nesterov=config["nesterov"],
+                 first_step=step == 0)
     for host, on_device in zip(params + (bufs or []), device_params + (device_bufs or [])):
         assert_close(on_device, host, param_dtype)
 
