@@ -63,6 +63,29 @@ class TokenLoader:
         y = np.ascontiguousarray(windows[:, 1:])                           # (B, T)
         return x, y
 
+    def state_dict(self):
+        """Where the stream stands: windows taken so far by all dp ranks, and what orders them."""
+        return {"windows": self.step * self.batch_size * self.dp_size, "seed": self.seed,
+                "shuffle": self.shuffle, "seq_len": self.seq_len,
+                "num_windows": self.num_windows}
+
+    def load_state_dict(self, state):
+        """Continue the stream of `state` (from `state_dict()`, maybe of another dp size) after
+        its windows; the stream must be the same and this loader's global batch must divide the
+        windows taken."""
+        mine = self.state_dict()
+        changed = [name for name in ("seed", "shuffle", "seq_len", "num_windows")
+                   if state[name] != mine[name]]
+        if changed:
+            raise ValueError("the data stream differs from the saved one in " + ", ".join(
+                f"{name} ({state[name]} saved, {mine[name]} now)" for name in changed))
+        global_batch = self.batch_size * self.dp_size
+        if state["windows"] % global_batch:
+            raise ValueError(f"{state['windows']} windows were taken, not a whole number of "
+                             f"global batches of {global_batch} (batch_size {self.batch_size} "
+                             f"x dp {self.dp_size})")
+        self.step = state["windows"] // global_batch
+
     def val_batches(self, num_batches):
         """Yield the batches of steps 0..num_batches-1: a fixed set, whatever `step` is."""
         for step in range(num_batches):

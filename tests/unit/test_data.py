@@ -399,6 +399,25 @@ def test_val_batches_are_fixed_and_step_resumes():
     np.testing.assert_array_equal(resumed.next_batch()[0], loader.next_batch()[0])
 
 
+def test_loader_state_resumes_the_stream_on_another_dp_size():
+    tokens = np.arange(30 * 8 + 1)                        # 30 windows: resumes across epochs
+    single = TokenLoader(tokens, batch_size=4, seq_len=8, seed=2)
+    for _ in range(9):
+        single.next_batch()
+    state = single.state_dict()
+    assert state["windows"] == 36
+    halves = [TokenLoader(tokens, batch_size=2, seq_len=8, dp_rank=r, dp_size=2, seed=2)
+              for r in range(2)]
+    for half in halves:
+        half.load_state_dict(state)
+    expected = single.next_batch()[0]
+    np.testing.assert_array_equal(np.concatenate([h.next_batch()[0] for h in halves]), expected)
+    with pytest.raises(ValueError, match=r"seed \(2 saved, 3 now\)"):
+        TokenLoader(tokens, batch_size=4, seq_len=8, seed=3).load_state_dict(state)
+    with pytest.raises(ValueError, match="not a whole number of global batches of 8"):
+        TokenLoader(tokens, batch_size=8, seq_len=8, seed=2).load_state_dict(state)
+
+
 # ---- corpus preparation ------------------------------------------------------------------------
 
 class CountingTokenizer(ByteTokenizer):
