@@ -3,6 +3,8 @@ from cupytp import backend
 from cupytp.autograd import no_grad
 from cupytp.distributed import DeviceMesh, init, init_device_mesh
 from cupytp.graph import GraphCaptureError, cuda_graph
+from cupytp.memory import (
+    empty_cache, memory_stats, memory_summary, reset_peak_memory_stats, set_memory_limit)
 from cupytp.ops import (
     ShardingError, autocast, concat, cross_entropy, dropout, einsum, embedding, gelu, layer_norm,
     log_softmax, matmul, softmax, split, stack)
@@ -14,7 +16,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "backend", "no_grad", "DeviceMesh", "init", "init_device_mesh", "GraphCaptureError",
-    "cuda_graph", "ShardingError", "autocast",
+    "cuda_graph", "empty_cache", "memory_stats", "memory_summary", "reset_peak_memory_stats",
+    "set_memory_limit", "ShardingError", "autocast",
     "concat", "cross_entropy", "dropout", "einsum", "embedding", "gelu", "layer_norm",
     "log_softmax", "matmul", "softmax", "split", "stack", "DTensor", "Layout", "Partial",
     "Replicated", "Shard", "ShardingType", "arange", "distribute", "from_local", "full",

@@ -10,8 +10,8 @@ import sys
 import traceback
 from dataclasses import dataclass
 
-from cupytp import backend
-from cupytp.distributed.process_group import default_timeout
+from cupytp import backend, memory
+from cupytp.distributed.process_group import add_observer, debug_enabled, default_timeout
 
 
 class NotInitializedError(RuntimeError):
@@ -40,6 +40,8 @@ def init(backend_name=None, timeout=None):
 
     backend_name: "nccl" (default on GPU) or "mpi" (default on CPU; host arrays only).
     timeout: seconds a collective may take before it is an error (default CUPYTP_TIMEOUT or 600).
+    On a GPU, CuPy's arrays then come from the framework's pool (`cupytp.memory`), unless
+    CUPYTP_ALLOCATOR=cupy.
     """
     global _runtime, _world_comm
     if _runtime is not None:
@@ -54,6 +56,7 @@ def init(backend_name=None, timeout=None):
     if wanted == "mpi" and backend.on_gpu:
         raise ValueError("the mpi backend carries host arrays, but arrays live on the GPU: use "
                          "backend 'nccl' or CUPYTP_DEVICE=cpu")
+    allocator = memory.allocator_choice()
     world = MPI.COMM_WORLD
     local = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank)
     local_rank, local_size = local.rank, local.size
@@ -66,12 +69,17 @@ def init(backend_name=None, timeout=None):
                                f"launch at most {count} ranks per node")
         backend.xp.cuda.Device(local_rank).use()
         device = f"gpu:{local_rank}"
+        if allocator == "cupytp":
+            memory.install()            # CuPy arrays come from the framework's pool from now on
     _world_comm = world
     _runtime = Runtime(rank=world.rank, world_size=world.size, local_rank=local_rank,
                        local_size=local_size, device=device, backend=wanted,
                        timeout=default_timeout() if timeout is None else float(timeout))
     if world.size > 1:
         sys.excepthook = _abort_on_uncaught
+    if debug_enabled():
+        from cupytp.distributed.fingerprint import FingerprintCheck
+        add_observer(FingerprintCheck())
     return _runtime
 
 

@@ -45,3 +45,9 @@ def test_gpu_demanded_without_one_is_an_error_not_a_fallback():
     result = run("import cupytp", CUPYTP_DEVICE="gpu")
     assert result.returncode != 0
     assert "CUPYTP_DEVICE=gpu, but" in result.stderr
+
+
+def test_bad_allocator_choice_is_one_clear_error():
+    result = run("import cupytp; cupytp.init()", CUPYTP_ALLOCATOR="torch")
+    assert result.returncode != 0
+    assert "CUPYTP_ALLOCATOR='torch' is not understood" in result.stderr
