@@ -144,8 +144,9 @@ def evaluate(model, loader, mesh, batches):
 
 
 def memory_gib():
+    """Device memory the framework's pool holds (GPU), or the process's peak RSS (CPU)."""
     if backend.on_gpu:
-        return backend.xp.get_default_memory_pool().total_bytes() / 2 ** 30
+        return cupytp.memory_stats()["reserved_bytes"] / 2 ** 30
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
 
