@@ -1,27 +1,46 @@
 #!/usr/bin/env bash
-# One device call on a 2-GPU machine: GPU test suites, collectives vs raw NCCL, training-step
-# throughput vs the PyTorch anchors (carried in .carry/anchors). Logs under $OUT.
+# One device call on a 2-GPU machine: cupytp's training step beside the PyTorch anchors (copied
+# from the shared anchors folder into .carry/anchors, named in the device tool's carry), in the
+# same call. Usage: bench/gpu_bench.sh [check] [comm] [train] [host] (default: train host).
+# Logs under $OUT; the last thing printed is the table of bench/compare.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/gpu_bench}
-what=${1:-all}
-if [ "$what" = all ] || [ "$what" = check ]; then
-  bash scripts/gpu_check.sh > "$out/gpu_check.txt" 2>&1
-  tail -5 "$out/gpu_check.txt"
-fi
-if [ "$what" = all ] || [ "$what" = comm ]; then
-  mpiexec -n 2 python3 bench/collectives.py --out "$out" > "$out/collectives.txt" 2>&1
-  grep -E "^(all_reduce|all_gather|reduce_scatter|broadcast) +(1\.000|16\.000|32\.000|1024\.000|2048\.000)M" "$out/collectives.txt"
-fi
-dtypes=${DTYPES:-fp32 bf16}
-if [ "$what" = all ] || [ "$what" = train ]; then
-  for dtype in $dtypes; do
-    python3 bench/train_gpt2.py --tp 1 --steps 10 --dtype "$dtype"
-    mpiexec -n 2 python3 bench/train_gpt2.py --tp 2 --steps 10 --dtype "$dtype"
-    python3 .carry/anchors/torch_tp_gpt2.py --dtype "$dtype" --sdpa 0 --steps 10
-    torchrun --nproc_per_node=2 .carry/anchors/torch_tp_gpt2.py --dtype "$dtype" --sdpa 1 --steps 10
-  done > "$out/train_bench.txt" 2>&1
-  grep -E "tokens/s|tok/s|Error|error" "$out/train_bench.txt" | tail -12
-fi
+mkdir -p "$out"
+anchors=.carry/anchors
+what=${*:-train host}
+pairs=()
+run() {   # run NAME COMMAND...: output to $out/NAME.log
+  local name=$1; shift
+  timeout 300 "$@" > "$out/$name.log" 2>&1 || echo "$name exited $?" >&2
+}
+for part in $what; do
+  case $part in
+    check) bash scripts/gpu_check.sh > "$out/gpu_check.txt" 2>&1; tail -6 "$out/gpu_check.txt" ;;
+    comm) mpiexec -n 2 python3 bench/collectives.py --out "$out" > "$out/collectives.txt" 2>&1
+          tail -4 "$out/collectives.txt" ;;
+    train)
+      run ours_1gpu python3 bench/train_gpt2.py --tp 1 --dtype bf16 --label 124M-1gpu
+      run torch_1gpu python3 $anchors/torch_tp_gpt2.py --dtype bf16 --sdpa 1 --steps 10
+      run ours_tp2 mpiexec -n 2 python3 bench/train_gpt2.py --tp 2 --dtype bf16 --label 124M-tp2
+      run torch_tp2 torchrun --nproc_per_node=2 $anchors/torch_megatron_tp.py --steps 10
+      run ours_big mpiexec -n 2 python3 bench/train_gpt2.py --tp 2 --dtype bf16 --layers 24 \
+          --embd 2048 --heads 16 --B 4 --label 24x2048-tp2
+      run torch_big torchrun --nproc_per_node=2 $anchors/torch_megatron_tp.py --layers 24 \
+          --embd 2048 --heads 16 --B 4 --steps 10
+      pairs+=("124M-1gpu-B8=$out/ours_1gpu.log,$out/torch_1gpu.log"
+              "124M-tp2-B8=$out/ours_tp2.log,$out/torch_tp2.log"
+              "24x2048-tp2-B4=$out/ours_big.log,$out/torch_big.log") ;;
+    host)
+      run ours_tiny python3 bench/train_gpt2.py --tp 1 --dtype bf16 --B 2 --T 64 --label tiny-eager \
+          --no-cuda-graph
+      run ours_tiny_graph python3 bench/train_gpt2.py --tp 1 --dtype bf16 --B 2 --T 64 \
+          --label tiny-graph
+      run torch_tiny python3 $anchors/torch_tp_gpt2.py --dtype bf16 --sdpa 1 --B 2 --T 64 --steps 10
+      pairs+=("124M-B2-T64-eager=$out/ours_tiny.log,$out/torch_tiny.log"
+              "124M-B2-T64-graph=$out/ours_tiny_graph.log,$out/torch_tiny.log") ;;
+  esac
+done
+[ ${#pairs[@]} -gt 0 ] && python3 bench/compare.py "${pairs[@]}" | tee "$out/table.txt"

@@ -2,7 +2,9 @@
 the launched ranks:  mpiexec -n N python bench/train_gpt2.py --model 124M --tp N
 
 Times full steps (forward, backward, clipping, AdamW) after warm-up, with the device synchronized
-around the timed region; prints tokens/s and memory-pool use per GPU. With --profile it instead
+around the timed region; on GPU the step is one captured CUDA graph (--no-cuda-graph: eager).
+Prints one RESULT line: tokens/s, ms/step, device time of one step (CUDA events), host time to
+issue a step, peak memory of the framework's pool per GPU and MFU. With --profile it instead
 synchronizes around every module call, the loss and each phase, and prints where a step's time
 goes (inclusive per module type).
 """
@@ -16,7 +18,7 @@ os.environ.setdefault("CUPY_TF32", "1")     # fp32 matmuls on tensor cores, as t
 import numpy  # noqa: E402
 
 import cupytp  # noqa: E402
-from cupytp import backend, nn, ops  # noqa: E402
+from cupytp import backend, memory, nn, ops  # noqa: E402
 from cupytp.models.gpt2 import GPT2, preset  # noqa: E402
 from cupytp.optim import AdamW, clip_grad_norm_, decay_groups  # noqa: E402
 from cupytp.tensor import Replicated, Shard, from_local  # noqa: E402
@@ -48,20 +50,27 @@ class Profile:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="124M")
+    p.add_argument("--layers", type=int, default=None, help="override the preset's n_layer")
+    p.add_argument("--embd", type=int, default=None, help="override n_embd")
+    p.add_argument("--heads", type=int, default=None, help="override n_head")
     p.add_argument("--tp", type=int, default=None)
     p.add_argument("--B", type=int, default=8)
     p.add_argument("--T", type=int, default=1024)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--profile", action="store_true")
+    p.add_argument("--no-cuda-graph", action="store_true", help="run every step eagerly")
+    p.add_argument("--profile", action="store_true", help="eager, synchronized per module")
+    p.add_argument("--label", default="", help="a name for this run in the RESULT line")
     args = p.parse_args()
     info = cupytp.init()
     tp = args.tp or info.world_size
     dp = info.world_size // tp
     mesh = cupytp.DeviceMesh((dp, tp), ("dp", "tp"))
     cupytp.manual_seed(0)
-    config = preset(args.model)
+    overrides = {k: v for k, v in (("n_layer", args.layers), ("n_embd", args.embd),
+                                   ("n_head", args.heads)) if v is not None}
+    config = preset(args.model, **overrides)
     model = GPT2(config, mesh)
     optimizer = AdamW(decay_groups(model.parameters(), 0.1), lr=1e-4)
     rng = numpy.random.default_rng(mesh.get_local_rank("dp"))
@@ -74,29 +83,36 @@ def main():
                                     shape=(args.B * dp, args.T))
         return make(ids[:, :-1]), make(ids[:, 1:])
 
-    def step():
-        x, y = batch()
+    def train_step(x, y):
         with ops.autocast(None if args.dtype == "fp32" else args.dtype):
-            logits, _ = model(x)
-        loss = profile("cross_entropy", ops.cross_entropy, logits, y)
+            _, loss = model(x, y)
         profile("backward", loss.backward)
         profile("clip_grad_norm_", clip_grad_norm_, model.parameters(), 1.0)
         profile("optimizer", optimizer.step)
         optimizer.zero_grad(set_to_none=False)   # keep the buffers: no reallocation
         return loss
 
-    for _ in range(args.warmup):
-        step()
+    eager = args.no_cuda_graph or args.profile
+    step = train_step if eager else cupytp.cuda_graph(train_step)
+    batches = [batch() for _ in range(4)]
+    for i in range(args.warmup):
+        step(*batches[i % len(batches)])
     if args.profile:
         profile.totals.clear()
         profile.watch_modules()
     backend.synchronize()
-    cupytp.distributed.runtime.world_comm().Barrier()
+    cupytp.distributed.barrier()
+    memory.reset_peak_memory_stats()
+    host = 0.0
     start = time.perf_counter()
-    for _ in range(args.steps):
-        loss = step()
+    for i in range(args.steps):
+        issued = time.perf_counter()
+        loss = step(*batches[i % len(batches)])
+        host += time.perf_counter() - issued
     backend.synchronize()
     elapsed = time.perf_counter() - start
+    device_ms = device_time_ms(step, batches[0])
+    stats = memory.memory_stats()
     if info.rank != 0:
         return
     if args.profile:
@@ -105,10 +121,36 @@ def main():
             print(f"  {name:20} {1e3 * total / args.steps:8.1f}")
         return
     tokens_per_s = args.B * dp * args.T * args.steps / elapsed
-    pool = backend.xp.get_default_memory_pool().total_bytes() / 2 ** 30 if backend.on_gpu else 0
-    print(f"cupytp GPT-2 {args.model} {args.dtype} tp={tp} dp={dp} B={args.B} T={args.T}: "
-          f"{tokens_per_s / 1e3:.1f}k tokens/s, {1e3 * elapsed / args.steps:.1f} ms/step, "
-          f"pool {pool:.1f} GiB/GPU, loss {loss.item():.3f}", flush=True)
+    mfu = config.flops_per_token(args.T) * tokens_per_s / info.world_size / BF16_PEAK_FLOPS
+    print(f"RESULT cupytp {args.label or args.model} graph={int(not eager)} dtype={args.dtype} "
+          f"tp={tp} dp={dp} L={config.n_layer} C={config.n_embd} B={args.B} T={args.T} "
+          f"tok/s={tokens_per_s:.0f} step_ms={1e3 * elapsed / args.steps:.2f} "
+          f"device_ms={device_ms:.2f} host_ms={1e3 * host / args.steps:.2f} "
+          f"peak_alloc_GiB={stats['allocated_bytes_peak'] / 2 ** 30:.2f} "
+          f"peak_reserved_GiB={stats['reserved_bytes_peak'] / 2 ** 30:.2f} "
+          f"mfu={100 * mfu:.1f}% loss={loss.item():.3f}", flush=True)
+
+
+BF16_PEAK_FLOPS = 989e12     # H100/H200 SXM dense bf16, the usual MFU denominator
+
+
+def device_time_ms(step, batch, repeats=5):
+    """Median device time of one step, from CUDA events around it with nothing else queued (the
+    step's own host gaps included when it runs eagerly); 0 on CPU."""
+    if not backend.on_gpu:
+        return 0.0
+    xp = backend.xp
+    times = []
+    for _ in range(repeats):
+        backend.synchronize()
+        cupytp.distributed.barrier()
+        begin, end = xp.cuda.Event(), xp.cuda.Event()
+        begin.record()
+        step(*batch)
+        end.record()
+        end.synchronize()
+        times.append(xp.cuda.get_elapsed_time(begin, end))
+    return float(numpy.median(times))
 
 
 if __name__ == "__main__":

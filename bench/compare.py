@@ -1,0 +1,46 @@
+"""Side-by-side table of cupytp RESULT lines and PyTorch ANCHOR lines from one device call.
+
+    python bench/compare.py LABEL=CUPYTP_LOG,ANCHOR_LOG [...]
+
+Each log holds the output of one program; the last RESULT (cupytp) or ANCHOR (PyTorch) line of
+each is read. Ratios are cupytp over the anchor (tokens/s: > 1 is faster; memory: < 1 is less).
+"""
+import re
+import sys
+
+FIELD = re.compile(r"([\w/]+)=([-\d.,]+)")
+
+
+def last_line(path, tag):
+    try:
+        with open(path) as f:
+            lines = [line for line in f if line.startswith(tag)]
+    except OSError:
+        return None
+    return {k: float(v.replace(",", "")) for k, v in FIELD.findall(lines[-1])} if lines else None
+
+
+def main(pairs):
+    header = (f"{'config':28} {'cupytp tok/s':>13} {'step ms':>8} {'dev ms':>7} {'host ms':>8} "
+              f"{'GiB':>6} {'torch tok/s':>12} {'step ms':>8} {'GiB':>6} {'speed x':>8} "
+              f"{'mem x':>6}")
+    rows = [header]
+    for pair in pairs:
+        label, logs = pair.split("=", 1)
+        ours_log, anchor_log = logs.split(",")
+        ours, anchor = last_line(ours_log, "RESULT"), last_line(anchor_log, "ANCHOR")
+        if ours is None or anchor is None:
+            missing = ours_log if ours is None else anchor_log
+            rows.append(f"{label:28} no result in {missing}")
+            continue
+        speed = ours["tok/s"] / anchor["tok/s"]
+        memory = ours["peak_alloc_GiB"] / anchor["peak_mem_GiB"]
+        rows.append(f"{label:28} {ours['tok/s']:13,.0f} {ours['step_ms']:8.2f} "
+                    f"{ours['device_ms']:7.2f} {ours['host_ms']:8.2f} {ours['peak_alloc_GiB']:6.2f} "
+                    f"{anchor['tok/s']:12,.0f} {anchor['step_ms']:8.2f} "
+                    f"{anchor['peak_mem_GiB']:6.2f} {speed:8.2f} {memory:6.2f}")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
