@@ -24,6 +24,25 @@ def _buffer(array):
     return array
 
 
+def pending(requests, group, op):
+    """The Pending of MPI `requests` of `op` on `group`: wait() polls them against the group's
+    timeout and raises CollectiveTimeoutError past it."""
+    deadline = time.monotonic() + group.timeout
+
+    def wait():
+        spins = 0
+        while not MPI.Request.Testall(requests):
+            spins += 1
+            if spins > 64:  # let other ranks on the same cores run
+                time.sleep(1e-5 if spins < 4096 else 1e-3)
+            if time.monotonic() > deadline:
+                raise CollectiveTimeoutError(
+                    f"{group.describe(op)} did not complete within {group.timeout:g} s "
+                    "(CUPYTP_TIMEOUT): a rank skipped it, called another collective, or is "
+                    "stuck")
+    return Pending(wait, lambda: MPI.Request.Testall(requests))
+
+
 class ProcessGroupMPI(ProcessGroup):
     """A group whose arrays live on the host; `host_comm` carries the data."""
 
@@ -35,20 +54,7 @@ class ProcessGroupMPI(ProcessGroup):
         return dtype if op == "avg" else None
 
     def _pending(self, requests, op):
-        deadline = time.monotonic() + self.timeout
-
-        def wait():
-            spins = 0
-            while not MPI.Request.Testall(requests):
-                spins += 1
-                if spins > 64:  # let other ranks on the same cores run
-                    time.sleep(1e-5 if spins < 4096 else 1e-3)
-                if time.monotonic() > deadline:
-                    raise CollectiveTimeoutError(
-                        f"{self.describe(op)} did not complete within {self.timeout:g} s "
-                        "(CUPYTP_TIMEOUT): a rank skipped it, called another collective, or is "
-                        "stuck")
-        return Pending(wait, lambda: MPI.Request.Testall(requests))
+        return pending(requests, self, op)
 
     def _all_reduce(self, send, recv, op, async_op):
         request = self.host_comm.Iallreduce(send, recv, op=_MPI_OPS[op])

@@ -9,7 +9,13 @@ caller's `async_op` and returning a `Pending` that completes the transfer.
 
 Results are new arrays; they may be the input itself on a group of one rank, and on the source
 rank of a broadcast.
+
+Observers (CUPYTP_DEBUG's fingerprint check, `cupytp.debug.CommTracer`) see every public
+collective of a group of more than one rank, before it starts and once it is done; with none
+registered, a call costs one list test.
 """
+import functools
+import inspect
 import os
 
 import numpy
@@ -35,6 +41,11 @@ def default_timeout():
     if seconds <= 0:
         raise ValueError(f"CUPYTP_TIMEOUT must be positive, got {seconds}")
     return seconds
+
+
+def debug_enabled():
+    """CUPYTP_DEBUG=1: collectives compared across ranks before they run, from_local checked."""
+    return os.environ.get("CUPYTP_DEBUG", "0").strip() not in ("", "0")
 
 
 def split_sizes(length, parts):
@@ -85,6 +96,115 @@ class Work:
 
 def _done(result):
     return Work(Pending(), lambda: result)
+
+
+# ---- observers ----------------------------------------------------------------------------------
+_observers = []
+
+
+def add_observer(observer):
+    """Show every collective to `observer`: `observer.before(call)` before it starts (it may
+    raise to stop it) and `observer.after(call)` once it is done (at `Work.wait()` when async)."""
+    _observers.append(observer)
+
+
+def remove_observer(observer):
+    _observers.remove(observer)
+
+
+class Call:
+    """One collective as observers see it: the group, the op name, `detail` (its arguments
+    that every rank must share), the global `shape` and `dtype` it moves, and this rank's
+    `nbytes`. `state` is free for observers to use."""
+    __slots__ = ("group", "op", "detail", "shape", "dtype", "nbytes", "state")
+
+    def __init__(self, group, op, detail, shape, dtype, nbytes):
+        self.group, self.op, self.detail = group, op, detail
+        self.shape, self.dtype, self.nbytes = shape, dtype, nbytes
+        self.state = {}
+
+
+def _observed(describe):
+    """Decorate a public collective: with observers registered (and more than one rank),
+    `describe(group, **arguments)` gives the Call's (detail, shape, dtype, nbytes)."""
+    def wrap(method):
+        signature = inspect.signature(method)
+
+        @functools.wraps(method)
+        def run(self, *args, **kwargs):
+            if not _observers or self.size == 1:
+                return method(self, *args, **kwargs)
+            bound = signature.bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            arguments = dict(bound.arguments)
+            del arguments["self"]
+            try:
+                call = Call(self, method.__name__, *describe(self, **arguments))
+            except (AttributeError, TypeError, ValueError, IndexError):
+                return method(self, *args, **kwargs)     # bad arguments: its own clear error
+            observers = list(_observers)
+            for observer in observers:
+                observer.before(call)
+            result = method(self, *args, **kwargs)
+            if isinstance(result, Work):
+                finish = result._finish
+
+                def finished():
+                    value = finish()
+                    for observer in reversed(observers):
+                        observer.after(call)
+                    return value
+                result._finish = finished
+            else:
+                for observer in reversed(observers):
+                    observer.after(call)
+            return result
+        return run
+    return wrap
+
+
+def _gathered_shape(array, dim, sizes, size):
+    shape = list(array.shape)
+    dim = dim % max(array.ndim, 1)
+    shape[dim] = sum(sizes) if sizes is not None else array.shape[dim] * size
+    return tuple(shape)
+
+
+def _describe_reduce(group, array, op="sum", async_op=False, dim=None):
+    detail = f"op={op}" if dim is None else f"dim={dim}, op={op}"
+    return detail, tuple(array.shape), str(array.dtype), array.nbytes
+
+
+def _describe_gather(group, array, dim=0, sizes=None, async_op=False, dst=None):
+    detail = f"dim={dim}" if dst is None else f"dst={dst}, dim={dim}"
+    return (detail, _gathered_shape(array, dim, sizes, group.size), str(array.dtype),
+            array.nbytes)
+
+
+def _describe_broadcast(group, array, src=0, async_op=False):
+    return f"src={src}", tuple(array.shape), str(array.dtype), array.nbytes
+
+
+def _describe_scatter(group, array, src=0, dim=0, shape=None, dtype=None, async_op=False):
+    shape = tuple(array.shape) if array is not None else tuple(shape or ())
+    dtype = array.dtype if array is not None else backend.dtype(dtype or "fp32")
+    nbytes = int(numpy.prod(shape, dtype=numpy.int64)) * dtype.itemsize // group.size
+    return f"src={src}, dim={dim}", shape, str(dtype), nbytes
+
+
+def _describe_all_to_all(group, inputs, out_shapes=None, async_op=False):
+    nbytes = sum(a.nbytes for peer, a in enumerate(inputs) if peer != group.rank)
+    return f"{len(inputs)} parts", None, str(inputs[0].dtype) if inputs else None, nbytes
+
+
+def _describe_send(group, array, dst):
+    return f"dst={dst}", tuple(array.shape), str(array.dtype), array.nbytes
+
+
+def _describe_recv(group, shape, dtype, src):
+    dtype = backend.dtype(dtype)
+    return (f"src={src}", tuple(shape), str(dtype),
+            int(numpy.prod(tuple(shape), dtype=numpy.int64)) * dtype.itemsize)
 
 
 class ProcessGroup:
@@ -138,6 +258,7 @@ class ProcessGroup:
         return finish()
 
     # ---- collectives ----------------------------------------------------------------------------
+    @_observed(_describe_reduce)
     def all_reduce(self, array, op="sum", async_op=False):
         """Every rank gets the elementwise reduction (`op`) of all ranks' arrays."""
         self._check("all_reduce", array, op)
@@ -148,6 +269,7 @@ class ProcessGroup:
         pending, finish = self._reduce_into(send, recv, op, self._all_reduce, async_op)
         return self._run(pending, finish, async_op)
 
+    @_observed(_describe_reduce)
     def reduce_scatter(self, array, dim=0, op="sum", async_op=False):
         """Reduce across ranks, then keep this rank's chunk of `dim` (array_split sizes)."""
         self._check("reduce_scatter", array, op)
@@ -172,6 +294,7 @@ class ProcessGroup:
             return xp.moveaxis(finish()[:sizes[self.rank]], 0, dim)
         return self._run(pending, result, async_op)
 
+    @_observed(_describe_gather)
     def all_gather(self, array, dim=0, sizes=None, async_op=False):
         """Concatenate every rank's array along `dim`; `sizes` gives each rank's extent there
         when they differ (default: all equal to this rank's)."""
@@ -192,6 +315,7 @@ class ProcessGroup:
         pending = self._all_gather(send, recv, async_op)
         return self._run(pending, lambda: self._unpad(recv, sizes, longest, dim), async_op)
 
+    @_observed(_describe_broadcast)
     def broadcast(self, array, src=0, async_op=False):
         """Every rank gets rank `src`'s array; `array` on other ranks gives shape and dtype."""
         self._check("broadcast", array, None)
@@ -206,6 +330,7 @@ class ProcessGroup:
         pending = self._broadcast(buffer, src, async_op)
         return self._run(pending, lambda: buffer, async_op)
 
+    @_observed(_describe_scatter)
     def scatter(self, array, src=0, dim=0, shape=None, dtype=None, async_op=False):
         """Rank `src` splits `array` along `dim` (array_split sizes); each rank gets its chunk.
 
@@ -236,6 +361,7 @@ class ProcessGroup:
         pending = self._exchange(sends, [(recv, src)], async_op)
         return self._run(pending, lambda: recv, async_op)
 
+    @_observed(_describe_gather)
     def gather(self, array, dst=0, dim=0, sizes=None, async_op=False):
         """Rank `dst` gets every rank's array concatenated along `dim`; others get None."""
         self._check("gather", array, None)
@@ -259,6 +385,7 @@ class ProcessGroup:
             return xp.moveaxis(xp.concatenate([buf for buf, _ in recvs]), 0, dim)
         return self._run(pending, result, async_op)
 
+    @_observed(_describe_all_to_all)
     def all_to_all(self, inputs, out_shapes=None, async_op=False):
         """Send `inputs[j]` to rank j; return the list of arrays received, from rank 0 up.
 
@@ -280,12 +407,14 @@ class ProcessGroup:
         pending = self._exchange(sends, recvs, async_op) if self.size > 1 else Pending()
         return self._run(pending, lambda: outputs, async_op)
 
+    @_observed(_describe_send)
     def send(self, array, dst):
         """Send `array` to rank `dst` of this group (blocks until it is handed over)."""
         self._check("send", array, None)
         self._check_peer("send", dst)
         self._exchange([(backend.xp.ascontiguousarray(array), dst)], [], False).wait()
 
+    @_observed(_describe_recv)
     def recv(self, shape, dtype, src):
         """Receive an array of `shape` and `dtype` from rank `src` of this group."""
         self._check_peer("recv", src)

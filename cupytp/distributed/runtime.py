@@ -11,7 +11,7 @@ import traceback
 from dataclasses import dataclass
 
 from cupytp import backend, memory
-from cupytp.distributed.process_group import default_timeout
+from cupytp.distributed.process_group import add_observer, debug_enabled, default_timeout
 
 
 class NotInitializedError(RuntimeError):
@@ -77,6 +77,9 @@ def init(backend_name=None, timeout=None):
                        timeout=default_timeout() if timeout is None else float(timeout))
     if world.size > 1:
         sys.excepthook = _abort_on_uncaught
+    if debug_enabled():
+        from cupytp.distributed.fingerprint import FingerprintCheck
+        add_observer(FingerprintCheck())
     return _runtime
 
 
