@@ -3,7 +3,9 @@
     y = 0.5 x (1 + tanh(u)),  u = sqrt(2/pi) (x + 0.044715 x^3)
 
 computed in float32 for float32/bfloat16/float16 and in float64 for float64; results have the
-input's dtype and shape.
+input's dtype and shape. `bias_gelu(x, bias)` = gelu(x + bias) with bias (cols,) along x's last
+dimension (cast to the compute dtype), and its backward gives dx and the bias gradient (the column
+sum of dx in the compute dtype) from one pass.
 """
 import math
 
@@ -15,6 +17,8 @@ from cupytp.kernels import is_device_array
 
 THREADS = 256
 MAX_BLOCKS = 32768  # the kernels' grid-stride loops cover larger arrays
+ROW_CHUNK = 32  # bias_gelu: rows per chunk of a block row
+MAX_ROW_BLOCKS = 1024  # bias_gelu: block rows (partial bias sums), each taking several chunks
 SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
 CUBIC = 0.044715
 
@@ -39,6 +43,53 @@ def gelu_backward(x, dy):
     return dx
 
 
+def bias_gelu(x, bias):
+    """gelu(x + bias), a new array; bias (cols,) along x's last dimension."""
+    if not is_device_array(x):
+        return bias_gelu_numpy(x, bias)
+    bias = _check_bias(x, bias)
+    y = xp.empty_like(x)
+    _launch_rows("bias_gelu_forward", x, bias, (y,))
+    return y
+
+
+def bias_gelu_backward(x, bias, dy):
+    """(dx, dbias) of y = bias_gelu(x, bias) given dy: dx like x, dbias (cols,) in the compute
+    dtype."""
+    if not is_device_array(x):
+        return bias_gelu_backward_numpy(x, bias, dy)
+    bias = _check_bias(x, bias, dy=dy)
+    dx = xp.empty_like(x)
+    partials = xp.zeros((_row_blocks(x), x.shape[-1]), dtype=bias.dtype)
+    _launch_rows("bias_gelu_backward", x, bias, (dy, dx, partials))
+    return dx, partials.sum(axis=0)
+
+
+def _check_bias(x, bias, **arrays):
+    """The bias in the compute dtype, after checking every array."""
+    _check(x=x, **arrays)
+    check_lists(bias=[bias])
+    if x.ndim == 0 or bias.shape != x.shape[-1:]:
+        raise ValueError(f"bias_gelu: bias must have shape {x.shape[-1:]} (x's last dimension), "
+                         f"got {bias.shape}")
+    return bias.astype(compute_dtype(x.dtype), copy=False)
+
+
+def _row_blocks(x):
+    rows = x.size // x.shape[-1] if x.shape[-1] else 0
+    return max(1, min(ceil_div(rows, ROW_CHUNK), MAX_ROW_BLOCKS))
+
+
+def _launch_rows(name, x, bias, arrays):
+    cols = x.shape[-1]
+    if x.size == 0:
+        return
+    kernel = get_kernel("gelu.cu", f"{name}_{dtype_suffix(x.dtype)}")
+    kernel((ceil_div(cols, THREADS), _row_blocks(x)), (THREADS,),
+           (x, bias, *arrays, numpy.int64(x.size // cols), numpy.int32(cols),
+            numpy.int32(ROW_CHUNK)))
+
+
 def _check(**arrays):
     dtypes = check_lists(**{name: [array] for name, array in arrays.items()})
     dtype_suffix(dtypes["x"])
@@ -60,20 +111,37 @@ def _tanh_arg(x):
     return SQRT_2_OVER_PI * (x + CUBIC * x * x * x)
 
 
+def _gelu_value(x):
+    return 0.5 * x * (1 + numpy.tanh(_tanh_arg(x)))
+
+
+def _gelu_slope(x):
+    t = numpy.tanh(_tanh_arg(x))
+    du_dx = SQRT_2_OVER_PI * (1 + 3 * CUBIC * x * x)
+    return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * du_dx
+
+
 def gelu_numpy(x):
     """NumPy twin of `gelu`."""
     _check(x=x)
-    xc = x.astype(compute_dtype(x.dtype))
-    y = 0.5 * xc * (1 + numpy.tanh(_tanh_arg(xc)))
-    return y.astype(x.dtype)
+    return _gelu_value(x.astype(compute_dtype(x.dtype))).astype(x.dtype)
 
 
 def gelu_backward_numpy(x, dy):
     """NumPy twin of `gelu_backward`."""
     _check(x=x, dy=dy)
     compute = compute_dtype(x.dtype)
-    xc = x.astype(compute)
-    t = numpy.tanh(_tanh_arg(xc))
-    du_dx = SQRT_2_OVER_PI * (1 + 3 * CUBIC * xc * xc)
-    grad = 0.5 * (1 + t) + 0.5 * xc * (1 - t * t) * du_dx
-    return (dy.astype(compute) * grad).astype(x.dtype)
+    return (dy.astype(compute) * _gelu_slope(x.astype(compute))).astype(x.dtype)
+
+
+def bias_gelu_numpy(x, bias):
+    """NumPy twin of `bias_gelu`."""
+    bias = _check_bias(x, bias)
+    return _gelu_value(x.astype(bias.dtype) + bias).astype(x.dtype)
+
+
+def bias_gelu_backward_numpy(x, bias, dy):
+    """NumPy twin of `bias_gelu_backward`."""
+    bias = _check_bias(x, bias, dy=dy)
+    d = dy.astype(bias.dtype) * _gelu_slope(x.astype(bias.dtype) + bias)
+    return d.astype(x.dtype), d.sum(axis=tuple(range(x.ndim - 1)))

@@ -3,8 +3,8 @@
 Read bottom-up: config → model (embeddings, blocks, final norm, tied head) → weights in and out.
 Parameter names are Hugging Face GPT2LMHeadModel's (`transformer.h.0.attn.c_attn.weight`, ...).
 Two native shapes differ, both to keep tensor parallelism exact: the vocabulary is padded to a
-multiple of 64 × tp (padded logits are masked to -inf, so they never win the softmax), and the
-fused q|k|v weight is `[C, 3, C]` (heads on the last axis). `hf_state_dict()` and
+multiple of 64 × tp (the loss skips the padded columns; the returned logits read -inf there),
+and the fused q|k|v weight is `[C, 3, C]` (heads on the last axis). `hf_state_dict()` and
 `save_pretrained` give exactly Hugging Face's keys and shapes; `load_hf_state_dict` and
 `from_pretrained` take them, each rank reading only its own slices from a safetensors file.
 """
@@ -101,6 +101,16 @@ def _padded(embedding, rows):
     return embedding
 
 
+def _mask_padding(logits, vocab_size):
+    """`logits` with this rank's padded vocabulary columns (global index >= vocab_size) set to
+    -inf in place, so they never win a softmax or a sample; no full-size pass. The loss has
+    already been taken and its backward never reads those columns."""
+    local = logits.to_local()
+    start = min(max(vocab_size - logits.layout.offsets[-1], 0), local.shape[-1])
+    local[..., start:] = local.dtype.type(-math.inf)
+    return logits
+
+
 class GPT2(nn.Module):
     """GPT-2 language model; `forward(ids, targets=None)` returns (logits, loss or None), the
     logits vocab-sharded (Shard(-1)) when tensor-parallel."""
@@ -112,8 +122,6 @@ class GPT2(nn.Module):
         self.vocab = config.padded_vocab(tp)
         self.transformer = GPT2Transformer(config, self.vocab, local_mesh())
         self.lm_head = nn.DLMHead(self.transformer.wte)
-        self.register_buffer("vocab_mask", cupytp.from_local(
-            backend.xp.arange(self.vocab) >= config.vocab_size, local_mesh(), (Replicated(),)))
         if mesh is not None:
             apply_tensor_parallel(self, mesh)
 
@@ -121,10 +129,10 @@ class GPT2(nn.Module):
         if ids.shape[1] > self.config.block_size:
             raise ValueError(f"sequence length {ids.shape[1]} is longer than the model's "
                              f"context of {self.config.block_size} tokens")
-        logits = self.lm_head(self.transformer(ids)).astype("fp32")  # the loss in fp32
-        logits = ops.masked_fill(logits, self.vocab_mask, -math.inf)    # (B, T, V/tp)
-        loss = ops.cross_entropy(logits, targets) if targets is not None else None
-        return logits, loss
+        logits = self.lm_head(self.transformer(ids))                  # (B, T, V/tp)
+        loss = None if targets is None else ops.cross_entropy(
+            logits, targets, vocab_size=self.config.vocab_size)       # fp32, padding excluded
+        return _mask_padding(logits, self.config.vocab_size), loss
 
     @property
     def mesh(self):
@@ -159,8 +167,6 @@ class GPT2(nn.Module):
         out = {}
         c, v = self.config.n_embd, self.config.vocab_size
         for name, tensor in self.state_dict().items():
-            if name == "vocab_mask":
-                continue
             value = backend.asnumpy(tensor.full_tensor())
             if name.endswith("attn.c_attn.weight"):
                 value = value.reshape(c, 3 * c)
@@ -177,8 +183,6 @@ class GPT2(nn.Module):
         so each rank reads only its block. Missing or mis-shaped keys are errors."""
         c, v = self.config.n_embd, self.config.vocab_size
         for name, tensor in self.state_dict().items():
-            if name == "vocab_mask":
-                continue
             layout = Layout(tensor.mesh, tensor.shape, tensor.placements)
             offsets, local_shape = layout.local_block()
             block = tuple(slice(o, o + n) for o, n in zip(offsets, local_shape))

@@ -161,7 +161,7 @@ class Dropout(Module):
 class DMLP(Module):
     """c_fc (column-parallel, `[C, 4C/tp]`) → GeLU → c_proj (row-parallel, `[4C/tp, C]`):
     Replicated in, Replicated out, one all-reduce forward (at c_proj's bias) and one backward
-    (the Partial input gradient of c_fc)."""
+    (the Partial input gradient of c_fc). c_fc's bias and the GeLU are one fused op."""
 
     def __init__(self, in_features, hidden_features, out_features=None, mesh=None, bias=True,
                  dropout=0.0, dtype="fp32", init_std=0.02, proj_init_std=None):
@@ -169,13 +169,14 @@ class DMLP(Module):
         out_features = out_features or in_features
         self.c_fc = DLinear(in_features, hidden_features, mesh, Shard(1), bias, dtype=dtype,
                             init_std=init_std)
-        self.act = GeLU()
         self.c_proj = DLinear(hidden_features, out_features, mesh, Shard(0), bias, dtype=dtype,
                               init_std=proj_init_std or init_std)
         self.dropout = Dropout(dropout)
 
     def forward(self, x):
-        return self.dropout(self.c_proj(self.act(self.c_fc(x))))
+        h = ops.matmul(x, self.c_fc.weight)                          # (B, T, 4C/tp)
+        h = ops.gelu(h) if self.c_fc.bias is None else ops.bias_gelu(h, self.c_fc.bias)
+        return self.dropout(self.c_proj(h))
 
     def parallel_plan(self):
         return {"c_fc": "colwise", "c_proj": "rowwise"}

@@ -6,7 +6,7 @@ redistribute to call.
 """
 from cupytp.ops.base import ShardingError, redistribute
 from cupytp.ops.elementwise import (
-    add, astype, div, exp, gelu, log, masked_fill, mul, neg, pow, sqrt, sub, tanh)
+    add, astype, bias_gelu, div, exp, gelu, log, masked_fill, mul, neg, pow, sqrt, sub, tanh)
 from cupytp.ops.linalg import autocast, einsum, matmul
 from cupytp.ops.nn import (
     causal_softmax, cross_entropy, dropout, embedding, layer_norm, log_softmax,
@@ -16,8 +16,9 @@ from cupytp.ops.shape import (
     concat, getitem, permute, reshape, split, stack, transpose, unsqueeze)
 
 __all__ = [
-    "ShardingError", "causal_softmax", "autocast", "redistribute", "add", "astype", "div", "exp",
-    "gelu", "log", "masked_fill", "mul", "neg", "pow", "sqrt", "sub", "tanh", "einsum", "matmul",
+    "ShardingError", "causal_softmax", "autocast", "redistribute", "add", "astype", "bias_gelu",
+    "div", "exp", "gelu", "log", "masked_fill", "mul", "neg", "pow", "sqrt", "sub", "tanh",
+    "einsum", "matmul",
     "cross_entropy", "dropout", "embedding", "layer_norm", "log_softmax",
     "scaled_dot_product_attention", "softmax", "take_along_last", "broadcast_to", "max", "mean",
     "sum", "sum_to_shape", "concat", "getitem", "permute", "reshape", "split", "stack",

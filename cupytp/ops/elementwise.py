@@ -152,6 +152,33 @@ def gelu(x):
                  backward)
 
 
+def bias_gelu(x, bias):
+    """gelu(x + bias), bias (H,) along x's last dimension, laid out like it (column-parallel:
+    x (..., H/tp) Shard(-1), bias Shard(0)); one fused kernel each way on GPU. The bias gradient
+    is the kernel's column sum: Partial where x's leading dims are sharded."""
+    from cupytp.kernels.gelu import bias_gelu as forward, bias_gelu_backward
+    if bias.ndim != 1 or bias.shape[0] != x.shape[-1]:
+        raise ValueError(f"bias_gelu: bias must have shape ({x.shape[-1]},) (x's last "
+                         f"dimension), got {bias.shape}")
+    last = x.ndim - 1
+    xp = backend.xp
+
+    def backward(g, x, bias, out):
+        g = linear_grad(g, out.placements)
+        dx, dbias = bias_gelu_backward(xp.ascontiguousarray(x._local),
+                                       xp.ascontiguousarray(bias._local),
+                                       xp.ascontiguousarray(g._local, dtype=x.dtype))
+        bias_placements = tuple(Shard(0) if p == Shard(last) else
+                                Partial() if isinstance(p, Shard) or p.is_partial() else p
+                                for p in g.placements)
+        return (make(dx, x.mesh, x.shape, g.placements),
+                make(dbias.astype(bias.dtype, copy=False), bias.mesh, bias.shape,
+                     bias_placements))
+    return apply("bias_gelu", lambda v, b: forward(xp.ascontiguousarray(v),
+                                                    xp.ascontiguousarray(b)),
+                 [x, bias], NONLINEAR, backward)
+
+
 def astype(x, dtype):
     """`x` cast to `dtype`; the gradient is cast back."""
     dtype = backend.dtype(dtype)

@@ -5,17 +5,17 @@ softmax, log_softmax and layer_norm work along a dimension no mesh dimension sha
 and take_along_last accept a table sharded along the looked-up dimension (vocab-parallel): each
 rank answers the ids in its range, zeros elsewhere, and the output is Partial. cross_entropy on
 vocab-sharded logits never gathers them: one max all-reduce, then one all-reduce of the packed
-(sum of exponentials, target logit) pairs.
+(sum of exponentials, target logit) pairs, around fused kernels that read the logits once each
+way (`kernels/cross_entropy.cu`).
 """
 import math
 
 from cupytp.ops.base import (
     Partial, Replicated, Shard, backend, convert, engine, fail, is_tensor, linear_grad, make,
     reduce_all)
-from cupytp.ops.elementwise import log, mul, sub
+from cupytp.ops.elementwise import mul
 from cupytp.ops.linalg import einsum
-from cupytp.ops.reduction import max as reduce_max, sum as reduce_sum
-from cupytp.ops.shape import concat, getitem, unsqueeze
+from cupytp.ops.reduction import sum as reduce_sum
 from cupytp.tensor.random import default_generator
 
 
@@ -134,6 +134,7 @@ def embedding(ids, weight):
     give zeros); weight Shard(1): output sharded on its last dim; weight Replicated: the output
     follows the ids' sharding.
     """
+    from cupytp.kernels.embedding import embedding_backward
     ids = _as_index("embedding", ids, weight)
     targets_w, targets_ids, placements = [], [], []
     for dim in range(weight.mesh.ndim):
@@ -163,8 +164,8 @@ def embedding(ids, weight):
 
     def backward(g):
         g = linear_grad(g, out.placements, strict=sharded)
-        grad = xp.zeros(weight.local_shape, dtype=g.dtype)
-        xp.add.at(grad, safe[valid], g._local[valid])
+        grad = embedding_backward(xp.ascontiguousarray(local_ids, dtype=xp.int64),
+                                  xp.ascontiguousarray(g._local), rows)
         grad_placements = tuple(pw if isinstance(pw, Shard) else
                                 (Partial() if gp.is_partial() or isinstance(gp, Shard) else gp)
                                 for pw, gp in zip(weight.placements, g.placements))
@@ -172,26 +173,30 @@ def embedding(ids, weight):
     return engine.record(out, (ids, weight), backward, "embedding")
 
 
-def take_along_last(x, index):
-    """out[...] = x[..., index[...]]: one entry of the last dimension per position. With x
-    sharded on its last dimension, each rank answers the indices in its range (Partial)."""
-    index = _as_index("take_along_last", index, x)
+def _along_last(op, x, index, linear):
+    """`x` (..., V) and `index` (...), one entry per row, converted for an op along the last
+    dimension; returns (x, index, row placements, vocab mesh dims). On a mesh dim that shards V,
+    index is Replicated and each rank holds part of every row (the row placement there is
+    Partial); a shard of a row dim is shared by x and index. A Partial(sum) x stays Partial when
+    the op is `linear` in it, else it is reduced."""
     if index.shape != x.shape[:-1]:
-        raise ValueError(f"take_along_last: index shape {index.shape} must be {x.shape[:-1]}")
+        raise ValueError(f"{op}: index shape {index.shape} must be {x.shape[:-1]} (the rows of "
+                         f"{x.shape})")
     last = x.ndim - 1
-    targets_x, targets_i, placements = [], [], []
+    targets_x, targets_i, placements, vocab_dims = [], [], [], set()
     for dim in range(x.mesh.ndim):
         px, pi = x.placements[dim], index.placements[dim]
         if isinstance(px, Shard) and px.dim == last:
             targets_x.append(px)
             targets_i.append(Replicated())
             placements.append(Partial())
+            vocab_dims.add(dim)
         elif isinstance(px, Shard) or isinstance(pi, Shard):
             d = px.dim if isinstance(px, Shard) else pi.dim
             targets_x.append(Shard(d))
             targets_i.append(Shard(d))
             placements.append(Shard(d))
-        elif px.is_partial() and px.op == "sum":
+        elif linear and px.is_partial() and px.op == "sum":
             targets_x.append(px)
             targets_i.append(Replicated())
             placements.append(px)
@@ -199,17 +204,24 @@ def take_along_last(x, index):
             targets_x.append(Replicated())
             targets_i.append(Replicated())
             placements.append(Replicated())
-    x = convert("take_along_last", x, targets_x, [x, index])
-    index = convert("take_along_last", index, targets_i, [x, index])
+    x = convert(op, x, targets_x, [x, index])
+    index = convert(op, index, targets_i, [x, index])
+    return x, index, tuple(placements), vocab_dims
+
+
+def take_along_last(x, index):
+    """out[...] = x[..., index[...]]: one entry of the last dimension per position. With x
+    sharded on its last dimension, each rank answers the indices in its range (Partial)."""
+    index = _as_index("take_along_last", index, x)
+    x, index, placements, sharded = _along_last("take_along_last", x, index, linear=True)
     xp = backend.xp
-    offset, extent = _vocab_window(x, x.placements, last)
+    offset, extent = _vocab_window(x, x.placements, x.ndim - 1)
     local_index = index._local - offset
     valid = (local_index >= 0) & (local_index < extent)
     safe = xp.where(valid, local_index, 0)[..., None]
     local = xp.where(valid, xp.take_along_axis(x._local, safe, axis=-1)[..., 0], x.dtype.type(0))
-    out = make(local, x.mesh, index.shape, tuple(placements))
-
-    sharded = {dim for dim, p in enumerate(x.placements) if isinstance(p, Shard)}
+    out = make(local, x.mesh, index.shape, placements)
+    sharded |= {dim for dim, p in enumerate(x.placements) if isinstance(p, Shard)}
 
     def backward(g):
         g = linear_grad(g, out.placements, strict=sharded)
@@ -221,30 +233,60 @@ def take_along_last(x, index):
     return engine.record(out, (x, index), backward, "take_along_last")
 
 
-def cross_entropy(logits, targets, ignore_index=-100, reduction="mean"):
-    """Cross-entropy of `logits` (..., V) against integer `targets` (...).
+def cross_entropy(logits, targets, ignore_index=-100, reduction="mean", vocab_size=None):
+    """Cross-entropy of `logits` (..., V) against integer `targets` (...), computed in float32
+    (float64 for float64 logits) without copying the logits; the loss has that dtype.
 
-    Vocab-sharded logits (Shard on the last dim) are never gathered: a max all-reduce and one
-    all-reduce of packed (sum exp, target logit). Targets equal to `ignore_index` count for
-    nothing; "mean" divides by the number of the others.
+    Columns at or past the global index `vocab_size` (default V) do not exist: a padded
+    vocabulary's columns never count. Vocab-sharded logits (Shard on the last dim) are never
+    gathered: a max all-reduce of the per-row maxima, then a sum all-reduce of the packed
+    (sum of exponentials, target logit) per row; the backward needs no communication. Targets
+    equal to `ignore_index` count for nothing ("mean" divides by the number of the others); any
+    other target outside [0, vocab_size) makes the loss NaN (checked on the device: no sync).
     """
+    from cupytp.kernels.cross_entropy import cross_entropy_backward, cross_entropy_forward
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"cross_entropy: reduction {reduction!r} is not mean, sum or none")
+    vocab_size = logits.shape[-1] if vocab_size is None else vocab_size
+    if not 0 < vocab_size <= logits.shape[-1]:
+        raise ValueError(f"cross_entropy: vocab_size {vocab_size} must be in [1, "
+                         f"{logits.shape[-1]}] (the logits' last dimension)")
     targets = _as_index("cross_entropy", targets, logits)
-    stable_max = reduce_max(logits.detach(), -1, keepdim=True)      # P(max) if vocab-sharded
-    shifted = sub(logits, stable_max)
-    sum_exp = reduce_sum(shifted.exp(), -1, keepdim=True)
-    target_logit = unsqueeze(take_along_last(shifted, targets), -1)
-    packed = reduce_all("cross_entropy", concat([sum_exp, target_logit], -1))
-    losses = sub(log(getitem(packed, (..., 0))), getitem(packed, (..., 1)))
-    valid = make((targets._local != ignore_index).astype(logits.dtype), targets.mesh,
-                 targets.shape, targets.placements)
-    losses = mul(losses, valid)
+    if targets.dtype.kind not in "iu":
+        raise TypeError(f"cross_entropy: targets must be integers, got {targets.dtype}")
+    logits, targets, placements, vocab_dims = _along_last("cross_entropy", logits, targets,
+                                                          linear=False)
+    xp = backend.xp
+    offset, _ = _vocab_window(logits, logits.placements, logits.ndim - 1)
+    x = xp.ascontiguousarray(logits._local)
+    ids = xp.ascontiguousarray(targets._local, dtype=xp.int64)
+    window = (offset, vocab_size, ignore_index)
+    local_max, stats = cross_entropy_forward(x, ids, *window)    # (rows,), (rows, 2)
+    rows = tuple(Partial("max") if p.is_partial() else p for p in placements)
+    row_max = reduce_all("cross_entropy", make(local_max, logits.mesh, targets.shape, rows))
+    stats[..., 0] *= xp.exp(local_max - row_max._local)           # sum of exp(x - global max)
+    packed = reduce_all("cross_entropy", make(stats, logits.mesh, targets.shape + (2,),
+                                              placements))
+    kept = ids != ignore_index
+    row_sum, picked = packed._local[..., 0], packed._local[..., 1]
+    m = row_max._local
+    local = xp.where(kept, xp.log(row_sum) + m - picked, m.dtype.type(0))
+    out = make(local, logits.mesh, targets.shape, packed.placements)
+
+    def backward(g):
+        g = linear_grad(g, out.placements, strict=vocab_dims)
+        grad = cross_entropy_backward(x, m, xp.ascontiguousarray(row_sum), ids,
+                                      xp.ascontiguousarray(g._local, dtype=m.dtype), *window)
+        grad_placements = tuple(px if isinstance(px, Shard) else gp
+                                for px, gp in zip(logits.placements, g.placements))
+        return (make(grad, logits.mesh, logits.shape, grad_placements), None)
+    losses = engine.record(out, (logits, targets), backward, "cross_entropy")
     if reduction == "none":
         return losses
     total = reduce_sum(losses)
     if reduction == "sum":
         return total
+    valid = make(kept.astype(m.dtype), targets.mesh, targets.shape, targets.placements)
     return total / reduce_sum(valid)
 
 

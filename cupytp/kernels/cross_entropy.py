@@ -1,0 +1,112 @@
+"""Cross-entropy over a (maybe vocabulary-sharded) last dimension: `cross_entropy.cu` for CuPy
+arrays, a NumPy twin otherwise.
+
+logits (..., cols) hold the global vocabulary columns [offset, offset + cols); columns at or past
+`vocab_size` do not exist (padding: never read, zero gradient). Targets (...) are global indices.
+
+`cross_entropy_forward(logits, targets, offset, vocab_size, ignore_index)` → (row_max, stats):
+the max m of each row's existing columns and stats (..., 2) = (sum of exp(x - m), the target's
+logit: 0 when another shard holds it, NaN for a target outside [0, vocab_size) that is not
+ignore_index). `cross_entropy_backward(logits, row_max, row_sum, targets, grad, ...)` → dlogits
+= (exp(x - M) / S - onehot(target)) · grad per row, zero in padding columns and ignored rows,
+with the global M and S. Computed in float32 (float64 for float64); dlogits has the logits'
+dtype, the per-row arrays the compute dtype.
+"""
+import math
+
+import numpy
+
+from cupytp.backend import xp
+from cupytp.kernels import check_lists, compute_dtype, dtype_suffix, get_kernel
+from cupytp.kernels import is_device_array
+
+THREADS = 256
+
+
+def cross_entropy_forward(logits, targets, offset, vocab_size, ignore_index):
+    """(row_max (...), stats (..., 2)) of this shard of the logits; see the module docstring."""
+    if not is_device_array(logits):
+        return cross_entropy_forward_numpy(logits, targets, offset, vocab_size, ignore_index)
+    compute = _check(logits, targets)
+    row_max = xp.empty(targets.shape, dtype=compute)
+    stats = xp.empty(targets.shape + (2,), dtype=compute)
+    _launch("cross_entropy_forward", logits, (logits, targets, row_max, stats), offset,
+            vocab_size, ignore_index)
+    return row_max, stats
+
+
+def cross_entropy_backward(logits, row_max, row_sum, targets, grad, offset, vocab_size,
+                           ignore_index):
+    """d loss / d logits of this shard, given the global per-row max and sum and d loss / d row."""
+    if not is_device_array(logits):
+        return cross_entropy_backward_numpy(logits, row_max, row_sum, targets, grad, offset,
+                                            vocab_size, ignore_index)
+    _check(logits, targets, row_max=row_max, row_sum=row_sum, grad=grad)
+    dx = xp.empty_like(logits)
+    _launch("cross_entropy_backward", logits, (logits, row_max, row_sum, targets, grad, dx),
+            offset, vocab_size, ignore_index)
+    return dx
+
+
+def _check(logits, targets, **rows):
+    """The compute dtype, after checking shapes, dtypes and contiguity."""
+    dtype = check_lists(logits=[logits])["logits"]
+    dtype_suffix(dtype)
+    compute = compute_dtype(dtype)
+    check_lists(targets=[targets])
+    if targets.dtype != numpy.int64 or targets.shape != logits.shape[:-1]:
+        raise ValueError(f"cross_entropy: targets must be int64 of shape {logits.shape[:-1]} "
+                         f"(the logits' rows), got {targets.dtype} {targets.shape}")
+    for name, array in rows.items():
+        check_lists(**{name: [array]})
+        if array.dtype != compute or array.shape != targets.shape:
+            raise ValueError(f"cross_entropy: {name} must be {compute} of shape "
+                             f"{targets.shape}, got {array.dtype} {array.shape}")
+    return compute
+
+
+def _launch(name, logits, arrays, offset, vocab_size, ignore_index):
+    rows = math.prod(logits.shape[:-1])  # launched even for 0 columns: the row stats exist
+    if rows == 0:
+        return
+    kernel = get_kernel("cross_entropy.cu", f"{name}_{dtype_suffix(logits.dtype)}")
+    kernel((rows,), (THREADS,), (*arrays, numpy.int32(logits.shape[-1]), numpy.int64(offset),
+                                 numpy.int64(vocab_size), numpy.int64(ignore_index)))
+
+
+def existing_columns(cols, offset, vocab_size):
+    """How many of the columns [offset, offset + cols) lie below vocab_size."""
+    return int(min(max(vocab_size - offset, 0), cols))
+
+
+def cross_entropy_forward_numpy(logits, targets, offset, vocab_size, ignore_index):
+    """NumPy twin of `cross_entropy_forward`."""
+    compute = _check(logits, targets)
+    existing = existing_columns(logits.shape[-1], offset, vocab_size)
+    x = logits[..., :existing].astype(compute)
+    m = x.max(axis=-1) if existing else numpy.full(targets.shape, -numpy.inf, compute)
+    shift = numpy.where(numpy.isneginf(m), 0, m)[..., None]  # all -inf (or none): sum 0
+    total = numpy.exp(x - shift).sum(axis=-1)
+    local = targets - offset
+    mine = (targets != ignore_index) & (local >= 0) & (local < existing)
+    picked = numpy.zeros(targets.shape, compute)
+    if existing:
+        index = numpy.where(mine, local, 0)[..., None]
+        picked = numpy.where(mine, numpy.take_along_axis(x, index, axis=-1)[..., 0], 0)
+    bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab_size))
+    picked = numpy.where(bad, numpy.nan, picked)
+    return m, numpy.stack([total, picked], axis=-1).astype(compute)
+
+
+def cross_entropy_backward_numpy(logits, row_max, row_sum, targets, grad, offset, vocab_size,
+                                 ignore_index):
+    """NumPy twin of `cross_entropy_backward`."""
+    _check(logits, targets, row_max=row_max, row_sum=row_sum, grad=grad)
+    existing = existing_columns(logits.shape[-1], offset, vocab_size)
+    x = logits[..., :existing].astype(row_max.dtype)
+    onehot = numpy.arange(offset, offset + existing) == targets[..., None]
+    d = numpy.exp(x - row_max[..., None]) * (grad / row_sum)[..., None] \
+        - numpy.where(onehot, grad[..., None], 0)
+    dx = numpy.zeros(logits.shape, logits.dtype)
+    dx[..., :existing] = numpy.where((targets != ignore_index)[..., None], d, 0)
+    return dx
