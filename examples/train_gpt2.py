@@ -7,6 +7,7 @@ model on CPU or GPT-2 124M on GPU. `--tp` ranks split every layer; the remaining
 import argparse
 import glob
 import os
+import signal
 import sys
 import time
 
@@ -15,15 +16,16 @@ os.environ.setdefault("CUPY_TF32", "1")     # fp32 matmuls on tensor cores (befo
 import numpy  # noqa: E402
 
 import cupytp  # noqa: E402
-from cupytp import backend  # noqa: E402
+from cupytp import backend, checkpoint  # noqa: E402
 from cupytp.autograd import no_grad  # noqa: E402
 from cupytp.data import (DataError, TokenLoader, default_corpus_path,  # noqa: E402
                          get_tokenizer, prepare_corpus, read_tokens)
+from cupytp.distributed import all_gather_object  # noqa: E402
 from cupytp.models.gpt2 import GPT2, preset  # noqa: E402
 from cupytp.ops import autocast  # noqa: E402
 from cupytp.optim import (AdamW, clip_grad_norm_, constant, cosine_with_warmup,  # noqa: E402
                           decay_groups, linear)
-from cupytp.tensor import Replicated, Shard, from_local  # noqa: E402
+from cupytp.tensor import Replicated, Shard, default_generator, from_local  # noqa: E402
 from cupytp.utils import TrainLog, estimate_mfu, plot_loss  # noqa: E402
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
@@ -68,12 +70,25 @@ def parse_args(argv):
     p.add_argument("--init-from", default=None, help="a Hugging Face GPT-2 checkpoint to start "
                    "from (model.safetensors or its directory)")
     p.add_argument("--checkpoint", default=None, help="directory to save the trained model to")
+    p.add_argument("--checkpoint-dir", default=None, help="directory of sharded training "
+                   "checkpoints (model, optimizer, RNG, data position), saved every "
+                   "--checkpoint-interval steps, at the end and on Ctrl-C")
+    p.add_argument("--checkpoint-interval", type=int, default=0,
+                   help="steps between checkpoints (0: only at the end and on Ctrl-C)")
+    p.add_argument("--keep-last", type=int, default=None,
+                   help="keep only this many checkpoints (the highest steps)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in --checkpoint-dir")
     p.add_argument("--out", default="out/train_gpt2")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--peak-tflops", type=float, default=None, help="for MFU (default: by GPU)")
     p.add_argument("--no-cuda-graph", action="store_true", help="on GPU, run each step eagerly "
                    "instead of replaying it as one captured CUDA graph")
     args = p.parse_args(argv)
+    if not args.checkpoint_dir and (args.resume or args.checkpoint_interval or args.keep_last):
+        p.error("--resume, --checkpoint-interval and --keep-last need --checkpoint-dir")
+    if args.checkpoint_interval < 0 or (args.keep_last is not None and args.keep_last < 1):
+        p.error("--checkpoint-interval must be >= 0 and --keep-last >= 1")
     gpu = backend.on_gpu
     defaults = {"model": "124M" if gpu else "tiny", "batch_size": 8 if gpu else 16,
                 "seq_len": 1024 if gpu else 128, "steps": 300 if gpu else 400,
@@ -151,6 +166,59 @@ def memory_gib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
 
 
+class Checkpoints:
+    """--checkpoint-dir: a checkpoint every --checkpoint-interval steps and at the end. Ctrl-C
+    takes effect when the running step ends (a second one at once): every rank then saves and
+    raises KeyboardInterrupt, having learned from a small host all-gather per step whether any
+    rank was interrupted."""
+
+    def __init__(self, args, model, optimizer, loader):
+        self.args, self.model, self.optimizer, self.loader = args, model, optimizer, loader
+        self.saved_step = None
+        self.interrupted = False
+        self.default_handler = signal.signal(signal.SIGINT, self._interrupt)
+
+    def _interrupt(self, signum, frame):
+        self.interrupted = True
+        signal.signal(signal.SIGINT, self.default_handler)
+
+    def resume(self):
+        """Load the latest checkpoint (model, optimizer, RNG, data position); its step."""
+        extra = checkpoint.load(self.args.checkpoint_dir, self.model, self.optimizer)
+        if extra["step"] >= self.args.steps:
+            raise ValueError(f"{self.args.checkpoint_dir} is at step {extra['step']} of "
+                             f"--steps {self.args.steps}: nothing is left to train")
+        default_generator.set_state(extra["rng"])
+        self.loader.load_state_dict(extra["data"])
+        self.saved_step = extra["step"]
+        return extra["step"]
+
+    def after_step(self, done):
+        """`done` steps are complete: save at the interval, or on Ctrl-C save and stop."""
+        stop = any(all_gather_object(self.interrupted))
+        interval = self.args.checkpoint_interval
+        if stop or (interval and done % interval == 0):
+            self.save(done)
+        if stop:
+            raise KeyboardInterrupt
+
+    def close(self, done):
+        """The end of training: save the last step and give Ctrl-C back."""
+        self.save(done)
+        signal.signal(signal.SIGINT, self.default_handler)
+
+    def save(self, done):
+        if done == self.saved_step:
+            return
+        extra = {"rng": list(default_generator.get_state()), "data": self.loader.state_dict()}
+        path = checkpoint.save(self.args.checkpoint_dir, done, self.model, self.optimizer,
+                               extra=extra, keep_last=self.args.keep_last)
+        self.saved_step = done
+        if cupytp.distributed.get_rank() == 0:
+            from tqdm import tqdm
+            tqdm.write(f"saved checkpoint {path}", file=sys.stdout)
+
+
 def make_train_step(model, optimizer, args):
     """One optimizer step over a list of (x, y) micro-batches: forward and backward of each
     (gradients accumulate), clipping, AdamW. On GPU it is captured as one CUDA graph and replayed
@@ -194,6 +262,8 @@ def train(args):
     optimizer = AdamW(decay_groups(model.parameters(), args.weight_decay), lr=args.lr,
                       betas=(0.9, 0.95), eps=1e-8)
     lr_at = lr_schedule(args)
+    checkpoints = Checkpoints(args, model, optimizer, loader) if args.checkpoint_dir else None
+    start = checkpoints.resume() if args.resume else 0
     tokens_per_step = args.batch_size * dp * args.seq_len * args.grad_accum
     peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items()
                                      if backend.on_gpu and k in gpu_name()), None)
@@ -204,9 +274,11 @@ def train(args):
               f"vocab {tokenizer.vocab_size} (padded {model.vocab}), mesh dp={dp} tp={args.tp}, "
               f"{backend.device_name}, {tokens_per_step} tokens/step", flush=True)
     train_step = make_train_step(model, optimizer, args)
-    first_loss, logged_step = None, -1
+    first_loss, logged_step = None, start - 1
+    if progress is not None:
+        progress.update(start)
     clock = time.perf_counter()
-    for step in range(args.steps):
+    for step in range(start, args.steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
         batches = [tuple(batch_tensor(a, mesh) for a in loader.next_batch())
@@ -230,6 +302,10 @@ def train(args):
                 log.log(step, **row)
                 progress.set_postfix_str(_postfix(row, norm))  # norm: read at log steps only
                 progress.update(steps_done)
+        if checkpoints is not None:
+            checkpoints.after_step(step + 1)
+    if checkpoints is not None:
+        checkpoints.close(args.steps)
     if info.rank == 0:
         progress.close()
         plot_loss(args.out)
