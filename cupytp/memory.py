@@ -249,12 +249,15 @@ class CachingAllocator:
     def free(self, block):
         """Give `block` back to this pool, the one that handed it out."""
         family = self._family
-        family.pending.append((self, block))
-        if family.lock.acquire(False):
-            try:
+        if not family.lock.acquire(False):
+            family.pending.append((self, block))     # the lock's holder returns it
+            return
+        try:
+            self._release(block)
+            if family.pending:
                 family.drain()
-            finally:
-                family.lock.release()
+        finally:
+            family.lock.release()
 
     def _release(self, block):
         if block.free:
