@@ -9,6 +9,11 @@ nodes are freed, so a second backward through the same graph is an error.
 
 The engine is generic over the tensor type; what it needs from a tensor is `requires_grad`,
 `_node`, `shape`, `accumulate_grad(grad)`, and from a gradient `sum_to_shape(shape)` and `+`.
+
+For observers (cupytp.debug.CommTracer): `in_backward()` says whether a backward pass is
+running, and while a scope source is set (`set_scope_source`), each node keeps what it returned
+when the op ran (the modules being called), which `backward_scope()` gives back while that
+node's gradients are computed.
 """
 import threading
 from contextlib import contextmanager
@@ -40,16 +45,37 @@ def enable_grad():
 
 
 class Node:
-    """One recorded op: `inputs` (tensors, None where no gradient is needed) and `backward`."""
-    __slots__ = ("inputs", "backward", "name")
+    """One recorded op: `inputs` (tensors, None where no gradient is needed), `backward`, and
+    the `scope` it ran in (None unless a scope source is set)."""
+    __slots__ = ("inputs", "backward", "name", "scope")
 
-    def __init__(self, inputs, backward, name):
+    def __init__(self, inputs, backward, name, scope=None):
         self.inputs = inputs
         self.backward = backward
         self.name = name
+        self.scope = scope
 
 
 FREED = Node((), None, "freed")
+_scope_source = None
+
+
+def set_scope_source(source):
+    """Keep `source()` on every node recorded from now on (None: stop); returns the previous."""
+    global _scope_source
+    previous, _scope_source = _scope_source, source
+    return previous
+
+
+def in_backward():
+    """True while backward() runs on this thread."""
+    return getattr(_state, "node", None) is not None
+
+
+def backward_scope():
+    """The scope of the node whose gradients backward() is computing (None if none)."""
+    node = getattr(_state, "node", None)
+    return None if node is None else node.scope
 
 
 def record(output, inputs, backward, name):
@@ -59,7 +85,8 @@ def record(output, inputs, backward, name):
     needed = tuple(t if t is not None and t.requires_grad else None for t in inputs)
     if any(t is not None for t in needed):
         output.requires_grad = True
-        output._node = Node(needed, backward, name)
+        output._node = Node(needed, backward, name,
+                            None if _scope_source is None else _scope_source())
     return output
 
 
@@ -95,24 +122,34 @@ def backward(root, grad):
         return
     pending = {id(root): grad}
     with no_grad():
-        for tensor in _topological_order(root):
-            node = tensor._node
-            out_grad = pending.pop(id(tensor), None)
-            tensor._node = FREED
-            if out_grad is None:
+        try:
+            _walk(root, pending)
+        finally:
+            _state.node = None
+
+
+def _walk(root, pending):
+    """The reverse walk: each node's gradients handed to its inputs (`_state.node` is the node
+    being worked on)."""
+    for tensor in _topological_order(root):
+        node = tensor._node
+        out_grad = pending.pop(id(tensor), None)
+        tensor._node = FREED
+        if out_grad is None:
+            continue
+        _state.node = node
+        grads = node.backward(out_grad)
+        if len(grads) != len(node.inputs):
+            raise RuntimeError(f"backward of {node.name} returned {len(grads)} gradients "
+                               f"for {len(node.inputs)} inputs")
+        for parent, g in zip(node.inputs, grads):
+            if parent is None or g is None:
                 continue
-            grads = node.backward(out_grad)
-            if len(grads) != len(node.inputs):
-                raise RuntimeError(f"backward of {node.name} returned {len(grads)} gradients "
-                                   f"for {len(node.inputs)} inputs")
-            for parent, g in zip(node.inputs, grads):
-                if parent is None or g is None:
-                    continue
-                if g.shape != parent.shape:
-                    g = g.sum_to_shape(parent.shape)
-                if parent._node is None:
-                    parent.accumulate_grad(g)
-                elif id(parent) in pending:
-                    pending[id(parent)] = pending[id(parent)] + g
-                else:
-                    pending[id(parent)] = g
+            if g.shape != parent.shape:
+                g = g.sum_to_shape(parent.shape)
+            if parent._node is None:
+                parent.accumulate_grad(g)
+            elif id(parent) in pending:
+                pending[id(parent)] = pending[id(parent)] + g
+            else:
+                pending[id(parent)] = g

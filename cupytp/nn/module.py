@@ -3,8 +3,13 @@
 Attributes are found by type: a leaf DTensor that requires a gradient is a parameter, a Module is
 a child, a ModuleList holds children by index. Names are dotted paths (`h.0.attn.c_attn.weight`),
 and a parameter reached by two paths (tied weights) is listed once, under its first name.
+
+Inside `track_calls()` (which cupytp.debug.CommTracer uses) every call of a module is kept on a
+per-thread stack, `calling()`; outside it a call costs one test more than `forward`.
 """
+import threading
 from collections import OrderedDict
+from contextlib import contextmanager
 
 import numpy
 
@@ -22,7 +27,14 @@ class Module:
         raise NotImplementedError(f"{type(self).__name__} has no forward()")
 
     def __call__(self, *args, **kwargs):
-        return self.forward(*args, **kwargs)
+        if not _tracking:
+            return self.forward(*args, **kwargs)
+        stack = _stack()
+        stack.append(self)
+        try:
+            return self.forward(*args, **kwargs)
+        finally:
+            stack.pop()
 
     # ---- registration -------------------------------------------------------------------------
     def register_buffer(self, name, tensor):
@@ -118,6 +130,33 @@ class Module:
 
     def num_parameters(self):
         return sum(p.size for p in self.parameters())
+
+
+_tracking = 0                   # how many track_calls() are open
+_calls = threading.local()
+
+
+def _stack():
+    if not hasattr(_calls, "stack"):
+        _calls.stack = []
+    return _calls.stack
+
+
+@contextmanager
+def track_calls():
+    """Keep the modules being called on a per-thread stack while inside."""
+    global _tracking
+    _tracking += 1
+    try:
+        yield
+    finally:
+        _tracking -= 1
+
+
+def calling():
+    """The modules being called on this thread, outermost first (empty outside
+    track_calls())."""
+    return tuple(_stack())
 
 
 def assign(target, value, name="tensor"):
