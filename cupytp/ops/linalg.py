@@ -112,16 +112,21 @@ def _as_matmul(sa, sb, out, x, y):
 
 
 def _matmul(x, y):
-    """Local matmul; bfloat16 through cuBLAS with fp32 accumulation (kernels.gemm)."""
-    if x.dtype == backend.bfloat16 and y.dtype == backend.bfloat16:
+    """Local matmul: on the GPU through cuBLAS called directly (kernels.gemm: bf16 with fp32
+    accumulation, and legal inside a CUDA-graph capture); NumPy's otherwise."""
+    if backend.on_gpu:
         from cupytp.kernels.gemm import matmul
         return matmul(x, y)
+    if x.dtype == backend.bfloat16:
+        from cupytp.kernels.gemm import matmul_numpy
+        return matmul_numpy(x, y)
     return backend.xp.matmul(x, y)
 
 
 def _tensordot(x, y, axes_x, axes_y):
-    """tensordot; for bfloat16, as one matmul of the contracted axes moved to the front."""
-    if x.dtype != backend.bfloat16:
+    """tensordot; on the GPU and for bfloat16, as one matmul of the contracted axes moved to the
+    end of x and the front of y."""
+    if not backend.on_gpu and x.dtype != backend.bfloat16:
         return backend.xp.tensordot(x, y, axes=(axes_x, axes_y))
     xp = backend.xp
     keep_x = [d for d in range(x.ndim) if d not in axes_x]

@@ -398,7 +398,7 @@ def test_tensor_table_is_cached_and_points_at_the_arrays():
     assert tensor_table([arrays[:-1]]) is not table
 
 
-# ---- bf16 GEMM (cuBLAS) and its NumPy twin -------------------------------------------------------
+# ---- GEMM (cuBLAS) and its NumPy twin -------------------------------------------------------------
 def _bf16(shape, seed):
     return numpy.random.default_rng(seed).standard_normal(shape).astype(bfloat16)
 
@@ -419,17 +419,18 @@ def test_gemm_twin_accumulates_in_float32():
     ((4, 33, 17), (4, 17, 9), False, True), ((4, 33, 17), (17, 9), True, False),
     ((2, 3, 8, 5), (2, 3, 5, 6), True, True),
 ])
-def test_gemm_matches_twin(a_shape, b_shape, transpose_a, transpose_b):
+@pytest.mark.parametrize("dtype", [bfloat16, F16, F32, F64], ids=dtype_suffix)
+def test_gemm_matches_twin(a_shape, b_shape, transpose_a, transpose_b, dtype):
     from cupytp.kernels.gemm import matmul, matmul_numpy
-    a, b = _bf16(a_shape, 3), _bf16(b_shape, 4)
+    a, b = _bf16(a_shape, 3).astype(dtype), _bf16(b_shape, 4).astype(dtype)
     da = xp.swapaxes(xp.ascontiguousarray(xp.swapaxes(xp.asarray(a), -1, -2)), -1, -2) \
         if transpose_a else xp.asarray(a)
     db = xp.swapaxes(xp.ascontiguousarray(xp.swapaxes(xp.asarray(b), -1, -2)), -1, -2) \
         if transpose_b else xp.asarray(b)
     assert da.flags.c_contiguous != transpose_a and db.flags.c_contiguous != transpose_b
-    got = asnumpy(matmul(da, db)).astype(numpy.float64)
-    want = matmul_numpy(a, b).astype(numpy.float64)
-    numpy.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
+    got = asnumpy(matmul(da, db))
+    assert got.dtype == dtype
+    assert_close(got, matmul_numpy(a, b), dtype)
 
 
 # ---- causal softmax ---------------------------------------------------------------------------
