@@ -212,11 +212,11 @@ class Optimizer(graph.GraphState):
         states = {}
         index = 0
         for group in groups:
-            names = set(self.state_names(group))
+            names = self.state_names(group)    # in order: every rank iterates states alike
             for p in group["params"]:
                 saved = state_dict["state"].get(index)
                 if saved is not None:
-                    if set(saved) != names:
+                    if set(saved) != set(names):
                         raise ValueError(f"state of parameter {index} has {sorted(saved)}, this "
                                          f"optimizer keeps {sorted(names)}")
                     states[p] = {name: _zeros_like(p) for name in names}

@@ -244,6 +244,7 @@ def test_resumed_optimizer_continues_identically(make):
     assert state["param_groups"] == saved["param_groups"]
     assert state["state"].keys() == saved["state"].keys() and state["state"]
     for index, states in state["state"].items():
+        assert list(states) == list(saved["state"][index]), "states keep their order"
         for name, tensor in states.items():
             assert tensor._local is not saved["state"][index][name]._local, "loading copies"
             numpy.testing.assert_array_equal(value(tensor), value(saved["state"][index][name]))
