@@ -9,6 +9,7 @@ import numpy
 import pytest
 
 import cupytp
+from cupytp import backend
 from cupytp.models.gpt2 import GPT2, GPT2Config, preset
 from cupytp.tensor import Replicated, local_mesh
 from sharding import full, lay_out
@@ -56,6 +57,28 @@ def test_tensor_parallel_equals_dense(mesh):
         numpy.testing.assert_allclose(grads_p[name], grads_d[name], rtol=1e-4, atol=1e-6,
                                       err_msg=name)
     assert numpy.isneginf(full(logits)[..., CONFIG.vocab_size:]).all()
+
+
+@pytest.mark.parametrize("dtype", [None, "bf16"])
+def test_loss_is_taken_over_the_real_vocabulary(mesh, dtype):
+    """The loss equals the float64 cross-entropy of the returned logits' real columns; the padded
+    columns read -inf; under bf16 autocast the logits stay bf16 (no fp32 copy) and the loss is
+    fp32."""
+    skip_unless_heads_split(mesh)
+    cupytp.manual_seed(9)
+    model = GPT2(CONFIG, mesh)
+    x, y = tokens((2, 16), 10), tokens((2, 16), 11)
+    replicated = (Replicated(),) * mesh.ndim
+    with cupytp.ops.autocast(dtype):
+        logits, loss = model(lay_out(x, mesh, replicated), lay_out(y, mesh, replicated))
+    assert logits.dtype == (backend.bfloat16 if dtype else numpy.float32)
+    assert loss.dtype == numpy.float32
+    values = full(logits).astype(numpy.float64)
+    assert numpy.isneginf(values[..., CONFIG.vocab_size:]).all()
+    z = values[..., :CONFIG.vocab_size]
+    lse = z.max(-1) + numpy.log(numpy.exp(z - z.max(-1, keepdims=True)).sum(-1))
+    expected = (lse - numpy.take_along_axis(z, y[..., None], -1)[..., 0]).mean()
+    numpy.testing.assert_allclose(full(loss), expected, rtol=1e-6)
 
 
 def test_padded_vocab_never_sampled(world):

@@ -152,6 +152,68 @@ def test_cross_entropy():
     numpy.testing.assert_allclose(out, ((lse - picked) * (t != -100)).sum() / 3, rtol=1e-12)
 
 
+def cross_entropy_ref(x, t, vocab_size):
+    """Mean cross-entropy over the rows whose target is not -100, softmax over the first
+    `vocab_size` columns only."""
+    x = x[..., :vocab_size].astype(numpy.float64)
+    lse = numpy.log(numpy.exp(x).sum(-1))
+    picked = numpy.take_along_axis(x, numpy.clip(t, 0, None)[..., None], -1)[..., 0]
+    return ((lse - picked) * (t != -100)).sum() / (t != -100).sum()
+
+
+def test_cross_entropy_padded_vocabulary():
+    """Columns at or past vocab_size never count: not in the loss, zero gradient (the finite
+    differences see no change), even when they hold the largest logits."""
+    x = r(2, 3, 9)
+    x[..., 6:] += 5.0
+    t = numpy.array([[1, 5, -100], [0, 3, 5]])
+    out = gradcheck(lambda v, u: ops.cross_entropy(v, u, vocab_size=6), x, t)
+    numpy.testing.assert_allclose(out, cross_entropy_ref(x, t, 6), rtol=1e-12)
+    none = value(ops.cross_entropy(dt(x, grad=False), t, reduction="none", vocab_size=6))
+    assert none.shape == (2, 3) and none[0, 2] == 0.0
+
+
+def test_cross_entropy_bf16_logits_give_float32_loss():
+    """bf16 logits are read as they are (computed in float32): a float32 loss and bf16
+    gradients, within bf16 accuracy of the float64 reference."""
+    x = r(4, 11).astype(backend.bfloat16)
+    t = numpy.array([3, 9, -100, 0])
+    logits = dt(x)
+    loss = ops.cross_entropy(logits, t, vocab_size=10)
+    assert loss.dtype == numpy.float32
+    numpy.testing.assert_allclose(value(loss), cross_entropy_ref(x, t, 10), rtol=1e-6)
+    loss.backward()
+    assert logits.grad.dtype == backend.bfloat16
+    p = numpy.exp(x[:, :10].astype(numpy.float64))
+    p /= p.sum(-1, keepdims=True)
+    p[numpy.arange(4), numpy.clip(t, 0, None)] -= 1
+    expected = numpy.concatenate([p * (t != -100)[:, None] / 3, numpy.zeros((4, 1))], -1)
+    numpy.testing.assert_allclose(value(logits.grad).astype(numpy.float64), expected,
+                                  rtol=1e-2, atol=1e-3)
+
+
+def test_cross_entropy_bad_arguments():
+    x = dt(r(3, 5), grad=False)
+    with pytest.raises(ValueError, match=r"vocab_size 6 must be in \[1, 5\]"):
+        ops.cross_entropy(x, numpy.array([0, 1, 2]), vocab_size=6)
+    with pytest.raises(TypeError, match="targets must be integers"):
+        ops.cross_entropy(x, numpy.array([0.0, 1.0, 2.0]))
+    with pytest.raises(ValueError, match="index shape"):
+        ops.cross_entropy(x, numpy.array([0, 1]))
+    with pytest.raises(ValueError, match="reduction 'avg'"):
+        ops.cross_entropy(x, numpy.array([0, 1, 2]), reduction="avg")
+    # A target past the vocabulary (not ignore_index) is caught on the device: a NaN loss.
+    assert numpy.isnan(value(ops.cross_entropy(x, numpy.array([0, 4, 2]), vocab_size=4)))
+
+
+def test_bias_gelu():
+    x, b = r(2, 3, 5), r(5)
+    out = gradcheck(ops.bias_gelu, x, b)
+    numpy.testing.assert_allclose(out, gelu_ref(x + b), rtol=1e-12)
+    with pytest.raises(ValueError, match=r"bias must have shape \(5,\)"):
+        ops.bias_gelu(dt(x), dt(r(3)))
+
+
 def test_attention_matches_numpy():
     q, k, v = r(1, 2, 4, 3), r(1, 2, 4, 3), r(1, 2, 4, 3)
     out = gradcheck(ops.scaled_dot_product_attention, q, k, v)

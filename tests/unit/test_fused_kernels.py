@@ -1,0 +1,268 @@
+"""The fused kernels of the GPT-2 step (vocab-parallel cross-entropy, bias + GeLU, embedding
+backward): each NumPy twin against an independent float64 reference (row-by-row formulas,
+finite differences, a Python loop), and on a GPU each kernel against its twin."""
+import math
+
+import numpy
+import pytest
+
+from cupytp.backend import asnumpy, bfloat16, xp
+from cupytp.kernels import compute_dtype, dtype_suffix
+from cupytp.kernels.cross_entropy import cross_entropy_backward, cross_entropy_backward_numpy
+from cupytp.kernels.cross_entropy import cross_entropy_forward, cross_entropy_forward_numpy
+from cupytp.kernels.embedding import embedding_backward, embedding_backward_numpy
+from cupytp.kernels.gelu import MAX_ROW_BLOCKS, ROW_CHUNK, bias_gelu, bias_gelu_backward
+from cupytp.kernels.gelu import bias_gelu_backward_numpy, bias_gelu_numpy
+from test_kernels import (
+    F16, F32, F64, assert_close, gelu_reference, poisoned_allocations, random, requires_gpu)
+
+IGNORE = -100
+
+
+# ---- cross-entropy twin -------------------------------------------------------------------------
+
+def cross_entropy_reference(logits, targets, vocab_size):
+    """Per-row loss and d loss / d logits in float64, one row at a time: softmax over the first
+    `vocab_size` columns; ignored rows give 0 and no gradient."""
+    flat = logits.astype(F64).reshape(-1, logits.shape[-1])
+    loss, grad = numpy.zeros(len(flat)), numpy.zeros(flat.shape)
+    for i, (row, t) in enumerate(zip(flat, targets.ravel())):
+        if t == IGNORE:
+            continue
+        x = row[:vocab_size]
+        lse = x.max() + math.log(numpy.exp(x - x.max()).sum())
+        loss[i] = lse - x[t]
+        grad[i, :vocab_size] = numpy.exp(x - lse)
+        grad[i, t] -= 1.0
+    return loss.reshape(targets.shape), grad.reshape(logits.shape)
+
+
+def ce_inputs(shape, vocab_size, dtype, seed=0):
+    """Logits (scaled so rows are peaked), targets over [0, vocab_size) with two ignored rows and
+    the last real column as one target."""
+    rng = numpy.random.default_rng(seed)
+    logits = (3 * rng.standard_normal(shape)).astype(dtype)
+    targets = rng.integers(0, vocab_size, size=shape[:-1]).astype(numpy.int64)
+    flat = targets.reshape(-1)
+    flat[0], flat[-1] = IGNORE, vocab_size - 1
+    if flat.size > 3:
+        flat[2] = IGNORE
+    return logits, targets
+
+
+def combine_shards(logits, targets, vocab_size, shards, forward=cross_entropy_forward):
+    """Run `forward` on each column shard of the logits and combine the shards' results as the
+    op does across ranks; returns (loss, global row max, global row sum, column splits)."""
+    splits = numpy.array_split(numpy.arange(logits.shape[-1]), shards)
+    results = [forward(numpy.ascontiguousarray(logits[..., cols]), targets,
+                       int(cols[0]) if cols.size else 0, vocab_size, IGNORE)
+               for cols in splits]
+    m = numpy.max([r[0] for r in results], axis=0)                       # max all-reduce
+    total = sum(r[1][..., 0] * numpy.exp(r[0] - m) for r in results)     # sum all-reduce
+    picked = sum(r[1][..., 1] for r in results)
+    loss = numpy.where(targets != IGNORE, numpy.log(total) + m - picked, 0)
+    return loss, m, total, splits
+
+
+@pytest.mark.parametrize("dtype", [F64, F32, bfloat16], ids=dtype_suffix)
+@pytest.mark.parametrize("shards", [1, 2, 3, 4])
+def test_cross_entropy_twin_shards_match_float64_reference(dtype, shards):
+    """13 columns of which 10 exist, in uneven shards (the last of 4 is all padding): the loss
+    and the gradient match the row-by-row softmax in float64, padding columns get zeros."""
+    vocab_size = 10
+    logits, targets = ce_inputs((2, 3, 13), vocab_size, dtype)
+    logits[..., vocab_size:] = 50.0   # padding that would win every row if it counted
+    expected_loss, expected_grad = cross_entropy_reference(logits, targets, vocab_size)
+    loss, m, total, splits = combine_shards(logits, targets, vocab_size, shards)
+    tolerance = 1e-12 if dtype == F64 else 2e-5
+    numpy.testing.assert_allclose(loss, expected_loss, rtol=tolerance, atol=tolerance)
+    g = random(targets.shape, compute_dtype(dtype), seed=3)
+    dx = numpy.concatenate([cross_entropy_backward(
+        numpy.ascontiguousarray(logits[..., cols]), m, total, targets, g,
+        int(cols[0]) if cols.size else 0, vocab_size, IGNORE) for cols in splits], axis=-1)
+    assert dx.dtype == dtype and dx.shape == logits.shape
+    assert_close(dx, expected_grad * g[..., None], dtype)
+    assert not dx[..., vocab_size:].any()
+
+
+def test_cross_entropy_twin_row_statistics():
+    """Per shard: the max and the sum of exponentials over its existing columns, the target's
+    logit only where this shard holds it; an all-padding shard gives (-inf, 0, 0)."""
+    logits = random((5, 6), F64, seed=1)     # global columns 6..11, of which 6..8 exist
+    targets = numpy.array([IGNORE, 6, 2, 8, 7])
+    m, stats = cross_entropy_forward_numpy(logits, targets, 6, 9, IGNORE)
+    x = logits[:, :3]
+    numpy.testing.assert_allclose(m, x.max(-1), rtol=0)
+    numpy.testing.assert_allclose(stats[:, 0], numpy.exp(x - x.max(-1, keepdims=True)).sum(-1),
+                                  rtol=1e-14)
+    numpy.testing.assert_array_equal(stats[:, 1], [0, logits[1, 0], 0, logits[3, 2],
+                                                   logits[4, 1]])
+    m, stats = cross_entropy_forward_numpy(logits, targets, 12, 9, IGNORE)
+    assert numpy.isneginf(m).all() and not stats.any()
+    m, stats = cross_entropy_forward_numpy(logits[:, :0], targets, 9, 9, IGNORE)
+    assert m.shape == (5,) and numpy.isneginf(m).all() and not stats.any()
+
+
+def test_cross_entropy_twin_bad_targets_give_nan():
+    logits, targets = ce_inputs((4, 7), 5, F32)
+    targets[1], targets[2] = 5, -1          # a padding column and a negative non-ignored id
+    _, stats = cross_entropy_forward(logits, targets, 0, 5, IGNORE)
+    assert numpy.isnan(stats[1:3, 1]).all() and not numpy.isnan(stats[[0, 3]]).any()
+
+
+def test_cross_entropy_rejects_bad_arrays():
+    logits, targets = ce_inputs((4, 7), 7, F32)
+    with pytest.raises(ValueError, match="targets must be int64 of shape"):
+        cross_entropy_forward(logits, targets.astype(numpy.int32), 0, 7, IGNORE)
+    with pytest.raises(ValueError, match="targets must be int64 of shape"):
+        cross_entropy_forward(logits, targets[:3], 0, 7, IGNORE)
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        cross_entropy_forward(numpy.asfortranarray(logits), targets, 0, 7, IGNORE)
+    m, stats = cross_entropy_forward(logits, targets, 0, 7, IGNORE)
+    with pytest.raises(ValueError, match="row_sum must be float32 of shape"):
+        cross_entropy_backward(logits, m, stats[:, 0].astype(F64), targets, m, 0, 7, IGNORE)
+
+
+# ---- bias + GeLU twin ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [F64, F32, bfloat16, F16], ids=dtype_suffix)
+def test_bias_gelu_numpy_matches_float64_math(dtype):
+    x = random((3, 4, 9), dtype, scale=3.0)
+    bias = random((9,), F32, seed=1)
+    y = bias_gelu(x, bias)
+    assert y.dtype == dtype and y.shape == x.shape
+    expected = gelu_reference(x.astype(F64) + bias.astype(compute_dtype(dtype)).astype(F64))
+    assert_close(y, expected, dtype)
+
+
+def test_bias_gelu_backward_numpy_matches_finite_differences():
+    x, bias, dy = random((2, 5, 7), F64, seed=2, scale=3.0), random((7,), F64, 3), \
+        random((2, 5, 7), F64, 4)
+    h = 1e-6
+    slope = (gelu_reference(x + bias + h) - gelu_reference(x + bias - h)) / (2 * h)
+    dx, dbias = bias_gelu_backward(x, bias, dy)
+    numpy.testing.assert_allclose(dx, dy * slope, rtol=1e-7, atol=1e-9)
+    numpy.testing.assert_allclose(dbias, (dy * slope).sum(axis=(0, 1)), rtol=1e-7, atol=1e-9)
+
+
+def test_bias_gelu_backward_sums_in_the_compute_dtype():
+    """bf16 x and dy: dx rounds to bf16, the bias gradient is the float32 sum of the unrounded
+    products (not a sum of the rounded dx)."""
+    x, dy = random((64, 5), bfloat16, seed=5, scale=3.0), random((64, 5), bfloat16, seed=6)
+    bias = random((5,), F32, seed=7)
+    dx, dbias = bias_gelu_backward_numpy(x, bias, dy)
+    assert dx.dtype == bfloat16 and dbias.dtype == F32
+    exact = dy.astype(F64) * (gelu_reference(x.astype(F64) + bias + 1e-6)
+                              - gelu_reference(x.astype(F64) + bias - 1e-6)) / 2e-6
+    numpy.testing.assert_allclose(dbias, exact.sum(0), rtol=1e-5, atol=1e-5)
+
+
+def test_bias_gelu_rejects_bad_inputs():
+    x = random((4, 6), F32)
+    with pytest.raises(ValueError, match=r"bias must have shape \(6,\)"):
+        bias_gelu_numpy(x, random((4,), F32))
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        bias_gelu(x, random((6, 2), F32)[:, 0])
+    with pytest.raises(ValueError, match="dtype"):
+        bias_gelu_backward(x, random((6,), F32), x.astype(F64))
+
+
+# ---- embedding backward twin --------------------------------------------------------------------
+
+def embedding_grad_reference(ids, g, rows):
+    """grad[id] += g[k] for every k with id in [0, rows), one Python row at a time, float64."""
+    grad = numpy.zeros((rows, g.shape[-1]))
+    for k, i in enumerate(ids.ravel().tolist()):
+        if 0 <= i < rows:
+            grad[i] += g.reshape(-1, g.shape[-1])[k].astype(F64)
+    return grad
+
+
+@pytest.mark.parametrize("dtype", [F64, F32, bfloat16], ids=dtype_suffix)
+def test_embedding_backward_numpy_matches_loop(dtype):
+    ids = numpy.array([[0, 3, 3, -2], [5, 1, 3, 9]], dtype=numpy.int64)   # repeats, out of range
+    g = random((2, 4, 6), dtype, seed=8)
+    grad = embedding_backward(ids, g, 6)
+    assert grad.dtype == dtype and grad.shape == (6, 6)
+    assert_close(grad, embedding_grad_reference(ids, g, 6), dtype)
+    with pytest.raises(ValueError, match="ids must be int64 of shape"):
+        embedding_backward_numpy(ids.astype(numpy.int32), g, 6)
+
+
+# ---- GPU: each kernel against its twin ----------------------------------------------------------
+
+CE_CASES = [  # (shape, offset, vocab_size): a whole vocabulary, a padded last shard, all padding
+    ((3, 1), 0, 1), ((4, 1000), 0, 1000), ((2, 3, 4099), 4099, 8100), ((5, 300), 600, 550),
+    ((6, 0), 10, 20)]
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype", [F32, F64, bfloat16, F16], ids=dtype_suffix)
+@pytest.mark.parametrize("shape, offset, vocab_size", CE_CASES)
+def test_cross_entropy_kernels_match_twin(dtype, shape, offset, vocab_size):
+    rng = numpy.random.default_rng(9)
+    logits = (3 * rng.standard_normal(shape)).astype(dtype)
+    targets = rng.integers(0, vocab_size, size=shape[:-1]).astype(numpy.int64)
+    flat = targets.reshape(-1)
+    existing = min(max(vocab_size - offset, 0), shape[-1])
+    if existing:                            # a third of the targets on this shard
+        flat[1::3] = offset + rng.integers(0, existing, size=flat[1::3].shape)
+    flat[::4] = IGNORE
+    compute = compute_dtype(dtype)
+    with poisoned_allocations():
+        m, stats = cross_entropy_forward(xp.asarray(logits), xp.asarray(targets), offset,
+                                         vocab_size, IGNORE)
+    m_twin, stats_twin = cross_entropy_forward_numpy(logits, targets, offset, vocab_size, IGNORE)
+    assert m.dtype == compute and stats.dtype == compute and stats.shape == shape[:-1] + (2,)
+    assert_close(m, m_twin, compute)
+    assert_close(stats, stats_twin, compute)
+    g = rng.standard_normal(shape[:-1]).astype(compute)
+    row_sum = numpy.where(stats_twin[..., 0] > 0, stats_twin[..., 0], 1).astype(compute)
+    args = (m_twin, row_sum, targets, g)
+    with poisoned_allocations():
+        dx = cross_entropy_backward(xp.asarray(logits), *map(xp.asarray, args), offset,
+                                    vocab_size, IGNORE)
+    assert dx.dtype == dtype and dx.shape == shape
+    assert_close(dx, cross_entropy_backward_numpy(logits, *args, offset, vocab_size, IGNORE),
+                 dtype)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype", [F32, F64, bfloat16, F16], ids=dtype_suffix)
+@pytest.mark.parametrize("shape", [(1,), (3, 1), (5, 7, 33), (70, 1030),
+                                   (ROW_CHUNK * MAX_ROW_BLOCKS + 5, 3)])
+def test_bias_gelu_kernels_match_twin(dtype, shape):
+    x = random(shape, dtype, seed=10, scale=3.0)
+    dy = random(shape, dtype, seed=11)
+    bias = random(shape[-1:], compute_dtype(dtype), seed=12)
+    with poisoned_allocations():
+        y = bias_gelu(xp.asarray(x), xp.asarray(bias))
+        dx, dbias = bias_gelu_backward(xp.asarray(x), xp.asarray(bias), xp.asarray(dy))
+    dx_twin, dbias_twin = bias_gelu_backward_numpy(x, bias, dy)
+    assert y.dtype == dtype and dx.dtype == dtype and dbias.dtype == compute_dtype(dtype)
+    assert_close(y, bias_gelu_numpy(x, bias), dtype)
+    assert_close(dx, dx_twin, dtype)
+    scale = max(1.0, float(numpy.abs(dbias_twin).max()))   # a sum over many rows
+    assert_close(asnumpy(dbias) / scale, dbias_twin / scale, compute_dtype(dtype))
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype", [F32, F64, bfloat16, F16], ids=dtype_suffix)
+def test_embedding_backward_kernel_matches_twin(dtype):
+    rng = numpy.random.default_rng(13)
+    ids = rng.integers(-3, 40, size=(4, 257)).astype(numpy.int64)   # repeats, out of range
+    ids[0, :100] = 7                                               # one heavily repeated id
+    g = rng.standard_normal((4, 257, 768)).astype(dtype)
+    with poisoned_allocations():
+        grad = embedding_backward(xp.asarray(ids), xp.asarray(g), 37)
+    assert grad.dtype == dtype and grad.shape == (37, 768)
+    twin = embedding_backward_numpy(ids, g, 37)
+    assert_close(grad, twin, dtype)
+    # Small integers: every order of the atomic additions gives the exact sum.
+    integers = rng.integers(-3, 4, size=g.shape).astype(dtype)
+    numpy.testing.assert_array_equal(
+        asnumpy(embedding_backward(xp.asarray(ids), xp.asarray(integers), 37)).astype(F64),
+        embedding_backward_numpy(ids, integers, 37).astype(F64))
