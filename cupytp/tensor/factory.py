@@ -10,9 +10,10 @@ import numpy
 
 from cupytp import backend
 from cupytp.distributed import runtime as rt
+from cupytp.distributed.process_group import debug_enabled
 from cupytp.tensor.dtensor import DTensor
 from cupytp.tensor.layout import Layout
-from cupytp.tensor.placement import Partial, Replicated, Shard
+from cupytp.tensor.placement import Partial, Replicated, Shard, describe
 from cupytp.tensor.random import default_generator
 
 
@@ -76,27 +77,104 @@ def distribute(array, mesh=None, placements=None, src=0, requires_grad=False):
     return DTensor(backend.xp.ascontiguousarray(local), layout, requires_grad=requires_grad)
 
 
-def from_local(local, mesh=None, placements=None, shape=None, requires_grad=False):
-    """A DTensor whose part on this rank is `local`. Without `shape`, the global shape comes
-    from the ranks' local extents (one small host all-gather per sharded mesh dimension)."""
+def from_local(local, mesh=None, placements=None, shape=None, requires_grad=False,
+               run_check=None):
+    """A DTensor whose part on this rank is `local`.
+
+    Without `shape`, the global shape comes from every rank's local shape (one small host
+    all-gather per mesh dimension), and the ranks' arrays must fit one global tensor: equal dtype
+    and extents except along sharded dimensions, shards of numpy.array_split sizes; otherwise
+    every rank raises the same error. `run_check` (default: on under CUPYTP_DEBUG=1) also
+    checks a given `shape` that way, and that Replicated parts hold the same values on every
+    rank (a broadcast along each Replicated mesh dimension, compared bit for bit).
+    """
     mesh, placements = _mesh_and_placements(mesh, placements)
     local = backend.asarray(local)
-    if shape is None:
-        extents = list(local.shape)
-        probe = Layout(mesh, extents, placements)     # validates the placements
-        for dim in reversed(range(mesh.ndim)):
-            p = probe.placements[dim]
-            if isinstance(p, Shard):
-                group = mesh.get_process_group(dim)
-                extents[p.dim] = sum(group.host_comm.allgather(extents[p.dim])) \
-                    if group.size > 1 else extents[p.dim]
-        shape = extents
+    run_check = debug_enabled() if run_check is None else run_check
+    if shape is None or run_check:
+        shape = _checked_shape(local, mesh, placements, shape)
     layout = Layout(mesh, _shape(shape), placements)
     if tuple(local.shape) != layout.local_shape:
         raise ValueError(f"from_local: this rank's array has shape {local.shape}, but {layout} "
                          f"gives it {layout.local_shape} (shards follow numpy.array_split sizes;"
                          " pass the right shape=)")
+    if run_check:
+        _check_replicas(local, layout)
     return DTensor(local, layout, requires_grad=requires_grad)
+
+
+def _gather_grid(mesh, item):
+    """Every mesh rank's `item`, as a nested list indexed by mesh coordinate (one host
+    all-gather along each mesh dimension, innermost first)."""
+    for dim in reversed(range(mesh.ndim)):
+        item = mesh.get_process_group(dim).all_gather_object(item)
+    return item
+
+
+def _checked_shape(local, mesh, placements, shape):
+    """The global shape that every rank's local shape fits (the same on every rank), or the same
+    ValueError on every rank."""
+    grid = _gather_grid(mesh, (tuple(local.shape), str(local.dtype),
+                               None if shape is None else _shape(shape)))
+    seen = {coordinate: _grid_item(grid, coordinate) for coordinate in numpy.ndindex(*mesh.shape)}
+    ranks = {coordinate: int(mesh.mesh[coordinate]) for coordinate in seen}
+
+    def fail(why):
+        listed = ", ".join(f"rank {ranks[c]} {s} {d}" for c, (s, d, _) in seen.items())
+        raise ValueError(f"from_local: the ranks' arrays do not fit one global tensor with "
+                         f"placements {describe(placements)}: {why} (the ranks give {listed}). "
+                         "Only sharded dimensions may differ, by numpy.array_split sizes")
+    if len({(len(s), d) for s, d, _ in seen.values()}) > 1:
+        fail("their dtypes or numbers of dimensions differ")
+    if len({given for _, _, given in seen.values()}) > 1:
+        fail(f"they pass different shapes= ({sorted({g for _, _, g in seen.values()}, key=str)})")
+    first = seen[(0,) * mesh.ndim]
+    layout = Layout(mesh, first[0], placements)        # validates the placements
+    if shape is None:
+        shape = list(first[0])
+        for d in range(len(shape)):
+            along = [m for m, p in enumerate(layout.placements) if p.is_shard(d)]
+            shape[d] = sum(seen[c][0][d] for c in seen
+                           if all(c[m] == 0 for m in range(mesh.ndim) if m not in along))
+        layout = Layout(mesh, shape, placements)
+    else:
+        layout = Layout(mesh, _shape(shape), placements)
+    for coordinate, (local_shape, _, _) in seen.items():
+        if layout.local_block(coordinate)[1] != local_shape:
+            fail(f"rank {ranks[coordinate]} has {local_shape} where the global shape "
+                 f"{layout.shape} gives it {layout.local_block(coordinate)[1]}")
+    return layout.shape
+
+
+def _grid_item(grid, coordinate):
+    for index in coordinate:
+        grid = grid[index]
+    return grid
+
+
+def _check_replicas(local, layout):
+    """Along every mesh dimension where `layout` is Replicated, this rank's array equals the
+    first rank's bit for bit; otherwise every rank raises the same error."""
+    xp = backend.xp
+    for dim, p in enumerate(layout.placements):
+        group = layout.mesh.get_process_group(dim)
+        if not p.is_replicated() or group.size == 1:
+            continue
+        first = group.broadcast(xp.ascontiguousarray(local), src=0)
+        same = bool(xp.array_equal(first.reshape(-1).view(numpy.uint8),
+                                   xp.ascontiguousarray(local).reshape(-1).view(numpy.uint8)))
+        difference = 0.0 if same else float(xp.abs(first.astype(numpy.float64) -
+                                                    local.astype(numpy.float64)).max())
+        verdicts = group.all_gather_object((same, difference))
+        differing = [(group.ranks[r], d) for r, (ok, d) in enumerate(verdicts) if not ok]
+        if differing:
+            listed = ", ".join(f"global rank {r} (max |difference| {d:.3g})"
+                               for r, d in differing)
+            raise ValueError(
+                f"from_local(run_check=True): the arrays are Replicated along mesh dimension "
+                f"{layout.mesh.dim_names[dim]!r}, but {listed} differ from global rank "
+                f"{group.ranks[0]}'s: give every rank the same values, or use a Shard or "
+                "Partial placement")
 
 
 def _build(shape, mesh, placements, fill, requires_grad):
