@@ -12,7 +12,7 @@ import math
 
 from cupytp.ops.base import (
     Partial, Replicated, Shard, backend, convert, engine, fail, is_tensor, linear_grad, make,
-    reduce_all)
+    reduce_all, same_mesh)
 from cupytp.ops.elementwise import mul
 from cupytp.ops.linalg import einsum
 from cupytp.ops.reduction import sum as reduce_sum
@@ -309,10 +309,63 @@ def dropout(x, p, training=True, generator=None):
     return engine.record(out, (x,), backward, "dropout")
 
 
-def scaled_dot_product_attention(q, k, v, causal=True):
-    """softmax(q kᵀ / sqrt(d)) v over (B, H, T, D) inputs; heads may be sharded (Shard(1)).
-    Causal: scale, mask and softmax are one fused kernel (one pass over the scores)."""
+def scaled_dot_product_attention(q, k, v, causal=True, dropout_p=0.0, generator=None):
+    """softmax(q kᵀ / sqrt(D)) v over (B, H, T, D) queries and (B, H, S, D) keys and values,
+    query t seeing keys s <= t + S - T when causal; batch and heads may be sharded (Shard(0),
+    Shard(1)), no communication. Dropout with probability `dropout_p` on the probabilities, by
+    their global (b, h, t, s) index: the same mask on any mesh and on both paths.
+
+    bf16/fp16 with head dim 64 or 128: flash attention, one node whose kernels never store the
+    (T, S) scores (`kernels/flash_attention.cu`; its NumPy twin on CPU). Otherwise the scores
+    are materialized: einsum, fused causal softmax, `dropout`, einsum."""
+    from cupytp.kernels.flash_attention import supported
+    if not 0 <= dropout_p < 1:
+        raise ValueError(f"attention dropout probability must be in [0, 1), got {dropout_p}")
+    if supported(q._local, k._local, v._local):
+        return _flash_attention(q, k, v, causal, dropout_p, generator)
     scores = einsum("bhtd,bhsd->bhts", q, k)                    # (B, H/tp, T, S)
     scale = 1.0 / math.sqrt(q.shape[-1])
     probs = causal_softmax(scores, scale) if causal else softmax(mul(scores, scale), -1)
+    probs = dropout(probs, dropout_p, generator=generator)
     return einsum("bhts,bhsd->bhtd", probs, v)
+
+
+def _attention_placements(q, k, v):
+    """Per mesh dimension: the Shard(0) or Shard(1) of any input (all must agree), else
+    Replicated."""
+    placements = []
+    for dim in range(q.mesh.ndim):
+        shards = {x.placements[dim].dim for x in (q, k, v) if isinstance(x.placements[dim], Shard)}
+        if len(shards) > 1 or shards - {0, 1}:
+            fail("scaled_dot_product_attention", [q, k, v],
+                 f"mesh dimension {dim} shards dimensions {sorted(shards)}",
+                 "Shard q, k and v alike on batch (0) or heads (1) only; redistribute the "
+                 "sequence and head-size dimensions to Replicated.")
+        placements.append(Shard(shards.pop()) if shards else Replicated())
+    return tuple(placements)
+
+
+def _flash_attention(q, k, v, causal, dropout_p, generator):
+    """One node: flash forward (o and the row log-sum-exp kept), flash backward."""
+    from cupytp.kernels.flash_attention import (
+        AttentionDropout, attention_backward, attention_forward)
+    inputs = [q, k, v]
+    same_mesh("scaled_dot_product_attention", inputs)
+    placements = _attention_placements(q, k, v)
+    q, k, v = (convert("scaled_dot_product_attention", x, placements, inputs) for x in inputs)
+    b, h, t, d = q.shape
+    scale = 1.0 / math.sqrt(d)
+    drop = None
+    if dropout_p > 0:
+        seed, base, add = (generator or default_generator).philox_args(b * h * t * k.shape[2])
+        drop = AttentionDropout(dropout_p, seed, base, add, h, *q.layout.offsets[:2])
+    o, lse = attention_forward(q._local, k._local, v._local, causal, scale, drop)
+    out = make(o, q.mesh, q.shape, placements)                   # (B, H/tp, T, D)
+
+    def backward(g):
+        g = linear_grad(g, out.placements)
+        grads = attention_backward(q._local, k._local, v._local, o, lse,
+                                   g._local.astype(o.dtype, copy=False), causal, scale, drop)
+        return tuple(make(local, x.mesh, x.shape, g.placements)
+                     for local, x in zip(grads, (q, k, v)))
+    return engine.record(out, (q, k, v), backward, "scaled_dot_product_attention")

@@ -44,6 +44,14 @@ def _uniform53(a, b):
             + (b >> xp.uint64(6)).astype(xp.float64)) / 9007199254740992.0
 
 
+def uniform_at(seed, counter):
+    """float64 uniforms in [0, 1) at uint64 `counter`s: the first two Philox words of each, as
+    `Generator.uniform` draws them (for twins of kernels that draw their own numbers)."""
+    xp = backend.xp
+    a, b, _, _ = philox4x32(counter & xp.uint64(_MASK32), counter >> xp.uint64(32), seed)
+    return _uniform53(a, b)
+
+
 def global_indices(shape, offsets, local_shape):
     """Row-major global linear index of every element of a local block (uint64 array)."""
     xp = backend.xp

@@ -1,0 +1,639 @@
+// Flash attention (FlashAttention-2): softmax(scale q kᵀ) v over (B, H, T, D) queries and
+// (B, H, S, D) keys and values, bf16 or fp16 in and out, fp32 accumulation on the tensor cores
+// (mma.sync m16n8k16 fed by ldmatrix). The (T, S) scores are never stored: each block keeps a tile
+// of them in registers.
+//
+// forward:  one block per 64 queries of one (b, h); key/value tiles of 64 stream through shared
+//           memory (cp.async, the next tile loading while this one is used); online softmax in
+//           registers; writes o and the log-sum-exp lse (fp32, (B, H, T)) for the backward.
+// backward: `flash_backward_delta` computes delta = rowsum(do ∘ o); then one block per 64 keys of
+//           one (b, h) walks the query tiles, recomputes P from lse, keeps dk and dv in registers
+//           and adds its share of dq into an fp32 buffer with atomics; `flash_backward_dq` scales
+//           and converts that buffer.
+// Causal: query t sees keys s <= t + S - T; a query that sees no key gives zeros (lse = -inf).
+// Dropout on the probabilities: element (b, h, t, s) of the global (B, H_global, T, S) tensor is
+// kept iff the float64 uniform of the first two Philox-4x32-10 words of the counter
+// base + add + ((b·H_global + h)·T + t)·S + s is >= p (cupytp.tensor.random's draw), compared
+// exactly as the 53-bit integer against `threshold` = ceil(p·2⁵³); kept values are scaled by
+// 1/(1-p). Inputs are strided views (D contiguous, rows 16-byte aligned); strides are in elements.
+#include "common.cuh"
+
+namespace flash {
+
+constexpr int WARPS = 4;
+constexpr int THREADS = 32 * WARPS;
+constexpr int BLOCK_M = 64;  // queries per tile: 16 per warp in the forward
+constexpr int BLOCK_N = 64;  // keys per tile: 16 per warp in the backward
+constexpr int PAD = 8;       // elements after each shared-memory row: ldmatrix rows hit other banks
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr float LN2 = 0.6931471805599453f;
+
+struct Strides {
+    long long batch, head, row;
+};
+
+// ---- PTX wrappers -----------------------------------------------------------------------------
+__device__ __forceinline__ unsigned shared_address(const void* p)
+{
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared, asynchronously; zeros when !valid
+__device__ __forceinline__ void cp_async16(void* smem, const void* global, bool valid)
+{
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(smem)),
+                 "l"(global), "r"(valid ? 16 : 0));
+}
+
+__device__ __forceinline__ void cp_async_commit()
+{
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait()
+{
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i, register i holds it.
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* smem)
+{
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(smem)));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* smem)
+{
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(smem)));
+}
+
+// d += a (16x16, row) · b (16x8, col), fp32 accumulators
+template <typename T>
+__device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1);
+
+template <>
+__device__ __forceinline__ void mma<__nv_bfloat16>(float (&d)[4], const unsigned (&a)[4],
+                                                   unsigned b0, unsigned b1)
+{
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <>
+__device__ __forceinline__ void mma<__half>(float (&d)[4], const unsigned (&a)[4], unsigned b0,
+                                            unsigned b1)
+{
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// two floats as one register of two 16-bit values, `lo` in the low half
+template <typename T>
+__device__ __forceinline__ unsigned pack(float lo, float hi);
+
+template <>
+__device__ __forceinline__ unsigned pack<__nv_bfloat16>(float lo, float hi)
+{
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&v);
+}
+
+template <>
+__device__ __forceinline__ unsigned pack<__half>(float lo, float hi)
+{
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&v);
+}
+
+// ---- dropout ----------------------------------------------------------------------------------
+struct Dropout {
+    unsigned long long threshold;  // keep iff the 53-bit draw >= threshold = ceil(p 2^53)
+    float scale;                   // 1 / (1 - p)
+    unsigned long long seed;
+    const unsigned long long* base;  // device counter base (rewritten before CUDA-graph replays)
+    unsigned long long add;
+    int heads;        // H_global
+    int head_offset;  // global index of this tensor's head 0
+    int batch_offset;
+};
+
+// Philox-4x32-10 of (counter, 0, 0) keyed by seed; true iff its uniform is >= p.
+__device__ __forceinline__ bool keep(unsigned long long counter, const Dropout& dropout)
+{
+    unsigned c0 = static_cast<unsigned>(counter), c1 = static_cast<unsigned>(counter >> 32);
+    unsigned c2 = 0, c3 = 0;
+    unsigned k0 = static_cast<unsigned>(dropout.seed);
+    unsigned k1 = static_cast<unsigned>(dropout.seed >> 32);
+#pragma unroll
+    for (int round = 0; round < 10; ++round) {
+        const unsigned hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+        const unsigned hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
+        c0 = hi1 ^ c1 ^ k0;
+        c1 = lo1;
+        c2 = hi0 ^ c3 ^ k1;
+        c3 = lo0;
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+    }
+    const unsigned long long draw = (static_cast<unsigned long long>(c0 >> 5) << 26) | (c1 >> 6);
+    return draw >= dropout.threshold;
+}
+
+// the counter of element (row t, key 0) of head (b, h): base + add + ((b H + h) T + t) S
+__device__ __forceinline__ unsigned long long row_counter(const Dropout& dropout, int b, int h,
+                                                          int t_len, int s_len)
+{
+    const unsigned long long bh =
+        static_cast<unsigned long long>(b + dropout.batch_offset) * dropout.heads + h +
+        dropout.head_offset;
+    return *dropout.base + dropout.add + bh * t_len * s_len;
+}
+
+// ---- tiles ------------------------------------------------------------------------------------
+extern __shared__ __align__(16) unsigned char shared[];
+
+// ROWS x D elements from `src` (rows `row_stride` apart, `rows` of them valid) into shared rows of
+// D + PAD elements; rows past `rows` become zeros.
+template <typename T, int D, int ROWS>
+__device__ __forceinline__ void load_tile(T* smem, const T* src, long long row_stride, int rows)
+{
+    constexpr int CHUNKS = D / 8;  // 16-byte pieces per row
+    for (int c = threadIdx.x; c < ROWS * CHUNKS; c += THREADS) {
+        const int r = c / CHUNKS, col = (c % CHUNKS) * 8;
+        const bool valid = r < rows;
+        cp_async16(smem + r * (D + PAD) + col, valid ? src + r * row_stride + col : src, valid);
+    }
+}
+
+// ---- forward ----------------------------------------------------------------------------------
+template <typename T, int D, bool DROPOUT>
+__device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, int heads,
+                        int t_len, int s_len, Strides qs, Strides ks, Strides vs, Strides os,
+                        float scale, bool causal, const Dropout& dropout)
+{
+    constexpr int STRIDE = D + PAD;
+    T* sq = reinterpret_cast<T*>(shared);
+    T* sk = sq + BLOCK_M * STRIDE;
+    T* sv = sk + BLOCK_N * STRIDE;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int group = lane / 4, quad = lane % 4;  // fragment row, fragment column pair
+    const int m0 = (gridDim.x - 1 - blockIdx.x) * BLOCK_M;  // the longest causal blocks first
+    const int b = blockIdx.y / heads, h = blockIdx.y % heads;
+    q += b * qs.batch + h * qs.head + m0 * qs.row;
+    k += b * ks.batch + h * ks.head;
+    v += b * vs.batch + h * vs.head;
+    o += b * os.batch + h * os.head;
+    const int diagonal = s_len - t_len;
+    const int last_row = min(m0 + BLOCK_M, t_len) - 1;
+    const int n_end = causal ? min(s_len, last_row + diagonal + 1) : s_len;
+    const int n_tiles = n_end > 0 ? (n_end + BLOCK_N - 1) / BLOCK_N : 0;
+    const float scale_log2 = scale * LOG2E;
+    unsigned long long counter0 = 0;
+    if (DROPOUT)
+        counter0 = row_counter(dropout, b, h, t_len, s_len);
+
+    load_tile<T, D, BLOCK_M>(sq, q, qs.row, t_len - m0);
+    if (n_tiles > 0)
+        load_tile<T, D, BLOCK_N>(sk, k, ks.row, s_len);
+    cp_async_commit();
+    if (n_tiles > 0)
+        load_tile<T, D, BLOCK_N>(sv, v, vs.row, s_len);
+    cp_async_commit();
+
+    unsigned qf[D / 16][4];
+    float acc[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i)
+        acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    float row_max[2] = {negative_infinity<float>(), negative_infinity<float>()};
+    float row_sum[2] = {0.f, 0.f};  // this thread's columns only, summed over the quad at the end
+    const int row_in_block = warp * 16 + group;
+
+    for (int j = 0; j < n_tiles; ++j) {
+        const int n0 = j * BLOCK_N;
+        cp_async_wait<1>();  // q and this key tile
+        __syncthreads();
+        if (j == 0) {
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk)
+                ldmatrix_x4(qf[kk], sq + (warp * 16 + lane % 16) * STRIDE + kk * 16 + lane / 16 * 8);
+        }
+        // s = q kᵀ for this warp's 16 queries and the tile's 64 keys
+        float s[BLOCK_N / 8][4];
+#pragma unroll
+        for (int i = 0; i < BLOCK_N / 8; ++i)
+            s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+            for (int np = 0; np < BLOCK_N / 16; ++np) {
+                unsigned kb[4];
+                ldmatrix_x4(kb, sk + (np * 16 + lane / 16 * 8 + lane % 8) * STRIDE + kk * 16 +
+                                    (lane / 8) % 2 * 8);
+                mma<T>(s[2 * np], qf[kk], kb[0], kb[1]);
+                mma<T>(s[2 * np + 1], qf[kk], kb[2], kb[3]);
+            }
+        }
+        // scale into the log2 domain; mask keys past the end and (causal) above the diagonal
+        const bool edge = n0 + BLOCK_N > s_len || (causal && n0 + BLOCK_N - 1 > m0 + diagonal);
+#pragma unroll
+        for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                s[nt][c] *= scale_log2;
+                if (edge) {
+                    const int row = m0 + row_in_block + (c / 2) * 8;
+                    const int col = n0 + nt * 8 + quad * 2 + c % 2;
+                    if (col >= s_len || (causal && col > row + diagonal))
+                        s[nt][c] = negative_infinity<float>();
+                }
+            }
+        }
+        // online softmax: new running max, rescale what was summed so far
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float m = row_max[r];
+#pragma unroll
+            for (int nt = 0; nt < BLOCK_N / 8; ++nt)
+                m = fmaxf(m, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+            const float shift = m == negative_infinity<float>() ? 0.f : m;
+            const float correction = exp2f(row_max[r] - shift);
+            row_max[r] = m;
+            row_sum[r] *= correction;
+#pragma unroll
+            for (int dt = 0; dt < D / 8; ++dt) {
+                acc[dt][2 * r] *= correction;
+                acc[dt][2 * r + 1] *= correction;
+            }
+#pragma unroll
+            for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
+#pragma unroll
+                for (int c = 2 * r; c < 2 * r + 2; ++c) {
+                    float p = exp2f(s[nt][c] - shift);
+                    row_sum[r] += p;
+                    if (DROPOUT) {
+                        const unsigned long long t = m0 + row_in_block + r * 8;
+                        const int col = n0 + nt * 8 + quad * 2 + c % 2;
+                        p = keep(counter0 + t * s_len + col, dropout) ? p * dropout.scale : 0.f;
+                    }
+                    s[nt][c] = p;
+                }
+            }
+        }
+        cp_async_wait<0>();  // this value tile
+        __syncthreads();     // and every warp is done with the key tile
+        if (j + 1 < n_tiles)
+            load_tile<T, D, BLOCK_N>(sk, k + (n0 + BLOCK_N) * ks.row, ks.row, s_len - n0 - BLOCK_N);
+        cp_async_commit();
+        // acc += p v: the score accumulators of two key octets are the A fragment of 16 keys
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+            const unsigned pa[4] = {pack<T>(s[2 * kk][0], s[2 * kk][1]),
+                                    pack<T>(s[2 * kk][2], s[2 * kk][3]),
+                                    pack<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                    pack<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+            for (int dp = 0; dp < D / 16; ++dp) {
+                unsigned vb[4];
+                ldmatrix_x4_trans(vb, sv + (kk * 16 + (lane / 8) % 2 * 8 + lane % 8) * STRIDE +
+                                          dp * 16 + lane / 16 * 8);
+                mma<T>(acc[2 * dp], pa, vb[0], vb[1]);
+                mma<T>(acc[2 * dp + 1], pa, vb[2], vb[3]);
+            }
+        }
+        __syncthreads();  // every warp is done with the value tile
+        if (j + 1 < n_tiles)
+            load_tile<T, D, BLOCK_N>(sv, v + (n0 + BLOCK_N) * vs.row, vs.row, s_len - n0 - BLOCK_N);
+        cp_async_commit();
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float total = row_sum[r];
+        total += __shfl_xor_sync(0xffffffffu, total, 1);
+        total += __shfl_xor_sync(0xffffffffu, total, 2);
+        const int row = m0 + row_in_block + r * 8;
+        if (row >= t_len)
+            continue;
+        const float inverse = total > 0.f ? 1.f / total : 0.f;
+        T* out = o + row * os.row + quad * 2;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt)
+            *reinterpret_cast<unsigned*>(out + dt * 8) =
+                pack<T>(acc[dt][2 * r] * inverse, acc[dt][2 * r + 1] * inverse);
+        if (quad == 0)
+            lse[static_cast<long long>(blockIdx.y) * t_len + row] =
+                total > 0.f ? (row_max[r] + __log2f(total)) * LN2 : negative_infinity<float>();
+    }
+}
+
+// ---- backward ---------------------------------------------------------------------------------
+// delta[b, h, t] = sum_d do[b, h, t, d] o[b, h, t, d]; one warp per row
+template <typename T, int D>
+__device__ void backward_delta(const T* o, const T* dout, float* delta, int heads, int t_len,
+                               Strides os, Strides dos)
+{
+    const int row = blockIdx.x * WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= t_len)
+        return;
+    const int b = blockIdx.y / heads, h = blockIdx.y % heads;
+    const T* orow = o + b * os.batch + h * os.head + row * os.row;
+    const T* drow = dout + b * dos.batch + h * dos.head + row * dos.row;
+    float total = 0.f;
+#pragma unroll
+    for (int d = lane; d < D; d += 32)
+        total += widen<float>(orow[d]) * widen<float>(drow[d]);
+    for (int offset = 16; offset > 0; offset >>= 1)
+        total += __shfl_xor_sync(0xffffffffu, total, offset);
+    if (lane == 0)
+        delta[static_cast<long long>(blockIdx.y) * t_len + row] = total;
+}
+
+// dq[b, h, t, d] = scale dq_accum[b, h, t, d] in T; one thread per element
+template <typename T, int D>
+__device__ void backward_dq(const float* dq_accum, T* dq, int heads, int t_len, Strides dqs,
+                            float scale)
+{
+    const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const long long bh = blockIdx.y;
+    if (i >= static_cast<long long>(t_len) * D)
+        return;
+    const int row = static_cast<int>(i / D), d = static_cast<int>(i % D);
+    const int b = static_cast<int>(bh / heads), h = static_cast<int>(bh % heads);
+    dq[b * dqs.batch + h * dqs.head + row * dqs.row + d] =
+        static_cast<T>(scale * dq_accum[bh * t_len * D + i]);
+}
+
+template <typename T, int D, bool DROPOUT>
+__device__ void backward(const T* q, const T* k, const T* v, const T* dout, const float* lse,
+                         const float* delta, float* dq_accum, T* dk, T* dv, int heads, int t_len,
+                         int s_len, Strides qs, Strides ks, Strides vs, Strides dos, Strides dks,
+                         Strides dvs, float scale, bool causal, const Dropout& dropout)
+{
+    constexpr int STRIDE = D + PAD, DS_STRIDE = BLOCK_M + PAD;
+    T* sk = reinterpret_cast<T*>(shared);
+    T* sv = sk + BLOCK_N * STRIDE;
+    T* sq = sv + BLOCK_N * STRIDE;
+    T* sdo = sq + BLOCK_M * STRIDE;
+    T* sds = sdo + BLOCK_M * STRIDE;  // dsᵀ: keys x queries
+    float* slse = reinterpret_cast<float*>(sds + BLOCK_N * DS_STRIDE);  // log2 domain, +inf: no P
+    float* sdelta = slse + BLOCK_M;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int group = lane / 4, quad = lane % 4;
+    const int n0 = blockIdx.x * BLOCK_N;
+    const int b = blockIdx.y / heads, h = blockIdx.y % heads;
+    const long long bh = blockIdx.y;
+    q += b * qs.batch + h * qs.head;
+    k += b * ks.batch + h * ks.head + n0 * ks.row;
+    v += b * vs.batch + h * vs.head + n0 * vs.row;
+    dout += b * dos.batch + h * dos.head;
+    dk += b * dks.batch + h * dks.head + n0 * dks.row;
+    dv += b * dvs.batch + h * dvs.head + n0 * dvs.row;
+    lse += bh * t_len;
+    delta += bh * t_len;
+    dq_accum += bh * t_len * D;
+    const int diagonal = s_len - t_len;
+    const int m_tiles = (t_len + BLOCK_M - 1) / BLOCK_M;
+    const int m_begin = causal ? max(0, n0 - diagonal) / BLOCK_M : 0;  // first tile seeing key n0
+    const float scale_log2 = scale * LOG2E;
+    unsigned long long counter0 = 0;
+    if (DROPOUT)
+        counter0 = row_counter(dropout, b, h, t_len, s_len);
+    const int key_in_block = warp * 16 + group;
+
+    auto load_rows = [&](int m0) {  // q, do, lse and delta of the query tile at m0
+        load_tile<T, D, BLOCK_M>(sq, q + m0 * qs.row, qs.row, t_len - m0);
+        load_tile<T, D, BLOCK_M>(sdo, dout + m0 * dos.row, dos.row, t_len - m0);
+        cp_async_commit();
+        for (int i = threadIdx.x; i < BLOCK_M; i += THREADS) {
+            const int t = m0 + i;
+            const float l = t < t_len ? lse[t] : negative_infinity<float>();
+            slse[i] = l == negative_infinity<float>() ? -negative_infinity<float>() : l * LOG2E;
+            sdelta[i] = t < t_len ? delta[t] : 0.f;
+        }
+    };
+
+    float dk_acc[D / 8][4], dv_acc[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+        dk_acc[i][0] = dk_acc[i][1] = dk_acc[i][2] = dk_acc[i][3] = 0.f;
+        dv_acc[i][0] = dv_acc[i][1] = dv_acc[i][2] = dv_acc[i][3] = 0.f;
+    }
+    load_tile<T, D, BLOCK_N>(sk, k, ks.row, s_len - n0);
+    load_tile<T, D, BLOCK_N>(sv, v, vs.row, s_len - n0);
+    if (m_begin < m_tiles)
+        load_rows(m_begin * BLOCK_M);
+    else
+        cp_async_commit();
+
+    for (int i = m_begin; i < m_tiles; ++i) {
+        const int m0 = i * BLOCK_M;
+        cp_async_wait<0>();
+        __syncthreads();
+        // sᵀ = k qᵀ and dpᵀ = v doᵀ: this warp's 16 keys x the tile's 64 queries
+        float st[BLOCK_M / 8][4], dpt[BLOCK_M / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < BLOCK_M / 8; ++nt) {
+            st[nt][0] = st[nt][1] = st[nt][2] = st[nt][3] = 0.f;
+            dpt[nt][0] = dpt[nt][1] = dpt[nt][2] = dpt[nt][3] = 0.f;
+        }
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            unsigned ka[4], va[4];
+            const int a_offset = (warp * 16 + lane % 16) * STRIDE + kk * 16 + lane / 16 * 8;
+            ldmatrix_x4(ka, sk + a_offset);
+            ldmatrix_x4(va, sv + a_offset);
+#pragma unroll
+            for (int np = 0; np < BLOCK_M / 16; ++np) {
+                const int b_offset =
+                    (np * 16 + lane / 16 * 8 + lane % 8) * STRIDE + kk * 16 + (lane / 8) % 2 * 8;
+                unsigned qb[4], dob[4];
+                ldmatrix_x4(qb, sq + b_offset);
+                ldmatrix_x4(dob, sdo + b_offset);
+                mma<T>(st[2 * np], ka, qb[0], qb[1]);
+                mma<T>(st[2 * np + 1], ka, qb[2], qb[3]);
+                mma<T>(dpt[2 * np], va, dob[0], dob[1]);
+                mma<T>(dpt[2 * np + 1], va, dob[2], dob[3]);
+            }
+        }
+        // pᵀ from lse, then st <- dropped pᵀ and dpt <- dsᵀ = pᵀ (dpᵀ - delta)
+        const bool edge = n0 + BLOCK_N > s_len || (causal && n0 + BLOCK_N - 1 > m0 + diagonal);
+#pragma unroll
+        for (int nt = 0; nt < BLOCK_M / 8; ++nt) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int key = n0 + key_in_block + (c / 2) * 8;
+                const int t_in_tile = nt * 8 + quad * 2 + c % 2;
+                const int t = m0 + t_in_tile;
+                float p = exp2f(st[nt][c] * scale_log2 - slse[t_in_tile]);
+                if (edge && (key >= s_len || (causal && key > t + diagonal)))
+                    p = 0.f;
+                float dp = dpt[nt][c];
+                if (DROPOUT) {
+                    const bool kept =
+                        keep(counter0 + static_cast<unsigned long long>(t) * s_len + key, dropout);
+                    st[nt][c] = kept ? p * dropout.scale : 0.f;
+                    dp = kept ? dp * dropout.scale : 0.f;
+                } else {
+                    st[nt][c] = p;
+                }
+                dpt[nt][c] = p * (dp - sdelta[t_in_tile]);
+            }
+        }
+        // dv += pᵀ do and dk += dsᵀ q (A fragments straight from the accumulators)
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
+            const unsigned pa[4] = {pack<T>(st[2 * kk][0], st[2 * kk][1]),
+                                    pack<T>(st[2 * kk][2], st[2 * kk][3]),
+                                    pack<T>(st[2 * kk + 1][0], st[2 * kk + 1][1]),
+                                    pack<T>(st[2 * kk + 1][2], st[2 * kk + 1][3])};
+            const unsigned dsa[4] = {pack<T>(dpt[2 * kk][0], dpt[2 * kk][1]),
+                                     pack<T>(dpt[2 * kk][2], dpt[2 * kk][3]),
+                                     pack<T>(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]),
+                                     pack<T>(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
+#pragma unroll
+            for (int dp = 0; dp < D / 16; ++dp) {
+                const int offset =
+                    (kk * 16 + (lane / 8) % 2 * 8 + lane % 8) * STRIDE + dp * 16 + lane / 16 * 8;
+                unsigned dob[4], qb[4];
+                ldmatrix_x4_trans(dob, sdo + offset);
+                ldmatrix_x4_trans(qb, sq + offset);
+                mma<T>(dv_acc[2 * dp], pa, dob[0], dob[1]);
+                mma<T>(dv_acc[2 * dp + 1], pa, dob[2], dob[3]);
+                mma<T>(dk_acc[2 * dp], dsa, qb[0], qb[1]);
+                mma<T>(dk_acc[2 * dp + 1], dsa, qb[2], qb[3]);
+            }
+        }
+        // dsᵀ to shared memory for dq, which needs all 64 keys of the tile per query
+#pragma unroll
+        for (int nt = 0; nt < BLOCK_M / 8; ++nt) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+                *reinterpret_cast<unsigned*>(sds + (key_in_block + r * 8) * DS_STRIDE + nt * 8 +
+                                             quad * 2) =
+                    pack<T>(dpt[nt][2 * r], dpt[nt][2 * r + 1]);
+        }
+        __syncthreads();  // dsᵀ complete; q, do, lse and delta of this tile no longer read
+        if (i + 1 < m_tiles)
+            load_rows(m0 + BLOCK_M);
+        // dq of this warp's 16 queries += ds k over the block's 64 keys
+        float dq[D / 8][4];
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt)
+            dq[dt][0] = dq[dt][1] = dq[dt][2] = dq[dt][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+            unsigned dsa[4];
+            ldmatrix_x4_trans(dsa, sds + (kk * 16 + lane / 16 * 8 + lane % 8) * DS_STRIDE +
+                                       warp * 16 + (lane / 8) % 2 * 8);
+#pragma unroll
+            for (int dp = 0; dp < D / 16; ++dp) {
+                unsigned kb[4];
+                ldmatrix_x4_trans(kb, sk + (kk * 16 + (lane / 8) % 2 * 8 + lane % 8) * STRIDE +
+                                          dp * 16 + lane / 16 * 8);
+                mma<T>(dq[2 * dp], dsa, kb[0], kb[1]);
+                mma<T>(dq[2 * dp + 1], dsa, kb[2], kb[3]);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int t = m0 + warp * 16 + group + r * 8;
+            if (t >= t_len)
+                continue;
+            float* out = dq_accum + static_cast<long long>(t) * D + quad * 2;
+#pragma unroll
+            for (int dt = 0; dt < D / 8; ++dt) {
+                atomicAdd(out + dt * 8, dq[dt][2 * r]);
+                atomicAdd(out + dt * 8 + 1, dq[dt][2 * r + 1]);
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int key = key_in_block + r * 8;
+        if (n0 + key >= s_len)
+            continue;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+            *reinterpret_cast<unsigned*>(dk + key * dks.row + dt * 8 + quad * 2) =
+                pack<T>(scale * dk_acc[dt][2 * r], scale * dk_acc[dt][2 * r + 1]);
+            *reinterpret_cast<unsigned*>(dv + key * dvs.row + dt * 8 + quad * 2) =
+                pack<T>(dv_acc[dt][2 * r], dv_acc[dt][2 * r + 1]);
+        }
+    }
+}
+
+}  // namespace flash
+
+// ---- entry points: flash_<kind>_d<D>[_dropout]_<dtype> ----------------------------------------
+// Strides and dropout come as plain scalars (three strides per tensor: batch, head, row).
+#define FLASH_STRIDES(X) long long X##_batch, long long X##_head, long long X##_row
+#define FLASH_MAKE_STRIDES(X) flash::Strides{X##_batch, X##_head, X##_row}
+#define FLASH_DROPOUT_PARAMS                                                                       \
+    unsigned long long threshold, float keep_scale, unsigned long long seed,                      \
+        const unsigned long long *base, unsigned long long add, int heads_global,                 \
+        int head_offset, int batch_offset
+#define FLASH_MAKE_DROPOUT                                                                         \
+    flash::Dropout{threshold, keep_scale, seed, base, add, heads_global, head_offset, batch_offset}
+
+#define FLASH_ATTENTION_KERNELS(T, SUFFIX, D, DROPOUT, TAG)                                        \
+    extern "C" __global__ void __launch_bounds__(flash::THREADS) flash_forward_d##D##TAG##_##SUFFIX( \
+        const T* q, const T* k, const T* v, T* o, float* lse, int heads, int t_len, int s_len,    \
+        FLASH_STRIDES(qs), FLASH_STRIDES(ks), FLASH_STRIDES(vs), FLASH_STRIDES(os), float scale,  \
+        int causal, FLASH_DROPOUT_PARAMS)                                                          \
+    {                                                                                              \
+        flash::forward<T, D, DROPOUT>(q, k, v, o, lse, heads, t_len, s_len,                       \
+                                      FLASH_MAKE_STRIDES(qs), FLASH_MAKE_STRIDES(ks),             \
+                                      FLASH_MAKE_STRIDES(vs), FLASH_MAKE_STRIDES(os), scale,      \
+                                      causal != 0, FLASH_MAKE_DROPOUT);                            \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(flash::THREADS)                                   \
+        flash_backward_d##D##TAG##_##SUFFIX(                                                       \
+            const T* q, const T* k, const T* v, const T* dout, const float* lse,                  \
+            const float* delta, float* dq_accum, T* dk, T* dv, int heads, int t_len, int s_len,   \
+            FLASH_STRIDES(qs), FLASH_STRIDES(ks), FLASH_STRIDES(vs), FLASH_STRIDES(dos),          \
+            FLASH_STRIDES(dks), FLASH_STRIDES(dvs), float scale, int causal,                      \
+            FLASH_DROPOUT_PARAMS)                                                                  \
+    {                                                                                              \
+        flash::backward<T, D, DROPOUT>(                                                            \
+            q, k, v, dout, lse, delta, dq_accum, dk, dv, heads, t_len, s_len,                      \
+            FLASH_MAKE_STRIDES(qs), FLASH_MAKE_STRIDES(ks), FLASH_MAKE_STRIDES(vs),               \
+            FLASH_MAKE_STRIDES(dos), FLASH_MAKE_STRIDES(dks), FLASH_MAKE_STRIDES(dvs), scale,     \
+            causal != 0, FLASH_MAKE_DROPOUT);                                                      \
+    }
+
+#define FLASH_ATTENTION_HELPERS(T, SUFFIX, D)                                                     \
+    extern "C" __global__ void flash_backward_delta_d##D##_##SUFFIX(                              \
+        const T* o, const T* dout, float* delta, int heads, int t_len, FLASH_STRIDES(os),         \
+        FLASH_STRIDES(dos))                                                                        \
+    {                                                                                              \
+        flash::backward_delta<T, D>(o, dout, delta, heads, t_len, FLASH_MAKE_STRIDES(os),          \
+                                    FLASH_MAKE_STRIDES(dos));                                      \
+    }                                                                                              \
+    extern "C" __global__ void flash_backward_dq_d##D##_##SUFFIX(                                 \
+        const float* dq_accum, T* dq, int heads, int t_len, FLASH_STRIDES(dqs), float scale)      \
+    {                                                                                              \
+        flash::backward_dq<T, D>(dq_accum, dq, heads, t_len, FLASH_MAKE_STRIDES(dqs), scale);      \
+    }
+
+#define FLASH_ATTENTION_DTYPE(T, SUFFIX, D)                                                       \
+    FLASH_ATTENTION_KERNELS(T, SUFFIX, D, false, )                                                 \
+    FLASH_ATTENTION_KERNELS(T, SUFFIX, D, true, _dropout)                                          \
+    FLASH_ATTENTION_HELPERS(T, SUFFIX, D)
+
+// One head dimension per compilation (the launcher passes -DFLASH_HEAD_DIM=64 or 128).
+FLASH_ATTENTION_DTYPE(__nv_bfloat16, bf16, FLASH_HEAD_DIM)
+FLASH_ATTENTION_DTYPE(__half, f16, FLASH_HEAD_DIM)

@@ -1,0 +1,242 @@
+"""Flash attention over (B, H, T, D) queries and (B, H, S, D) keys and values: `flash_attention.cu`
+for CuPy arrays, a NumPy twin of the same math otherwise (the twin stores the scores; the kernel
+never does).
+
+`attention_forward(q, k, v, causal, scale, dropout)` → (o, lse): o = softmax(scale q kᵀ) v in q's
+dtype, returned as a (B, H, T, D) view of (B, T, H, D) memory (so o.transpose(1, 2) is contiguous);
+lse (B, H, T) float32, the log-sum-exp of each row of scaled scores (-inf for a query that sees no
+key). `attention_backward(q, k, v, o, lse, do, causal, scale, dropout)` → (dq, dk, dv), laid out
+like o. Causal: query t sees keys s <= t + S - T. Inputs may be strided views; bf16 or fp16, head
+dim 64 or 128 (`supported`); fp32 accumulation.
+
+Dropout (an `AttentionDropout`, or None) zeroes the probability (b, h, t, s) unless the Philox
+uniform of counter base + add + row-major index of (b + batch_offset, h + head_offset, t, s) in
+(B, heads, T, S) is >= p, and scales the kept ones by 1/(1-p): the draw of
+`cupytp.tensor.random`, so the mask equals `ops.dropout`'s on the (B, H, T, S) probabilities.
+"""
+import functools
+import math
+from typing import NamedTuple
+
+import numpy
+
+from cupytp import backend
+from cupytp.backend import bfloat16, xp
+from cupytp.kernels import ceil_div, dtype_suffix, get_kernel, is_device_array
+from cupytp.tensor.random import global_indices, uniform_at
+
+HEAD_DIMS = (64, 128)
+DTYPES = (bfloat16, numpy.dtype(numpy.float16))
+BLOCK_M = BLOCK_N = 64   # queries and keys per tile, as in flash_attention.cu
+PAD = 8                  # elements after each shared-memory row, as in flash_attention.cu
+THREADS = 128
+ROWS_PER_BLOCK = THREADS // 32   # flash_backward_delta: one warp per row
+ELEMENTS_PER_BLOCK = 256         # flash_backward_dq
+NULL = numpy.uint64(0)
+
+
+class AttentionDropout(NamedTuple):
+    """Dropout of the attention probabilities: p, the generator's (seed, base, add) for
+    B·heads·T·S counters, the global head count and this tensor's batch and head offsets."""
+    p: float
+    seed: int
+    base: object
+    add: int
+    heads: int
+    batch_offset: int = 0
+    head_offset: int = 0
+
+
+def supported(q, k, v):
+    """True when the kernel takes these arrays: one dtype, bf16 or fp16, head dim 64 or 128."""
+    return (q.dtype in DTYPES and q.dtype == k.dtype == v.dtype and q.ndim == 4
+            and q.shape[-1] in HEAD_DIMS)
+
+
+def attention_forward(q, k, v, causal, scale, dropout=None):
+    _check(q=q, k=k, v=v)
+    if not is_device_array(q):
+        return attention_forward_numpy(q, k, v, causal, scale, dropout)
+    b, h, t, d = q.shape
+    o = _like_output(q)
+    lse = xp.empty((b, h, t), dtype=xp.float32)
+    if o.size:
+        q, k, v = (_aligned(a) for a in (q, k, v))
+        kernel = _kernel("forward", d, q.dtype, dropout is not None)
+        kernel((ceil_div(t, BLOCK_M), b * h), (THREADS,),
+               (q, k, v, o, lse, numpy.int32(h), numpy.int32(t), numpy.int32(k.shape[2]),
+                *_strides(q), *_strides(k), *_strides(v), *_strides(o), numpy.float32(scale),
+                numpy.int32(causal), *_dropout_args(dropout)),
+               shared_mem=_shared_bytes("forward", d))
+    return o, lse
+
+
+def attention_backward(q, k, v, o, lse, do, causal, scale, dropout=None):
+    _check(q=q, k=k, v=v, o=o, do=do)
+    if not is_device_array(q):
+        return attention_backward_numpy(q, k, v, o, lse, do, causal, scale, dropout)
+    b, h, t, d = q.shape
+    s = k.shape[2]
+    dq, dk, dv = _like_output(q), _like_output(k), _like_output(v)
+    if not (dq.size and dk.size):       # no query or no key: nothing flows back
+        for grad in (dq, dk, dv):
+            grad.fill(0)
+        return dq, dk, dv
+    q, k, v, o, do = (_aligned(a) for a in (q, k, v, o, do))
+    delta = xp.empty((b, h, t), dtype=xp.float32)
+    _kernel("backward_delta", d, q.dtype)((ceil_div(t, ROWS_PER_BLOCK), b * h), (THREADS,),
+                                          (o, do, delta, numpy.int32(h), numpy.int32(t),
+                                           *_strides(o), *_strides(do)))
+    dq_accum = xp.zeros((b, h, t, d), dtype=xp.float32)
+    _kernel("backward", d, q.dtype, dropout is not None)(
+        (ceil_div(s, BLOCK_N), b * h), (THREADS,),
+        (q, k, v, do, lse, delta, dq_accum, dk, dv, numpy.int32(h), numpy.int32(t),
+         numpy.int32(s), *_strides(q), *_strides(k), *_strides(v), *_strides(do),
+         *_strides(dk), *_strides(dv), numpy.float32(scale), numpy.int32(causal),
+         *_dropout_args(dropout)),
+        shared_mem=_shared_bytes("backward", d))
+    _kernel("backward_dq", d, q.dtype)((ceil_div(t * d, ELEMENTS_PER_BLOCK), b * h),
+                                       (ELEMENTS_PER_BLOCK,),
+                                       (dq_accum, dq, numpy.int32(h), numpy.int32(t),
+                                        *_strides(dq), numpy.float32(scale)))
+    return dq, dk, dv
+
+
+def _check(**arrays):
+    q = arrays["q"]
+    kinds = {type(a).__name__ for a in arrays.values()}
+    if len(kinds) != 1:
+        raise ValueError(f"flash attention: arrays of one kind needed, got {sorted(kinds)}: "
+                         "NumPy and CuPy arrays cannot be mixed")
+    if not supported(q, arrays["k"], arrays["v"]):
+        raise ValueError(f"flash attention takes (B, H, T, D) bf16 or fp16 arrays of one dtype "
+                         f"with D in {HEAD_DIMS}; got q {q.dtype} {q.shape}, k "
+                         f"{arrays['k'].dtype} {arrays['k'].shape}, v {arrays['v'].dtype} "
+                         f"{arrays['v'].shape}: use the matmul path for these")
+    b, h, t, d = q.shape
+    s = arrays["k"].shape[2]
+    expected = {"q": (b, h, t, d), "k": (b, h, s, d), "v": (b, h, s, d), "o": (b, h, t, d),
+                "do": (b, h, t, d)}
+    for name, array in arrays.items():
+        if array.shape != expected[name] or array.dtype != q.dtype:
+            raise ValueError(f"flash attention: {name} must be {q.dtype} {expected[name]} to go "
+                             f"with q {q.shape}, got {array.dtype} {array.shape}")
+    if b * h > 65535:
+        raise ValueError(f"flash attention: batch x heads = {b * h} exceeds the grid's 65535: "
+                         "split the batch")
+
+
+def _like_output(a):
+    """An uninitialized (B, H, T, D) view of (B, T, H, D) memory, a's dtype."""
+    b, h, t, d = a.shape
+    return xp.empty((b, t, h, d), dtype=a.dtype).transpose(0, 2, 1, 3)
+
+
+def _strides(a):
+    """(batch, head, row) strides in elements."""
+    return tuple(numpy.int64(stride // a.itemsize) for stride in a.strides[:3])
+
+
+def _aligned(a):
+    """`a` itself when the kernel can read it in place (D contiguous, 16-byte aligned rows), else
+    a contiguous copy."""
+    rows_aligned = all(stride % 16 == 0 for stride, n in zip(a.strides[:3], a.shape[:3]) if n > 1)
+    if a.strides[3] == a.itemsize and rows_aligned and a.data.ptr % 16 == 0:
+        return a
+    return xp.ascontiguousarray(a)
+
+
+def _shared_bytes(kind, d):
+    row = (d + PAD) * 2
+    if kind == "forward":
+        return (BLOCK_M + 2 * BLOCK_N) * row
+    return 2 * (BLOCK_M + BLOCK_N) * row + BLOCK_N * (BLOCK_M + PAD) * 2 + 2 * BLOCK_M * 4
+
+
+@functools.cache
+def _kernel(kind, d, dtype, dropout=False):
+    name = f"flash_{kind}_d{d}{'_dropout' if dropout else ''}_{dtype_suffix(dtype)}"
+    kernel = get_kernel("flash_attention.cu", name, (f"-DFLASH_HEAD_DIM={d}",))
+    if kind in ("forward", "backward"):
+        kernel.max_dynamic_shared_size_bytes = _shared_bytes(kind, d)
+    return kernel
+
+
+def keep_threshold(p):
+    """The integer t with (53-bit draw >= t) == (draw / 2⁵³ >= p), exactly."""
+    return math.ceil(p * 2.0 ** 53)
+
+
+def _dropout_args(dropout):
+    if dropout is None:
+        return (NULL, numpy.float32(1), NULL, NULL, NULL, numpy.int32(0), numpy.int32(0),
+                numpy.int32(0))
+    return (numpy.uint64(keep_threshold(dropout.p)), numpy.float32(1 / (1 - dropout.p)),
+            numpy.uint64(dropout.seed), dropout.base, numpy.uint64(dropout.add),
+            numpy.int32(dropout.heads), numpy.int32(dropout.head_offset),
+            numpy.int32(dropout.batch_offset))
+
+
+# ---- NumPy twin ---------------------------------------------------------------------------------
+def dropout_keep(dropout, shape):
+    """Boolean NumPy mask of the kept probabilities of a (B, H, T, S) block."""
+    b, h, t, s = shape
+    offsets = (dropout.batch_offset, dropout.head_offset, 0, 0)
+    counter = global_indices((dropout.batch_offset + b, dropout.heads, t, s), offsets, shape)
+    counter = counter + (dropout.base + backend.xp.uint64(dropout.add))
+    return backend.asnumpy(uniform_at(dropout.seed, counter) >= dropout.p)
+
+
+def _probabilities(q, k, causal, scale, lse=None):
+    """float32 (B, H, T, S) softmax of the scaled, masked scores; with `lse` given, recomputed
+    from it as the backward does. Returns (p, lse)."""
+    f32 = numpy.float32
+    scores = numpy.einsum("bhtd,bhsd->bhts", q.astype(f32), k.astype(f32)) * f32(scale)
+    t, s = scores.shape[-2:]
+    visible = numpy.arange(s)[None, :] <= numpy.arange(t)[:, None] + s - t if causal else \
+        numpy.ones((t, s), dtype=bool)
+    scores = numpy.where(visible, scores, -numpy.inf)
+    if lse is None:
+        m = scores.max(axis=-1, keepdims=True, initial=-numpy.inf)
+        e = numpy.exp(scores - numpy.where(numpy.isfinite(m), m, f32(0)))
+        total = e.sum(axis=-1, keepdims=True)
+        with numpy.errstate(divide="ignore"):
+            lse = numpy.where(total > 0, m + numpy.log(total), -numpy.inf)[..., 0].astype(f32)
+    finite = numpy.isfinite(lse)[..., None]
+    p = numpy.where(finite, numpy.exp(scores - numpy.where(finite, lse[..., None], f32(0))), 0)
+    return p.astype(f32), lse
+
+
+def _dropout_scale(dropout, shape):
+    """float32 (B, H, T, S): 1/(1-p) where kept, 0 where dropped (1 without dropout)."""
+    if dropout is None:
+        return numpy.float32(1)
+    return dropout_keep(dropout, shape) * numpy.float32(1 / (1 - dropout.p))
+
+
+def _output_layout(array, dtype):
+    out = numpy.empty((array.shape[0], array.shape[2], array.shape[1], array.shape[3]), dtype)
+    out = out.transpose(0, 2, 1, 3)
+    out[...] = array
+    return out
+
+
+def attention_forward_numpy(q, k, v, causal, scale, dropout=None):
+    p, lse = _probabilities(q, k, causal, scale)
+    p = p * _dropout_scale(dropout, p.shape)
+    o = numpy.einsum("bhts,bhsd->bhtd", p, v.astype(numpy.float32))
+    return _output_layout(o, q.dtype), lse
+
+
+def attention_backward_numpy(q, k, v, o, lse, do, causal, scale, dropout=None):
+    f32 = numpy.float32
+    p, _ = _probabilities(q, k, causal, scale, lse)
+    z = _dropout_scale(dropout, p.shape)
+    dof = do.astype(f32)
+    dv = numpy.einsum("bhts,bhtd->bhsd", p * z, dof)
+    dp = numpy.einsum("bhtd,bhsd->bhts", dof, v.astype(f32)) * z
+    delta = (dof * o.astype(f32)).sum(axis=-1, keepdims=True)
+    ds = p * (dp - delta)
+    dq = numpy.einsum("bhts,bhsd->bhtd", ds, k.astype(f32)) * f32(scale)
+    dk = numpy.einsum("bhts,bhtd->bhsd", ds, q.astype(f32)) * f32(scale)
+    return tuple(_output_layout(g, q.dtype) for g in (dq, dk, dv))

@@ -1,0 +1,196 @@
+"""Flash attention: the NumPy twin against float64 formulas (forward) and finite differences
+(backward), its dropout mask against `ops.dropout`'s, and on a GPU the kernels against the twin
+(strided inputs, tails, head dims 64 and 128, causal or not, dropout, poisoned outputs)."""
+import math
+
+import numpy
+import pytest
+
+import cupytp
+from cupytp import ops
+from cupytp.backend import asnumpy, bfloat16, xp
+from cupytp.kernels.flash_attention import (
+    AttentionDropout, attention_backward, attention_backward_numpy, attention_forward,
+    attention_forward_numpy, dropout_keep, keep_threshold)
+from cupytp.tensor import Generator, Replicated, from_local, local_mesh
+from test_kernels import F16, F64, poisoned_allocations, requires_gpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def runtime():
+    cupytp.init()
+
+
+def qkv(b, h, t, s, d, dtype=bfloat16, seed=0):
+    rng = numpy.random.default_rng(seed)
+    return (rng.standard_normal((b, h, n, d)).astype(dtype) for n in (t, s, s))
+
+
+def host_dropout(p, heads, seed=11, offset=5, head_offset=0, batch_offset=0):
+    """An AttentionDropout whose counters start at `offset` (base a backend 0-d zero)."""
+    base = xp.zeros((), dtype=xp.uint64)
+    return AttentionDropout(p, seed, base, offset, heads, batch_offset, head_offset)
+
+
+def reference(q, k, v, causal, scale, keep=None, p=0.0):
+    """float64 (o, lse) by the textbook formula; `keep` a boolean mask of kept probabilities."""
+    q, k, v = (a.astype(F64) for a in (q, k, v))
+    scores = numpy.einsum("bhtd,bhsd->bhts", q, k) * scale
+    t, s = scores.shape[-2:]
+    o = numpy.zeros(q.shape[:-1] + (v.shape[-1],))
+    lse = numpy.full(q.shape[:-1], -numpy.inf)
+    for index in numpy.ndindex(q.shape[:-1]):
+        visible = numpy.arange(s) <= index[-1] + s - t if causal else numpy.ones(s, bool)
+        if not visible.any():
+            continue
+        row = scores[index][visible]
+        lse[index] = row.max() + math.log(numpy.exp(row - row.max()).sum())
+        probs = numpy.where(visible, numpy.exp(scores[index] - lse[index]), 0.0)
+        if keep is not None:
+            probs = probs * keep[index] / (1 - p)
+        o[index] = probs @ v[index[:-1]]
+    return o, lse
+
+
+CASES = [(2, 3, 5, 7, True), (1, 2, 7, 5, True), (2, 1, 6, 6, False), (1, 1, 1, 9, True)]
+
+
+@pytest.mark.parametrize("b,h,t,s,causal", CASES)
+@pytest.mark.parametrize("p", [0.0, 0.4])
+def test_flash_twin_forward_matches_float64(b, h, t, s, causal, p):
+    q, k, v = qkv(b, h, t, s, 64)
+    dropout = host_dropout(p, h) if p else None
+    o, lse = attention_forward_numpy(q, k, v, causal, 0.125, dropout)
+    assert o.dtype == bfloat16 and o.shape == (b, h, t, 64) and lse.dtype == numpy.float32
+    assert o.transpose(0, 2, 1, 3).flags.c_contiguous
+    keep = dropout_keep(dropout, (b, h, t, s)) if p else None
+    o_ref, lse_ref = reference(q, k, v, causal, 0.125, keep, p)
+    numpy.testing.assert_allclose(o.astype(F64), o_ref, rtol=1e-2, atol=1e-2)
+    numpy.testing.assert_allclose(lse, lse_ref, rtol=1e-5, atol=1e-5)
+    if t > s and causal:                       # queries that see no key: zeros, lse = -inf
+        assert not o[:, :, 0].astype(F64).any() and numpy.isneginf(lse[:, :, 0]).all()
+
+
+@pytest.mark.parametrize("causal,p", [(True, 0.0), (False, 0.0), (True, 0.3)])
+def test_flash_twin_backward_matches_finite_differences(causal, p):
+    b, h, t, s, d = 1, 2, 3, 4, 64
+    q, k, v = qkv(b, h, t, s, d, seed=1)
+    g = numpy.random.default_rng(2).standard_normal((b, h, t, d)).astype(bfloat16)
+    dropout = host_dropout(p, h) if p else None
+    keep = dropout_keep(dropout, (b, h, t, s)) if p else None
+    o, lse = attention_forward_numpy(q, k, v, causal, 0.125, dropout)
+    grads = attention_backward_numpy(q, k, v, o, lse, g, causal, 0.125, dropout)
+    inputs = [a.astype(F64) for a in (q, k, v)]
+
+    def loss(arrays):
+        return (reference(*arrays, causal, 0.125, keep, p)[0] * g.astype(F64)).sum()
+
+    eps = 1e-4
+    for which, grad in enumerate(grads):
+        assert grad.dtype == bfloat16 and grad.shape == inputs[which].shape
+        numeric = numpy.zeros(inputs[which].shape)
+        for index in numpy.ndindex(numeric.shape):
+            plus, minus = [a.copy() for a in inputs], [a.copy() for a in inputs]
+            plus[which][index] += eps
+            minus[which][index] -= eps
+            numeric[index] = (loss(plus) - loss(minus)) / (2 * eps)
+        scale = numpy.abs(numeric).max()
+        numpy.testing.assert_allclose(grad.astype(F64), numeric, rtol=0, atol=2e-2 * scale,
+                                      err_msg=f"gradient of input {which}")
+
+
+def test_flash_dropout_mask_is_ops_dropout_mask():
+    """The twin's mask (all heads, then a block of heads at an offset) is ops.dropout's mask of
+    the (B, H, T, S) probabilities drawn from the same generator state."""
+    shape = (2, 4, 5, 6)
+    mesh = local_mesh()
+    probs = from_local(xp.ones(shape), mesh, (Replicated(),), shape=shape)
+    kept = asnumpy(ops.dropout(probs, 0.3, generator=Generator(7))._local) != 0
+    seed, base, add = Generator(7).philox_args(math.prod(shape))
+    whole = AttentionDropout(0.3, seed, base, add, heads=4)
+    numpy.testing.assert_array_equal(dropout_keep(whole, shape), kept)
+    block = whole._replace(head_offset=1, batch_offset=1)
+    numpy.testing.assert_array_equal(dropout_keep(block, (1, 2, 5, 6)), kept[1:, 1:3])
+    assert 0.5 < kept.mean() < 0.9
+
+
+@pytest.mark.parametrize("p", [0.1, 0.3, 1 / 3, 0.5, 2.0 ** -40, 0.999])
+def test_flash_keep_threshold_is_exact(p):
+    draws = numpy.random.default_rng(3).integers(0, 2 ** 53, 10000, dtype=numpy.uint64)
+    threshold = keep_threshold(p)
+    draws = numpy.concatenate([draws, numpy.array([threshold - 1, threshold], numpy.uint64)])
+    numpy.testing.assert_array_equal(draws >= numpy.uint64(threshold),
+                                     draws.astype(F64) / 2.0 ** 53 >= p)
+
+
+def test_flash_bad_inputs_are_clear_errors():
+    q, k, v = qkv(1, 2, 3, 3, 64)
+    with pytest.raises(ValueError, match="D in"):
+        attention_forward(q[..., :32], k[..., :32], v[..., :32], True, 0.125)
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        attention_forward(q.astype(numpy.float32), k, v, True, 0.125)
+    with pytest.raises(ValueError, match="v must be"):
+        attention_forward(q, k, v[:, :1], True, 0.125)
+    tensors = [from_local(xp.asarray(a), local_mesh(), (Replicated(),), shape=a.shape)
+               for a in (q, k, v)]
+    with pytest.raises(ValueError, match="dropout probability"):
+        ops.scaled_dot_product_attention(*tensors, dropout_p=1.0)
+
+
+# ---- GPU: kernels against the twin --------------------------------------------------------------
+def strided_qkv(b, h, t, d, dtype, seed):
+    """q, k, v as (B, H, T, D) views of one (B, T, 3, H, D) array, as GPT-2 builds them."""
+    qkv_ = (numpy.random.default_rng(seed).standard_normal((b, t, 3, h, d))).astype(dtype)
+    device = xp.asarray(qkv_)
+    return ([qkv_[:, :, i].transpose(0, 2, 1, 3) for i in range(3)],
+            [device[:, :, i].transpose(0, 2, 1, 3) for i in range(3)])
+
+
+def relative_error(got, want):
+    got, want = asnumpy(got).astype(F64), numpy.asarray(want).astype(F64)
+    assert numpy.isfinite(got).all(), "non-finite values (an unwritten element?)"
+    return numpy.linalg.norm(got - want) / max(numpy.linalg.norm(want), 1e-30)
+
+
+GPU_CASES = [  # b, h, t, d, causal, p, dtype
+    (2, 3, 64, 64, True, 0.0, bfloat16), (1, 2, 100, 64, True, 0.0, bfloat16),
+    (2, 2, 200, 128, True, 0.0, bfloat16), (1, 3, 77, 128, False, 0.0, bfloat16),
+    (1, 2, 130, 64, False, 0.0, F16), (2, 2, 97, 64, True, 0.2, bfloat16),
+    (1, 2, 65, 128, True, 0.3, F16), (1, 1, 1, 64, True, 0.0, bfloat16),
+]
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("b,h,t,d,causal,p,dtype", GPU_CASES)
+def test_flash_kernels_match_twin(b, h, t, d, causal, p, dtype):
+    host, device = strided_qkv(b, h, t, d, dtype, seed=t + d)
+    g = numpy.random.default_rng(9).standard_normal((b, h, t, d)).astype(dtype)
+    dropout = host_dropout(p, h + 2, head_offset=1) if p else None
+    with poisoned_allocations():
+        o, lse = attention_forward(*device, causal, d ** -0.5, dropout)
+    o_twin, lse_twin = attention_forward_numpy(*host, causal, d ** -0.5, dropout)
+    assert relative_error(o, o_twin) < 1e-2
+    numpy.testing.assert_allclose(asnumpy(lse), lse_twin, rtol=1e-4, atol=1e-4)
+    with poisoned_allocations():
+        grads = attention_backward(*device, xp.asarray(o_twin), xp.asarray(lse_twin),
+                                   xp.asarray(g), causal, d ** -0.5, dropout)
+    twin = attention_backward_numpy(*host, o_twin, lse_twin, g, causal, d ** -0.5, dropout)
+    for name, got, want in zip("qkv", grads, twin):
+        assert relative_error(got, want) < 2e-2, f"d{name}"
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_flash_kernel_dropout_mask_is_bit_exact(d):
+    """With v the identity, o = the dropped probabilities: zero exactly where the twin drops."""
+    b, h, t = 2, 3, d
+    q, k, _ = qkv(b, h, t, t, d, seed=4)
+    v = numpy.broadcast_to(numpy.eye(t, d), (b, h, t, d)).astype(bfloat16)
+    dropout = host_dropout(0.5, 7, seed=123456789123, offset=2 ** 33 - 7, head_offset=2,
+                           batch_offset=1)
+    o, _ = attention_forward(xp.asarray(q), xp.asarray(k), xp.asarray(v), True, 0.1, dropout)
+    visible = numpy.tril(numpy.ones((t, t), bool))
+    expected = dropout_keep(dropout, (b, h, t, t)) & visible
+    numpy.testing.assert_array_equal(asnumpy(o).astype(F64) != 0, expected)
