@@ -114,6 +114,9 @@ def _as_matmul(sa, sb, out, x, y):
 def _matmul(x, y):
     """Local matmul: on the GPU through cuBLAS called directly (kernels.gemm: bf16 with fp32
     accumulation, and legal inside a CUDA-graph capture); NumPy's otherwise."""
+    if x.dtype != y.dtype:          # NumPy's promotion, as numpy.matmul would do
+        dtype = backend.xp.result_type(x.dtype, y.dtype)
+        x, y = x.astype(dtype, copy=False), y.astype(dtype, copy=False)
     if backend.on_gpu:
         from cupytp.kernels.gemm import matmul
         return matmul(x, y)

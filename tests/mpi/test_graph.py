@@ -50,7 +50,7 @@ def train(mesh, captured, dtype=None):
     run = cupytp.cuda_graph(step, warmup=2) if captured else step
     losses, norms, allocated = [], [], []
     for i in range(STEPS):
-        loss, norm = run(batches(i, mesh))
+        loss, norm = run(batches(i % 3, mesh))     # three fixed batches: the loss falls
         losses.append(float(full(loss)))
         norms.append(float(norm))
         scheduler.step()
