@@ -37,11 +37,12 @@ def train(model, optimizer, steps):
     return losses
 
 
-def snapshot(model, optimizer, prefix=""):
+def snapshot(model, optimizer=None, prefix=""):
     """Copies of the full values of the model's parameters and buffers and the optimizer's
     states, by name."""
     result = {prefix + name: full(t).copy() for name, t in model.state_dict().items()}
-    for index, states in optimizer.state_dict()["state"].items():
+    per_parameter = optimizer.state_dict()["state"] if optimizer is not None else {}
+    for index, states in per_parameter.items():
         result.update((f"{prefix}{index}/{name}", full(t).copy()) for name, t in states.items())
     return result
 

@@ -38,10 +38,12 @@ def save(directory, step, model=None, optimizer=None, extra=None, keep_last=None
 
     def prepare():
         _check_save_arguments(step, extra, keep_last)
+        groups = state.saved_param_groups(optimizer) if optimizer is not None else None
         tensors = state.saved_tensors(model, optimizer)
         blocks = {key: _own_block(key, t) for key, t in tensors.items()}
-        return tensors, {key: block for key, block in blocks.items() if block is not None}
-    tensors, blocks = _on_every_rank(prepare)
+        blocks = {key: block for key, block in blocks.items() if block is not None}
+        return tensors, blocks, groups, state.to_json(extra or {}, "extra")
+    tensors, blocks, groups, saved_extra = _on_every_rank(prepare)
     temp = _on_every_rank(lambda: storage.new_temp_dir(directory, step) if rank == 0 else None,
                           gather=True)[0]
     try:
@@ -50,9 +52,7 @@ def save(directory, step, model=None, optimizer=None, extra=None, keep_last=None
         def commit():
             if rank != 0:
                 return None
-            groups = state.saved_param_groups(optimizer) if optimizer is not None else None
-            index = _index(step, tensors, records, groups,
-                           state.to_json(extra or {}, "extra"))
+            index = _index(step, tensors, records, groups, saved_extra)
             storage.write_json(os.path.join(temp, storage.INDEX), index)
             storage.fault("index", rank)
             final = storage.commit(directory, temp, step, rank)
@@ -127,7 +127,7 @@ def _own_block(key, tensor):
     offsets, shape = tensor.layout.local_block()
     if math.prod(shape) == 0:
         return None
-    return offsets, numpy.ascontiguousarray(backend.asnumpy(tensor.to_local()))
+    return offsets, numpy.asarray(backend.asnumpy(tensor.to_local()), order="C")
 
 
 def _write_shards(temp, rank, blocks):
@@ -189,8 +189,9 @@ def _targets(path, index, model, optimizer):
         missing = [key for key in own if key not in saved]
         unexpected = [key for key in saved if key.startswith(state.MODEL) and key not in own]
         if missing or unexpected:
-            raise CheckpointError(f"{path} holds another model: tensors missing from it "
-                                  f"{_few(missing)}, tensors this model lacks {_few(unexpected)}")
+            parts = ([f"it lacks this model's {_few(missing)}"] if missing else []) + \
+                ([f"it holds {_few(unexpected)}, which this model lacks"] if unexpected else [])
+            raise CheckpointError(f"{path} holds another model: {'; '.join(parts)}")
         targets.update(own)
     if optimizer is not None:
         if index["param_groups"] is None:

@@ -38,7 +38,7 @@ def to_json(value, what):
     def plain(item):
         if isinstance(item, numpy.generic):
             return item.item()
-        raise TypeError(f"a {type(item).__name__} is not a JSON value")
+        raise TypeError(f"{type(item).__name__} values are not JSON")
     try:
         return json.loads(json.dumps(value, default=plain))
     except (TypeError, ValueError) as err:

@@ -1,0 +1,245 @@
+"""Checkpoints on one rank: a round trip restores model, optimizer and extra so that training
+continues bit for bit; `latest`, replacing a step, keep_last; a save killed at any point keeps
+the previous checkpoint loadable (also a rank killed under mpiexec, whose TP=2 checkpoint then
+loads on 1 and 4 ranks); each bad checkpoint or save is one clear error that changes nothing;
+examples/train_gpt2.py resumes bit for bit, after Ctrl-C too."""
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy
+import pytest
+
+import cupytp
+from cupytp import checkpoint, nn
+from cupytp.checkpoint import CheckpointError
+from cupytp.models.gpt2 import GPT2
+from cupytp.tensor import Replicated, local_mesh
+from checkpointing import (CONFIG, assert_same, check_continues, gpt2, reference, snapshot,
+                           train)
+from launch import REPO, mpiexec, under_mpiexec
+from sharding import full, lay_out, rng_array
+
+pytestmark = pytest.mark.skipif(under_mpiexec(), reason="one rank; launches its own jobs")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def runtime():
+    return cupytp.init()
+
+
+def trained(seed, steps=1):
+    model, optimizer = gpt2(local_mesh(), seed)
+    train(model, optimizer, steps)
+    return model, optimizer
+
+
+def hyperparameters(optimizer):
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+def listing(directory):
+    return sorted(os.listdir(directory))
+
+
+# ---- round trips --------------------------------------------------------------------------------
+
+def test_round_trip_continues_bit_for_bit(tmp_path):
+    model, optimizer = trained(seed=1, steps=2)
+    groups = hyperparameters(optimizer)
+    extra = {"rng": [1337, 2 ** 63 + 5], "data": {"windows": 12}}
+    path = checkpoint.save(tmp_path, 2, model, optimizer, extra=extra)
+    assert path == str(tmp_path / "step-00000002")
+    assert listing(path) == ["index.json", "rank-00000.safetensors"]
+    assert (tmp_path / "latest").read_text() == "step-00000002\n"
+    fresh, fresh_optimizer = gpt2(local_mesh(), seed=7)
+    assert checkpoint.load(tmp_path, fresh, fresh_optimizer) == {**extra, "step": 2}
+    assert hyperparameters(fresh_optimizer) == groups            # betas a tuple again
+    check_continues(reference(model, optimizer), tmp_path, local_mesh(), step=2, rtol=0.0)
+
+
+class Tensors(nn.Module):
+    def __init__(self, arrays):
+        super().__init__()
+        for name, array in arrays.items():
+            floating = array.dtype.kind == "f" or array.dtype == ml_dtypes.bfloat16
+            tensor = lay_out(array, local_mesh(), (Replicated(),), requires_grad=floating)
+            if floating:
+                setattr(self, name, tensor)
+            else:
+                self.register_buffer(name, tensor)
+
+
+def test_every_dtype_and_shape_round_trips_exactly(tmp_path):
+    arrays = {"bf16": rng_array((2, 3), 1).astype(ml_dtypes.bfloat16),
+              "fp16": rng_array((4,), 2).astype(numpy.float16), "scalar": numpy.array(2.5),
+              "empty": numpy.zeros((0, 4), numpy.float32), "ids": numpy.arange(6),
+              "mask": numpy.arange(5) > 2}
+    checkpoint.save(tmp_path, 0, Tensors(arrays))
+    model = Tensors({name: numpy.zeros_like(a) for name, a in arrays.items()})
+    checkpoint.load(tmp_path, model)
+    for name, tensor in model.state_dict().items():
+        assert tensor.dtype == arrays[name].dtype, name
+        numpy.testing.assert_array_equal(full(tensor), arrays[name], err_msg=name)
+
+
+def test_latest_replacing_a_step_and_keep_last(tmp_path):
+    model, optimizer = trained(seed=1)
+    firsts = {}
+    for step in (1, 2):
+        checkpoint.save(tmp_path, step, model, optimizer)
+        firsts[step] = snapshot(model, optimizer)
+        train(model, optimizer, 1)
+    probe, probe_optimizer = gpt2(local_mesh(), seed=5)
+    assert checkpoint.load(tmp_path, probe, probe_optimizer)["step"] == 2
+    assert_same(snapshot(probe, probe_optimizer), firsts[2])
+    assert checkpoint.load(tmp_path / "step-00000001", probe, probe_optimizer)["step"] == 1
+    assert_same(snapshot(probe, probe_optimizer), firsts[1])
+
+    (tmp_path / ".tmp-step-00000007-left-by-a-crash").mkdir()
+    checkpoint.save(tmp_path, 2, model, optimizer)                # replaces step 2
+    assert listing(tmp_path) == ["latest", "step-00000001", "step-00000002"]
+    checkpoint.load(tmp_path, probe, probe_optimizer)
+    assert_same(snapshot(probe, probe_optimizer), snapshot(model, optimizer))
+
+    checkpoint.save(tmp_path, 3, model, optimizer, keep_last=2)
+    assert listing(tmp_path) == ["latest", "step-00000002", "step-00000003"]
+    checkpoint.save(tmp_path, 1, model, optimizer, keep_last=1)   # the new one always stays
+    assert listing(tmp_path) == ["latest", "step-00000001", "step-00000003"]
+    assert (tmp_path / "latest").read_text() == "step-00000001\n"
+
+
+# ---- a save that dies ---------------------------------------------------------------------------
+
+def job(*args):
+    return [str(REPO / "tests" / "scripts" / "checkpoint_job.py")] + [str(a) for a in args]
+
+
+def stored_reference(path):
+    with numpy.load(path) as stored:
+        return dict(stored)
+
+
+@pytest.mark.parametrize("point", ["shard", "index", "renamed"])
+def test_a_save_killed_at_any_point_keeps_the_previous_checkpoint(tmp_path, point):
+    root, expected = tmp_path / "ckpt", tmp_path / "reference.npz"
+    result = subprocess.run([sys.executable] + job("save-then-die", root, expected, f"0:{point}"),
+                            cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert result.returncode == -signal.SIGKILL, result.stdout + result.stderr[-3000:]
+    assert (root / "latest").read_text() == "step-00000002\n"
+    left = [name for name in listing(root) if name.startswith(".tmp-step-00000004-")]
+    assert len(left) == (point != "renamed")
+    assert (root / "step-00000004").exists() == (point == "renamed")
+    check_continues(stored_reference(expected), root, local_mesh(), step=2, rtol=0.0)
+    model, optimizer = trained(seed=2)
+    checkpoint.save(root, 5, model, optimizer)                    # cleans what the crash left
+    assert [n for n in listing(root) if n.startswith(".")] == []
+
+
+def test_a_rank_killed_mid_save_then_loads_on_1_and_4_ranks(tmp_path):
+    root, expected = tmp_path / "ckpt", tmp_path / "reference.npz"
+    killed = mpiexec(2, job("save-then-die", root, expected, "1:shard"), timeout=300)
+    assert killed.returncode != 0 and "was not killed" not in killed.stdout, killed.stderr
+    assert (root / "latest").read_text() == "step-00000002\n"
+    assert not (root / "step-00000004").exists()
+    check_continues(stored_reference(expected), root, local_mesh(), step=2)     # TP=2 -> 1
+    loaded = mpiexec(4, job("continue", root, expected), timeout=300)          # -> 4, 2 x 2
+    assert loaded.returncode == 0, loaded.stdout[-3000:] + loaded.stderr[-3000:]
+    assert loaded.stdout.count("continued on 3 meshes") == 4
+
+
+# ---- bad checkpoints and bad saves --------------------------------------------------------------
+
+def flip_last_byte(path):
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+
+
+def drop_shards(step_dir, key):
+    with open(step_dir / "index.json") as f:
+        index = json.load(f)
+    index["tensors"][key]["shards"].clear()
+    with open(step_dir / "index.json", "w") as f:
+        json.dump(index, f)
+
+
+def other_gpt2(**changes):
+    return GPT2(dataclasses.replace(CONFIG, **changes), tp=4)
+
+
+SHARD = "rank-00000.safetensors"
+BAD = {   # damage done to a good checkpoint, what to load it into, the error
+    "missing shard file": (lambda d: os.remove(d / SHARD), None, f"{SHARD} is missing"),
+    "truncated shard": (lambda d: os.truncate(d / SHARD, 1000), None,
+                        f"{SHARD} has 1000 bytes, the index says"),
+    "corrupt shard": (lambda d: flip_last_byte(d / SHARD), None, f"{SHARD} is corrupt"),
+    "shard missing from the index": (
+        lambda d: drop_shards(d, "model/transformer.wpe.weight"), None,
+        r"transformer.wpe.weight: the shards in .* cover 0 of the 64 elements"),
+    "other model shape": (None, lambda: other_gpt2(n_embd=16),
+                          r"model/transformer.wte.weight: .* holds shape \(256, 8\), this model "
+                          r"has \(256, 16\)"),
+    "other model": (None, lambda: other_gpt2(n_layer=1),
+                    r"holds another model: it holds \[model/transformer.h.1.*which this model lacks"),
+    "not a checkpoint": (lambda d: shutil.rmtree(d.parent), None, "is not a directory"),
+    "empty directory": (lambda d: shutil.rmtree(d) or os.remove(d.parent / "latest"), None,
+                        "is not a checkpoint: it holds no index.json"),
+    "garbage index": (lambda d: (d / "index.json").write_text("{"), None,
+                      "index.json cannot be read as a checkpoint index"),
+    "another format": (lambda d: (d / "index.json").write_text("{}"), None,
+                       "is not a cupytp checkpoint index"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_a_bad_checkpoint_is_one_clear_error_and_loads_nothing(tmp_path, case):
+    damage, make_target, message = BAD[case]
+    model, optimizer = trained(seed=1)
+    root = tmp_path / "ckpt"
+    checkpoint.save(root, 1, model, optimizer)
+    if damage is not None:
+        damage(root / "step-00000001")
+    target, target_optimizer = trained(seed=3) if make_target is None else (make_target(), None)
+    before = snapshot(target, target_optimizer)
+    with pytest.raises(CheckpointError, match=message):
+        checkpoint.load(root, target, target_optimizer)
+    assert_same(snapshot(target, target_optimizer), before)
+
+
+def test_optimizer_state_missing_from_the_checkpoint(tmp_path):
+    model, _ = trained(seed=1)
+    checkpoint.save(tmp_path, 1, model)
+    target, optimizer = trained(seed=3)
+    before = snapshot(target, optimizer)
+    with pytest.raises(CheckpointError, match="holds no optimizer state .* optimizer=None"):
+        checkpoint.load(tmp_path, target, optimizer)
+    assert_same(snapshot(target, optimizer), before)
+    assert checkpoint.load(tmp_path, target)["step"] == 1
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"step": -1}, "step must be an integer >= 0"),
+    ({"keep_last": 0}, "keep_last must be None or an integer >= 1"),
+    ({"extra": {"step": 3}}, "extra must not hold 'step'"),
+    ({"extra": {"seed": object()}}, "extra cannot be saved: object values are not JSON"),
+])
+def test_a_bad_save_is_one_clear_error_and_writes_nothing(tmp_path, kwargs, message):
+    model, optimizer = trained(seed=1)
+    with pytest.raises(CheckpointError, match=message):
+        checkpoint.save(tmp_path, **{"step": 1, "model": model, "optimizer": optimizer, **kwargs})
+    assert listing(tmp_path) == []
+
+
+def test_saving_into_a_file_is_an_error(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(CheckpointError, match="FileExistsError|NotADirectoryError"):
+        checkpoint.save(tmp_path / "file", 1, *trained(seed=1))
