@@ -3,6 +3,7 @@ continues bit for bit; `latest`, replacing a step, keep_last; a save killed at a
 the previous checkpoint loadable (also a rank killed under mpiexec, whose TP=2 checkpoint then
 loads on 1 and 4 ranks); each bad checkpoint or save is one clear error that changes nothing;
 examples/train_gpt2.py resumes bit for bit, after Ctrl-C too."""
+import csv
 import dataclasses
 import json
 import os
@@ -24,6 +25,7 @@ from checkpointing import (CONFIG, assert_same, check_continues, gpt2, reference
                            train)
 from launch import REPO, mpiexec, under_mpiexec
 from sharding import full, lay_out, rng_array
+from test_train_example import run
 
 pytestmark = pytest.mark.skipif(under_mpiexec(), reason="one rank; launches its own jobs")
 
@@ -243,3 +245,70 @@ def test_saving_into_a_file_is_an_error(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(CheckpointError, match="FileExistsError|NotADirectoryError"):
         checkpoint.save(tmp_path / "file", 1, *trained(seed=1))
+
+
+# ---- examples/train_gpt2.py ---------------------------------------------------------------------
+
+SMALL = ["--batch-size", "2", "--seq-len", "32", "--sample-tokens", "0", "--eval-batches", "1",
+         "--eval-interval", "1000", "--log-interval", "1"]
+
+
+def losses_by_step(out):
+    """{step: loss as logged (repr: equal strings are equal floats)} of a run's log.csv."""
+    with open(os.path.join(out, "log.csv")) as f:
+        return {int(row["step"]): row["loss"] for row in csv.DictReader(f)}
+
+
+def test_training_resumes_bit_for_bit_at_tp2(tmp_path):
+    common = SMALL + ["--tp", "2", "--steps", "6"]
+    whole, saves = tmp_path / "whole", tmp_path / "saves"
+    result = run(common + ["--out", str(whole), "--checkpoint-dir", str(saves),
+                           "--checkpoint-interval", "3"], ranks=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert listing(saves) == ["latest", "step-00000003", "step-00000006"]
+    died = tmp_path / "died"                  # what a run killed during step 4 leaves
+    shutil.copytree(saves / "step-00000003", died / "step-00000003")
+    (died / "latest").write_text("step-00000003\n")
+    resumed = tmp_path / "resumed"
+    result = run(common + ["--out", str(resumed), "--checkpoint-dir", str(died), "--resume"],
+                 ranks=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected = {step: loss for step, loss in losses_by_step(whole).items() if step >= 3}
+    assert losses_by_step(resumed) == expected
+    assert (died / "latest").read_text() == "step-00000006\n"
+
+
+def test_ctrl_c_saves_and_the_resumed_run_matches_an_uninterrupted_one(tmp_path):
+    reference, out, saves = tmp_path / "reference", tmp_path / "run", tmp_path / "saves"
+    steps = ["--steps", "12"]
+    result = run(SMALL + steps + ["--out", str(reference)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    command = ["examples/train_gpt2.py"] + SMALL + steps + ["--out", str(out),
+                                                            "--checkpoint-dir", str(saves)]
+    process = subprocess.Popen([sys.executable] + command, cwd=REPO, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               env=dict(os.environ, PYTHONPATH=str(REPO)))
+    for line in process.stdout:               # the header: training starts now
+        if "GPT-2 tiny" in line:
+            break
+    process.send_signal(signal.SIGINT)
+    output, errors = process.communicate(timeout=300)
+    assert process.returncode != 0 and "saved checkpoint" in output, errors[-3000:]
+    stopped = int((saves / "latest").read_text().strip().split("-")[1])
+    assert 1 <= stopped < 12, "the run ended before Ctrl-C reached it"
+    assert sorted(losses_by_step(out)) == list(range(stopped))
+    result = run(SMALL + steps + ["--out", str(out), "--checkpoint-dir", str(saves), "--resume"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert losses_by_step(out) == losses_by_step(reference)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--resume"], "--resume, --checkpoint-interval and --keep-last need --checkpoint-dir"),
+    (["--resume", "--checkpoint-dir", "EMPTY"], "is not a checkpoint"),
+])
+def test_bad_checkpoint_flags_are_one_line(tmp_path, args, message):
+    args = [str(tmp_path) if a == "EMPTY" else a for a in args]
+    result = run(args + SMALL + ["--steps", "2", "--out", str(tmp_path / "out")])
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert result.returncode != 0
+    assert len(errors) == 1 and message in errors[0], result.stderr[-3000:]
