@@ -3,7 +3,8 @@
 One op per `.cu` file (kernels first) and a thin launcher `.py` beside it: CuPy arrays go to the
 kernel, NumPy arrays to the twin. A kernel is instantiated per dtype by a macro, named with the
 dtype's suffix (`gelu_forward_bf16`). CuPy is touched only when a kernel is compiled, so the package
-imports on machines without a GPU.
+imports on machines without a GPU. Block reductions (`block_reduce.cuh`) are CUB's, from the CCCL
+headers CuPy bundles; kernels that use them run with BLOCK_THREADS threads per block.
 """
 import functools
 from pathlib import Path
@@ -12,6 +13,7 @@ import numpy
 
 from cupytp.backend import bfloat16, on_gpu, xp
 
+BLOCK_THREADS = 256  # threads per block of every kernel that calls block_reduce
 _SUFFIXES = {
     numpy.dtype(numpy.float32): "f32",
     numpy.dtype(numpy.float64): "f64",
@@ -78,10 +80,20 @@ def check_lists(**lists):
 
 
 @functools.cache
+def _cccl_includes():
+    """-I options for the CUB, Thrust and libcu++ headers bundled with CuPy."""
+    root = Path(xp.__file__).parent / "_core" / "include" / "cupy" / "_cccl"
+    if not (root / "cub").is_dir():
+        raise RuntimeError(f"CuPy {xp.__version__} has no bundled CUB headers under {root}: the "
+                           "kernels' block reductions need them; install CuPy 14 or newer")
+    return tuple(f"-I{root / name}" for name in ("cub", "thrust", "libcudacxx"))
+
+
+@functools.cache
 def _module(cu_file, options):
     folder = Path(__file__).parent
-    return xp.RawModule(code=(folder / cu_file).read_text(),
-                        options=options + (f"-I{folder}",))
+    options += (f"-I{folder}", f"-DCUPYTP_BLOCK_THREADS={BLOCK_THREADS}") + _cccl_includes()
+    return xp.RawModule(code=(folder / cu_file).read_text(), options=options)
 
 
 @functools.cache

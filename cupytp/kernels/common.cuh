@@ -28,37 +28,3 @@ __device__ __forceinline__ double quiet_nan<double>()
 {
     return __longlong_as_double(0x7ff8000000000000ULL);
 }
-
-template <typename C>
-struct Max {
-    __device__ C operator()(C a, C b) const { return a > b ? a : b; }
-};
-
-template <typename C>
-struct Sum {
-    __device__ C operator()(C a, C b) const { return a + b; }
-};
-
-// The reduction of v over the block, returned to every thread. All threads must call it.
-template <typename C, typename Op>
-__device__ C block_reduce(C v, Op op, C identity)
-{
-    __shared__ C partial[32];
-    for (int offset = 16; offset > 0; offset >>= 1)
-        v = op(v, __shfl_xor_sync(0xffffffffu, v, offset));
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    if (lane == 0)
-        partial[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        v = lane < (blockDim.x + 31) / 32 ? partial[lane] : identity;
-        for (int offset = 16; offset > 0; offset >>= 1)
-            v = op(v, __shfl_xor_sync(0xffffffffu, v, offset));
-        if (lane == 0)
-            partial[0] = v;
-    }
-    __syncthreads();
-    v = partial[0];
-    __syncthreads();  // the next reduction may reuse `partial`
-    return v;
-}

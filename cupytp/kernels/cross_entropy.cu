@@ -12,6 +12,7 @@
 //     zero in the padding columns and in rows whose target is ignore_index.
 // Storage dtype T, compute dtype C (float for fp32/bf16/fp16, double for fp64).
 #include "common.cuh"
+#include "block_reduce.cuh"
 
 // The number of this rank's columns that exist (global index below vocab_size).
 __device__ __forceinline__ int existing_columns(int cols, long long offset, long long vocab_size)
@@ -39,9 +40,9 @@ __device__ void cross_entropy_forward(const T* logits, const long long* targets,
             s += exp(x - m);
         }
     }
-    const C block_max = block_reduce(m, Max<C>(), negative_infinity<C>());
+    const C block_max = block_reduce(m, Max<C>());
     s = m == negative_infinity<C>() ? C(0) : s * exp(m - block_max);
-    s = block_reduce(s, Sum<C>(), C(0));
+    s = block_reduce(s, Sum<C>());
     if (threadIdx.x == 0) {
         const long long target = targets[row];
         const long long local = target - offset;

@@ -17,10 +17,9 @@ import math
 import numpy
 
 from cupytp.backend import xp
-from cupytp.kernels import check_lists, compute_dtype, dtype_suffix, get_kernel
+from cupytp.kernels import BLOCK_THREADS, check_lists, compute_dtype, dtype_suffix, get_kernel
 from cupytp.kernels import is_device_array
 
-THREADS = 256
 
 
 def cross_entropy_forward(logits, targets, offset, vocab_size, ignore_index):
@@ -70,8 +69,9 @@ def _launch(name, logits, arrays, offset, vocab_size, ignore_index):
     if rows == 0:
         return
     kernel = get_kernel("cross_entropy.cu", f"{name}_{dtype_suffix(logits.dtype)}")
-    kernel((rows,), (THREADS,), (*arrays, numpy.int32(logits.shape[-1]), numpy.int64(offset),
-                                 numpy.int64(vocab_size), numpy.int64(ignore_index)))
+    kernel((rows,), (BLOCK_THREADS,), (*arrays, numpy.int32(logits.shape[-1]),
+                                       numpy.int64(offset), numpy.int64(vocab_size),
+                                       numpy.int64(ignore_index)))
 
 
 def existing_columns(cols, offset, vocab_size):

@@ -5,6 +5,7 @@
 // The forward also writes xhat and rstd in the compute dtype C for the backward (and for the
 // weight and bias gradients, which are column sums the caller takes). Storage dtype T.
 #include "common.cuh"
+#include "block_reduce.cuh"
 
 template <typename T, typename C>
 __device__ void layer_norm_forward(const T* x, const T* w, const T* b, T* y, C* xhat, C* rstd,
@@ -15,13 +16,13 @@ __device__ void layer_norm_forward(const T* x, const T* w, const T* b, T* y, C* 
     C sum = 0;
     for (int i = threadIdx.x; i < cols; i += blockDim.x)
         sum += widen<C>(xr[i]);
-    const C mean = block_reduce(sum, Sum<C>(), C(0)) / C(cols);
+    const C mean = block_reduce(sum, Sum<C>()) / C(cols);
     C squares = 0;
     for (int i = threadIdx.x; i < cols; i += blockDim.x) {
         const C d = widen<C>(xr[i]) - mean;
         squares += d * d;
     }
-    const C r = C(1) / sqrt(block_reduce(squares, Sum<C>(), C(0)) / C(cols) + eps);
+    const C r = C(1) / sqrt(block_reduce(squares, Sum<C>()) / C(cols) + eps);
     for (int i = threadIdx.x; i < cols; i += blockDim.x) {
         const C h = (widen<C>(xr[i]) - mean) * r;
         xhat[row * cols + i] = h;
@@ -45,8 +46,8 @@ __device__ void layer_norm_backward(const T* g, const C* xhat, const C* rstd, co
         sum += d;
         dot += d * hr[i];
     }
-    const C mean_d = block_reduce(sum, Sum<C>(), C(0)) / C(cols);
-    const C mean_dh = block_reduce(dot, Sum<C>(), C(0)) / C(cols);
+    const C mean_d = block_reduce(sum, Sum<C>()) / C(cols);
+    const C mean_dh = block_reduce(dot, Sum<C>()) / C(cols);
     const C r = rstd[row];
     for (int i = threadIdx.x; i < cols; i += blockDim.x) {
         const C d = w ? widen<C>(gr[i]) * widen<C>(w[i]) : widen<C>(gr[i]);

@@ -8,10 +8,9 @@ they have x's dtype and shape (C,).
 import numpy
 
 from cupytp.backend import xp
-from cupytp.kernels import check_lists, compute_dtype, dtype_suffix, get_kernel
+from cupytp.kernels import BLOCK_THREADS, check_lists, compute_dtype, dtype_suffix, get_kernel
 from cupytp.kernels import is_device_array
 
-THREADS = 256
 NULL = numpy.uint64(0)
 
 
@@ -38,9 +37,9 @@ def layer_norm_forward(x, weight, bias, eps):
     rstd = xp.empty(x.shape[:-1] + (1,), dtype=compute)
     if rows:
         kernel = get_kernel("layernorm.cu", f"layer_norm_forward_{dtype_suffix(x.dtype)}")
-        kernel((rows,), (THREADS,), (x, NULL if weight is None else weight,
-                                     NULL if bias is None else bias, y, xhat, rstd,
-                                     numpy.int32(cols), compute.type(eps)))
+        kernel((rows,), (BLOCK_THREADS,), (x, NULL if weight is None else weight,
+                                           NULL if bias is None else bias, y, xhat, rstd,
+                                           numpy.int32(cols), compute.type(eps)))
     return y, xhat, rstd
 
 
@@ -55,8 +54,8 @@ def layer_norm_backward(g, xhat, rstd, weight):
     dx = xp.empty_like(g)
     if rows:
         kernel = get_kernel("layernorm.cu", f"layer_norm_backward_{dtype_suffix(g.dtype)}")
-        kernel((rows,), (THREADS,), (g, xhat, rstd, NULL if weight is None else weight, dx,
-                                     numpy.int32(cols)))
+        kernel((rows,), (BLOCK_THREADS,), (g, xhat, rstd, NULL if weight is None else weight,
+                                           dx, numpy.int32(cols)))
     return dx
 
 

@@ -5,31 +5,9 @@
 //   sum_of_squares_partials: partials[b] = sum of x^2 over block b's chunk;
 //   sum_partials:            *out = sum of partials[0:n], one block (fixed order: deterministic);
 //   scale:                   x *= *factor, the factor read from device memory (no host sync).
-// Blocks must have a multiple of 32 threads, at most 1024.
+// The two reductions run with BLOCK_THREADS threads per block (block_reduce.cuh).
 #include "common.cuh"
-
-// The sum of v over the block, valid in thread 0.
-template <typename C>
-__device__ C block_sum(C v)
-{
-    __shared__ C warp_sums[32];
-    const int lane = threadIdx.x % 32;
-    const int warp = threadIdx.x / 32;
-    for (int offset = 16; offset > 0; offset /= 2) {
-        v += __shfl_xor_sync(0xffffffffu, v, offset);
-    }
-    if (lane == 0) {
-        warp_sums[warp] = v;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        v = lane < blockDim.x / 32 ? warp_sums[lane] : C(0);
-        for (int offset = 16; offset > 0; offset /= 2) {
-            v += __shfl_xor_sync(0xffffffffu, v, offset);
-        }
-    }
-    return v;
-}
+#include "block_reduce.cuh"
 
 template <typename T, typename C>
 __device__ void sum_of_squares_partials(const T* const* arrays, const long long* blocks,
@@ -42,7 +20,7 @@ __device__ void sum_of_squares_partials(const T* const* arrays, const long long*
         const C xi = widen<C>(x[i]);
         sum += xi * xi;
     }
-    sum = block_sum(sum);
+    sum = block_reduce(sum, Sum<C>());
     if (threadIdx.x == 0) {
         partials[blockIdx.x] = sum;
     }
@@ -55,7 +33,7 @@ __device__ void sum_partials(const C* partials, long long n, C* out)
     for (long long i = threadIdx.x; i < n; i += blockDim.x) {
         sum += partials[i];
     }
-    sum = block_sum(sum);
+    sum = block_reduce(sum, Sum<C>());
     if (threadIdx.x == 0) {
         *out = sum;
     }

@@ -15,11 +15,11 @@ import numpy
 
 from cupytp import graph
 from cupytp.backend import bfloat16, xp
-from cupytp.kernels import ceil_div, check_lists, compute_dtype, dtype_suffix, get_kernel
-from cupytp.kernels import is_device_array
+from cupytp.kernels import BLOCK_THREADS, ceil_div, check_lists, compute_dtype, dtype_suffix
+from cupytp.kernels import get_kernel, is_device_array
 
 CHUNK = 65536  # elements per block
-THREADS = 512
+THREADS = 512  # multi-tensor apply; the reductions run with BLOCK_THREADS
 MAX_TABLES = 64
 _TABLES = collections.OrderedDict()  # (pointers per list, sizes) -> TensorTable, oldest first
 
@@ -126,9 +126,9 @@ def sum_of_squares(arrays):
     partials = xp.empty(table.num_blocks, compute)
     out = xp.empty((), compute)
     get_kernel("multi_tensor.cu", f"sum_of_squares_partials_{dtype_suffix(dtype)}")(
-        (table.num_blocks,), (THREADS,), (table.rows[0], table.blocks, partials))
+        (table.num_blocks,), (BLOCK_THREADS,), (table.rows[0], table.blocks, partials))
     get_kernel("multi_tensor.cu", f"sum_partials_{dtype_suffix(compute)}")(
-        (1,), (THREADS,), (partials, numpy.int64(table.num_blocks), out))
+        (1,), (BLOCK_THREADS,), (partials, numpy.int64(table.num_blocks), out))
     return out
 
 

@@ -6,6 +6,7 @@
 // One read and one write per element instead of a scale, mask, max, subtract, exp, sum and
 // divide pass each. Storage dtype T, compute dtype C (float for fp32/bf16/fp16, double for fp64).
 #include "common.cuh"
+#include "block_reduce.cuh"
 
 template <typename T, typename C>
 __device__ void causal_softmax_forward(const T* x, T* y, int t_len, int s_len, C scale)
@@ -17,11 +18,11 @@ __device__ void causal_softmax_forward(const T* x, T* y, int t_len, int s_len, C
     C m = negative_infinity<C>();
     for (int s = threadIdx.x; s < visible; s += blockDim.x)
         m = Max<C>()(m, scale * widen<C>(xr[s]));
-    m = block_reduce(m, Max<C>(), negative_infinity<C>());
+    m = block_reduce(m, Max<C>());
     C total = 0;
     for (int s = threadIdx.x; s < visible; s += blockDim.x)
         total += exp(scale * widen<C>(xr[s]) - m);
-    total = block_reduce(total, Sum<C>(), C(0));
+    total = block_reduce(total, Sum<C>());
     for (int s = threadIdx.x; s < s_len; s += blockDim.x)
         yr[s] = static_cast<T>(s < visible ? exp(scale * widen<C>(xr[s]) - m) / total : C(0));
 }
@@ -36,7 +37,7 @@ __device__ void causal_softmax_backward(const T* y, const T* g, T* dx, int s_len
     C dot = 0;
     for (int s = threadIdx.x; s < s_len; s += blockDim.x)
         dot += widen<C>(gr[s]) * widen<C>(yr[s]);
-    dot = block_reduce(dot, Sum<C>(), C(0));
+    dot = block_reduce(dot, Sum<C>());
     for (int s = threadIdx.x; s < s_len; s += blockDim.x)
         dr[s] = static_cast<T>(scale * widen<C>(yr[s]) * (widen<C>(gr[s]) - dot));
 }

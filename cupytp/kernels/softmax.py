@@ -4,10 +4,9 @@ first; a row with no visible key is all zeros. Computed in float32 (float64 for 
 import numpy
 
 from cupytp.backend import xp
-from cupytp.kernels import check_lists, compute_dtype, dtype_suffix, get_kernel
+from cupytp.kernels import BLOCK_THREADS, check_lists, compute_dtype, dtype_suffix, get_kernel
 from cupytp.kernels import is_device_array
 
-THREADS = 256
 
 
 def causal_softmax(x, scale):
@@ -45,7 +44,8 @@ def _launch(name, x, arrays, scale):
         return
     kernel = get_kernel("softmax.cu", f"{name}_{dtype_suffix(x.dtype)}")
     compute = compute_dtype(x.dtype)
-    kernel((rows,), (THREADS,), (*arrays, numpy.int32(x.shape[-1]), compute.type(scale)))
+    kernel((rows,), (BLOCK_THREADS,),
+           (*arrays, numpy.int32(x.shape[-1]), compute.type(scale)))
 
 
 def _visible(t_len, s_len):

@@ -1,0 +1,36 @@
+// Block-wide reductions through CUB's BlockReduce (CuPy's bundled CCCL headers; the loader puts
+// them on the include path). CUB needs the block size at compile time: the loader defines
+// CUPYTP_BLOCK_THREADS from `cupytp.kernels.BLOCK_THREADS`, and every kernel that calls
+// block_reduce is launched with exactly that many threads per block.
+#pragma once
+#include <cub/block/block_reduce.cuh>
+
+#ifndef CUPYTP_BLOCK_THREADS
+#error "CUPYTP_BLOCK_THREADS is undefined: compile through cupytp.kernels.get_kernel"
+#endif
+
+template <typename C>
+struct Max {
+    __device__ C operator()(C a, C b) const { return a > b ? a : b; }
+};
+
+template <typename C>
+struct Sum {
+    __device__ C operator()(C a, C b) const { return a + b; }
+};
+
+// The reduction of v over the block, returned to every thread. All threads must call it.
+template <typename C, typename Op>
+__device__ C block_reduce(C v, Op op)
+{
+    using Reduce = cub::BlockReduce<C, CUPYTP_BLOCK_THREADS>;
+    __shared__ typename Reduce::TempStorage storage;
+    __shared__ C result;
+    const C total = Reduce(storage).Reduce(v, op);  // valid in thread 0
+    if (threadIdx.x == 0)
+        result = total;
+    __syncthreads();
+    v = result;
+    __syncthreads();  // the next reduction may reuse `storage` and `result`
+    return v;
+}
