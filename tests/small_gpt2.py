@@ -1,5 +1,5 @@
-"""Helpers of the checkpoint tests: a small float64 GPT-2 trained with AdamW on a fixed batch,
-and what it computes after a checkpoint (the reference that a loaded copy must reproduce)."""
+"""A small GPT-2 trained with clipped AdamW on one fixed batch (training and checkpoint tests),
+and what it computes after a checkpoint: the reference that a loaded copy must reproduce."""
 import numpy
 
 import cupytp

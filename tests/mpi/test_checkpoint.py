@@ -15,7 +15,7 @@ from cupytp import checkpoint, nn
 from cupytp.checkpoint import CheckpointError
 from cupytp.distributed.runtime import barrier, broadcast_object
 from cupytp.tensor import Partial, Replicated, Shard, local_mesh
-from checkpointing import assert_same, check_continues, gpt2, reference, snapshot, train
+from small_gpt2 import assert_same, check_continues, gpt2, reference, snapshot, train
 from sharding import full, lay_out, rng_array
 
 ARRAYS = {"a": rng_array((5, 7), 1), "b": rng_array((3,), 2, numpy.float32),

@@ -6,29 +6,15 @@ import pytest
 
 import cupytp
 from cupytp import backend, nn
-from cupytp.models.gpt2 import GPT2, GPT2Config
-from cupytp.optim import AdamW, clip_grad_norm_, decay_groups
+from cupytp.models.gpt2 import GPT2
+from cupytp.optim import AdamW, decay_groups
 from cupytp.tensor import Replicated, local_mesh
 from sharding import full, lay_out
+from small_gpt2 import CONFIG, train as train_steps
 
-CONFIG = GPT2Config(vocab_size=37, block_size=8, n_layer=2, n_head=4, n_embd=8)
-
-
-def train(model, mesh, steps, lr=3e-3):
-    """`steps` AdamW steps with clipping on one fixed random batch; the loss of every step."""
-    optimizer = AdamW(decay_groups(model.parameters(), 0.1), lr=lr)
-    ids = numpy.random.default_rng(0).integers(0, CONFIG.vocab_size, size=(3, 9))
-    replicated = (Replicated(),) * mesh.ndim
-    losses = []
-    for _ in range(steps):
-        _, loss = model(lay_out(ids[:, :-1], mesh, replicated),
-                        lay_out(ids[:, 1:], mesh, replicated))
-        loss.backward()
-        clip_grad_norm_(model.parameters(), 0.5)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(full(loss)))
-    return losses
+def train(model, steps):
+    """`steps` clipped AdamW steps on small_gpt2's fixed batch; the loss of every step."""
+    return train_steps(model, AdamW(decay_groups(model.parameters(), 0.1), lr=3e-3), steps)
 
 
 def tp_size(mesh):
@@ -43,8 +29,8 @@ def test_tensor_parallel_training_ends_like_dense(mesh, steps):
     dense = GPT2(CONFIG, tp=tp_size(mesh)).to("fp64")
     cupytp.manual_seed(1)
     parallel = GPT2(CONFIG, mesh).to("fp64")
-    dense_losses = train(dense, local_mesh(), steps)
-    parallel_losses = train(parallel, mesh, steps)
+    dense_losses = train(dense, steps)
+    parallel_losses = train(parallel, steps)
     numpy.testing.assert_allclose(parallel_losses, dense_losses, rtol=1e-10)
     assert dense_losses[-1] < dense_losses[0]
     for (name, pd), (_, pp) in zip(dense.named_parameters(), parallel.named_parameters()):
@@ -56,7 +42,7 @@ def test_replicated_parameters_bit_identical_across_ranks(mesh):
         pytest.skip("heads do not split")
     cupytp.manual_seed(2)
     model = GPT2(CONFIG, mesh)
-    train(model, mesh, 5)
+    train(model, 5)
     world = cupytp.distributed.runtime.world_comm()
     for name, p in model.named_parameters():
         for dim, placement in enumerate(p.placements):

@@ -18,7 +18,7 @@ import cupytp  # noqa: E402
 from cupytp import checkpoint  # noqa: E402
 from cupytp.checkpoint.storage import FAULT_VARIABLE  # noqa: E402
 from cupytp.tensor import local_mesh  # noqa: E402
-from checkpointing import check_continues, gpt2, reference, train  # noqa: E402
+from small_gpt2 import check_continues, gpt2, reference, train  # noqa: E402
 
 command, directory, reference_path = sys.argv[1:4]
 info = cupytp.init()

@@ -21,7 +21,7 @@ from cupytp import backend, checkpoint, nn
 from cupytp.checkpoint import CheckpointError
 from cupytp.models.gpt2 import GPT2
 from cupytp.tensor import Replicated, local_mesh
-from checkpointing import (CONFIG, assert_same, check_continues, gpt2, reference, snapshot,
+from small_gpt2 import (CONFIG, assert_same, check_continues, gpt2, reference, snapshot,
                            train)
 from launch import REPO, mpiexec, under_mpiexec
 from sharding import full, lay_out, rng_array
