@@ -8,7 +8,8 @@ save is atomic (a crash never breaks the previous checkpoint).
 On disk (`storage` has the details): `ckpt/step-00000012/` holds `index.json` (each tensor's
 global shape, dtype, mesh, placements and shards; each shard file's sha256; the optimizer's
 hyperparameters; `extra`) and one `rank-NNNNN.safetensors` per rank that wrote blocks;
-`ckpt/latest` names the newest complete checkpoint.
+`ckpt/latest` names the newest complete checkpoint. Every rank must see the same directory (on
+several nodes: a shared filesystem).
 """
 from cupytp.checkpoint.sharded import load, save
 from cupytp.checkpoint.storage import CheckpointError

@@ -55,7 +55,7 @@ def save(directory, step, model=None, optimizer=None, extra=None, keep_last=None
             index = _index(step, tensors, records, groups, saved_extra)
             storage.write_json(os.path.join(temp, storage.INDEX), index)
             storage.fault("index", rank)
-            final = storage.commit(directory, temp, step, rank)
+            final = storage.commit(directory, temp, step)
             storage.clean(directory, keep_last, step)
             return final
         return _on_every_rank(commit, gather=True)[0]

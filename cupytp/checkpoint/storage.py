@@ -69,8 +69,9 @@ def write_json(path, value):
         os.fsync(f.fileno())
 
 
-def commit(root, temp, step, rank=0):
-    """Make the finished save in `temp` the checkpoint ROOT/step-N and point `latest` at it."""
+def commit(root, temp, step):
+    """Make the finished save in `temp` the checkpoint ROOT/step-N and point `latest` at it
+    (rank 0 does this, after every rank's file is on disk)."""
     _fsync(temp)
     final = os.path.join(root, step_dir_name(step))
     old = None
@@ -79,7 +80,7 @@ def commit(root, temp, step, rank=0):
         os.rename(final, old)
     os.rename(temp, final)
     _fsync(root)
-    fault("renamed", rank)
+    fault("renamed", 0)
     temp_latest = _unique(root, ".tmp-latest")
     with open(temp_latest, "x", encoding="utf-8") as f:
         f.write(step_dir_name(step) + "\n")
