@@ -262,20 +262,21 @@ def cross_entropy(logits, targets, ignore_index=-100, reduction="mean", vocab_si
     ids = xp.ascontiguousarray(targets._local, dtype=xp.int64)
     window = (offset, vocab_size, ignore_index)
     local_max, stats = cross_entropy_forward(x, ids, *window)    # (rows,), (rows, 2)
-    rows = tuple(Partial("max") if p.is_partial() else p for p in placements)
-    row_max = reduce_all("cross_entropy", make(local_max, logits.mesh, targets.shape, rows))
+    max_placements = tuple(Partial("max") if p.is_partial() else p for p in placements)
+    row_max = reduce_all("cross_entropy", make(local_max, logits.mesh, targets.shape,
+                                               max_placements))
     stats[..., 0] *= xp.exp(local_max - row_max._local)           # sum of exp(x - global max)
     packed = reduce_all("cross_entropy", make(stats, logits.mesh, targets.shape + (2,),
                                               placements))
     kept = ids != ignore_index
-    row_sum, picked = packed._local[..., 0], packed._local[..., 1]
+    row_sum, picked = xp.ascontiguousarray(packed._local[..., 0]), packed._local[..., 1]
     m = row_max._local
     local = xp.where(kept, xp.log(row_sum) + m - picked, m.dtype.type(0))
     out = make(local, logits.mesh, targets.shape, packed.placements)
 
     def backward(g):
         g = linear_grad(g, out.placements, strict=vocab_dims)
-        grad = cross_entropy_backward(x, m, xp.ascontiguousarray(row_sum), ids,
+        grad = cross_entropy_backward(x, m, row_sum, ids,
                                       xp.ascontiguousarray(g._local, dtype=m.dtype), *window)
         grad_placements = tuple(px if isinstance(px, Shard) else gp
                                 for px, gp in zip(logits.placements, g.placements))
