@@ -239,15 +239,25 @@ class BPETokenizer:
 
 
 class TiktokenTokenizer:
-    """A tiktoken encoding, GPT-2's by default: vocab_size 50257, eot_id 50256."""
+    """A tiktoken encoding, GPT-2's by default: vocab_size 50257, eot_id 50256.
+
+    Needs the tiktoken package and the encoding's BPE file, which tiktoken downloads on first
+    use and caches (TIKTOKEN_CACHE_DIR); without either, one DataError says which is missing.
+    """
 
     def __init__(self, encoding_name="gpt2"):
         try:
             import tiktoken
-        except ImportError as err:
-            raise ImportError(f"the tiktoken tokenizer needs the tiktoken package: "
-                              f"pip install tiktoken ({err})") from err
-        self._encoding = tiktoken.get_encoding(encoding_name)
+        except ImportError:
+            raise DataError("the tiktoken tokenizer needs the tiktoken package: pip install "
+                            "tiktoken") from None
+        try:
+            self._encoding = tiktoken.get_encoding(encoding_name)
+        except Exception as err:   # offline: requests' or urllib's own error types
+            raise DataError(f"tiktoken could not load the {encoding_name!r} encoding's BPE file "
+                            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+                            "): it is downloaded on first use; connect once, or copy a cache "
+                            "and point TIKTOKEN_CACHE_DIR at it") from None
         self.name = f"tiktoken-{encoding_name}"
         self.vocab_size = self._encoding.n_vocab
         self.eot_id = self._encoding.eot_token

@@ -197,7 +197,7 @@ class GPT2(nn.Module):
                                      for j in range(3)])
             elif name == "transformer.wte.weight":      # padded rows past the vocabulary are 0
                 rows, cols = block
-                value = numpy.zeros(local_shape, dtype=numpy.float32)
+                value = numpy.zeros(local_shape, dtype=tensor.dtype)   # the model's dtype
                 stop = min(rows.stop, v)
                 if stop > rows.start:
                     value[:stop - rows.start] = read(name, (slice(rows.start, stop), cols))
@@ -268,11 +268,25 @@ def hf_config(config):
 
 
 def config_from_hf(path):
-    with open(path) as f:
-        hf = json.load(f)
-    return GPT2Config(vocab_size=hf["vocab_size"], block_size=hf.get("n_positions", 1024),
-                      n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=hf["n_embd"],
-                      layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5))
+    """The GPT2Config of a Hugging Face `config.json`; a file that is not one is a ValueError
+    naming it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            hf = json.load(f)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from None
+    missing = [k for k in ("vocab_size", "n_layer", "n_head", "n_embd")
+               if not isinstance(hf, dict) or k not in hf]
+    if missing:
+        raise ValueError(f"{path} is not a GPT-2 config.json: it lacks {', '.join(missing)}")
+    try:
+        return GPT2Config(vocab_size=int(hf["vocab_size"]),
+                          block_size=int(hf.get("n_positions", 1024)),
+                          n_layer=int(hf["n_layer"]), n_head=int(hf["n_head"]),
+                          n_embd=int(hf["n_embd"]),
+                          layer_norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{path} has a value that is not a number: {err}") from None
 
 
 def _infer_config(f):

@@ -7,6 +7,7 @@ from cupytp import backend
 from cupytp.kernels import compute_dtype
 from cupytp.kernels.multi_tensor import scale_, sum_of_squares
 from cupytp.optim.optimizer import check_non_negative, contiguous_grad
+from cupytp.tensor import Partial, Replicated, from_local
 
 NORM_OPS = {2.0: "sum", math.inf: "max"}
 
@@ -17,10 +18,10 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0):
     0-d device array that nothing here waits for.
 
     Each gradient counts once. Gradients are grouped by (mesh, mesh dims along which they are
-    sharded); a group's local sum of squares (max of |g| for inf) is all-reduced over exactly
-    those mesh dims, not over the dims along which the group is Replicated (its ranks there hold
-    the same values); then the groups are added (maxed). Parameters without a gradient are left
-    out.
+    sharded); a group's local sum of squares (max of |g| for inf) is Partial over exactly those
+    mesh dims and redistributed to Replicated (an all-reduce over each), not over the dims along
+    which the group is Replicated (its ranks there hold the same values); then the groups are
+    added (maxed). Parameters without a gradient are left out.
     """
     norm_type = float(norm_type)
     if norm_type not in NORM_OPS:
@@ -39,10 +40,9 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0):
         return xp.zeros((), dtype=numpy.float32)
     totals = []
     for (mesh, dims), by_dtype in groups.items():
-        total = _local_total(by_dtype, op)
-        for dim in dims:
-            total = mesh.get_process_group(dim).all_reduce(total, op=op)
-        totals.append(total)
+        partial = tuple(Partial(op) if d in dims else Replicated() for d in range(mesh.ndim))
+        total = from_local(_local_total(by_dtype, op), mesh, partial, shape=(), run_check=False)
+        totals.append(total.redistribute((Replicated(),) * mesh.ndim).to_local())
     total = _combine(totals, op)
     norm = xp.asarray(xp.sqrt(total) if op == "sum" else total)
     factor = xp.minimum(max_norm / (norm + 1e-6), 1.0)

@@ -55,7 +55,7 @@ def distribute(array, mesh=None, placements=None, src=0, requires_grad=False):
     if mine and array is None:
         raise ValueError("distribute: the source rank must pass the array")
     meta = (tuple(array.shape), numpy.dtype(array.dtype)) if mine else None
-    shape, dtype = rt.world_comm().bcast(meta, root=src)
+    shape, dtype = rt.broadcast_object(meta, src)
     local = backend.asarray(array) if mine else None
     coordinate = mesh.get_coordinate()
     for dim, placement in enumerate(placements):

@@ -92,10 +92,11 @@ def test_hugging_face_round_trip(mesh):
     skip_unless_heads_split(mesh)
     cupytp.manual_seed(8)
     model = GPT2(CONFIG)
-    world = cupytp.distributed.runtime.world_comm()
-    path = os.path.join(world.bcast(tempfile.mkdtemp() if world.rank == 0 else None), "ckpt")
+    first = cupytp.distributed.get_rank() == 0
+    path = os.path.join(cupytp.distributed.broadcast_object(tempfile.mkdtemp() if first else None),
+                        "ckpt")
     model.save_pretrained(path)
-    cupytp.distributed.runtime.world_comm().Barrier()
+    cupytp.distributed.barrier()
     from safetensors.numpy import load_file
     stored = load_file(os.path.join(path, "model.safetensors"))
     c = CONFIG.n_embd
@@ -116,6 +117,32 @@ def test_hugging_face_round_trip(mesh):
     numpy.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
 
 
+def test_float64_end_to_end(mesh):
+    """A model cast to float64 computes, returns and loads in float64: N ranks equal one rank
+    to 1e-12, and Hugging Face weights load without rounding (the embedding included)."""
+    skip_unless_heads_split(mesh)
+    x, y = tokens((2, 16), 12), tokens((2, 16), 13)
+    cupytp.manual_seed(7)
+    dense = GPT2(CONFIG, tp=mesh.shape[-1]).to("fp64")
+    cupytp.manual_seed(7)
+    parallel = GPT2(CONFIG, mesh).to("fp64")
+    loss_d, grads_d, logits_d = loss_and_grads(dense, local_mesh(), x, y)
+    loss_p, grads_p, logits_p = loss_and_grads(parallel, mesh, x, y)
+    assert logits_p.dtype == logits_d.dtype == numpy.float64
+    assert loss_p.dtype == numpy.float64
+    numpy.testing.assert_allclose(loss_p, loss_d, rtol=1e-12)
+    for name in grads_d:
+        numpy.testing.assert_allclose(grads_p[name], grads_d[name], rtol=1e-9, atol=1e-12,
+                                      err_msg=name)
+    weights = dense.hf_state_dict()
+    cupytp.manual_seed(8)
+    loaded = GPT2(CONFIG, mesh).to("fp64")
+    loaded.load_hf_state_dict(lambda name, index: weights[name][index])
+    for name, value in loaded.hf_state_dict().items():
+        assert value.dtype == numpy.float64, name
+        numpy.testing.assert_array_equal(value, weights[name], err_msg=name)
+
+
 def test_bad_input(world, tmp_path):
     with pytest.raises(ValueError, match="unknown GPT-2 preset"):
         preset("13B")
@@ -128,3 +155,16 @@ def test_bad_input(world, tmp_path):
     bad.write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="not a readable safetensors"):
         GPT2.from_pretrained(str(bad))
+    directory = tmp_path / "hf"           # config.json is read first: the weights do not matter
+    directory.mkdir()
+    (directory / "model.safetensors").write_bytes(b"weights")
+    config = directory / "config.json"
+    for text, why in [("{garbage", "config.json is not valid JSON"),
+                      ('{"n_layer": 2}', "config.json is not a GPT-2 config.json: it lacks "
+                                         "vocab_size, n_head, n_embd"),
+                      ("[1, 2]", "it lacks vocab_size"),
+                      ('{"vocab_size": "many", "n_layer": 2, "n_head": 4, "n_embd": 16}',
+                       "config.json has a value that is not a number")]:
+        config.write_text(text)
+        with pytest.raises(ValueError, match=why):
+            GPT2.from_pretrained(str(directory))

@@ -274,10 +274,22 @@ def test_get_tokenizer(shakespeare):
 
 def test_tiktoken_missing_names_the_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "tiktoken", None)
-    with pytest.raises(ImportError, match="pip install tiktoken"):
+    with pytest.raises(DataError, match="pip install tiktoken"):
         TiktokenTokenizer("gpt2")
-    with pytest.raises(ImportError, match="pip install tiktoken"):
+    with pytest.raises(DataError, match="pip install tiktoken"):
         get_tokenizer("tiktoken")
+
+
+def test_tiktoken_offline_is_one_line(monkeypatch):
+    """Offline, tiktoken cannot download its BPE file: one line says so, not its traceback."""
+    def offline(name):
+        raise ConnectionError("HTTPSConnectionPool(host='openaipublic.blob.core.windows.net')"
+                              "\nMax retries exceeded")
+    monkeypatch.setitem(sys.modules, "tiktoken", types.SimpleNamespace(get_encoding=offline))
+    with pytest.raises(DataError, match="'gpt2' encoding's BPE file.*ConnectionError.*"
+                                        "TIKTOKEN_CACHE_DIR") as caught:
+        get_tokenizer("tiktoken")
+    assert "\n" not in str(caught.value) and caught.value.__cause__ is None
 
 
 def test_tiktoken_wrapper_uses_ordinary_encoding(monkeypatch):
