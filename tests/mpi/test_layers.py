@@ -1,6 +1,8 @@
 """Every tensor-parallel layer equals the dense single-rank layer: parameters, outputs and all
 gradients (float64, biases on, uneven sizes), on 1-D and 2-D meshes, built on the mesh directly
 and parallelized from a dense model."""
+import math
+
 import numpy
 import pytest
 
@@ -74,6 +76,28 @@ def test_layer_built_on_mesh_equals_dense(mesh, name):
     y = compare(dense, parallel, x, mesh)
     if name in ("row", "mlp", "attention", "block", "column_gather"):
         assert all(p == Replicated() for p in y.placements)
+
+
+def test_mlp_is_the_gpt2_formula(world):
+    """DMLP (c_fc's bias fused into the GeLU) is gelu(x W1 + b1) W2 + b2 with nonzero biases,
+    and its c_fc bias gradient is the finite-difference one."""
+    mlp = build(LAYERS["mlp"], local_mesh())
+    for seed, bias in enumerate((mlp.c_fc.bias, mlp.c_proj.bias)):
+        bias.to_local()[...] = rng_array(bias.shape, 31 + seed)
+    w1, b1, w2, b2 = (full(p) for p in (mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight,
+                                        mlp.c_proj.bias))
+    x = rng_array((2, 3, 6), 33)
+
+    def formula(b):
+        z = x @ w1 + b
+        return 0.5 * z * (1 + numpy.tanh(math.sqrt(2 / math.pi) * (z + 0.044715 * z ** 3))) \
+            @ w2 + b2
+    y = mlp(lay_out(x, local_mesh(), (Replicated(),)))
+    numpy.testing.assert_allclose(full(y), formula(b1), rtol=1e-12)
+    y.sum().backward()
+    numeric = [(formula(b1 + 1e-6 * e).sum() - formula(b1 - 1e-6 * e).sum()) / 2e-6
+               for e in numpy.eye(len(b1))]
+    numpy.testing.assert_allclose(full(mlp.c_fc.bias.grad), numeric, rtol=1e-6, atol=1e-8)
 
 
 @pytest.mark.parametrize("name", ["mlp", "attention", "block"])
