@@ -191,7 +191,8 @@ BAD = {   # damage done to a good checkpoint, what to load it into, the error
                           r"model/transformer.wte.weight: .* holds shape \(256, 8\), this model "
                           r"has \(256, 16\)"),
     "other model": (None, lambda: other_gpt2(n_layer=1),
-                    r"holds another model: it holds \[model/transformer.h.1.*which this model lacks"),
+                    r"holds another model: it holds \[model/transformer.h.1.*which this "
+                    r"model lacks"),
     "not a checkpoint": (lambda d: shutil.rmtree(d.parent), None, "is not a directory"),
     "empty directory": (lambda d: shutil.rmtree(d) or os.remove(d.parent / "latest"), None,
                         "is not a checkpoint: it holds no index.json"),
