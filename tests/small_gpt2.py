@@ -1,5 +1,7 @@
 """A small GPT-2 trained with clipped AdamW on one fixed batch (training and checkpoint tests),
 and what it computes after a checkpoint: the reference that a loaded copy must reproduce."""
+import dataclasses
+
 import numpy
 
 import cupytp
@@ -13,11 +15,11 @@ CONFIG = GPT2Config(vocab_size=37, block_size=8, n_layer=2, n_head=4, n_embd=8)
 IDS = numpy.random.default_rng(0).integers(0, CONFIG.vocab_size, size=(3, 9))
 
 
-def gpt2(mesh, seed):
+def gpt2(mesh, seed, dropout=0.0):
     """A float64 GPT-2 on `mesh` and its AdamW; the vocabulary is padded as for tp=4 on every
     mesh, so that all of them share one checkpoint."""
     cupytp.manual_seed(seed)
-    model = GPT2(CONFIG, mesh, tp=4).to("fp64")
+    model = GPT2(dataclasses.replace(CONFIG, dropout=dropout), mesh, tp=4).to("fp64")
     return model, AdamW(decay_groups(model.parameters(), 0.1), lr=3e-3)
 
 

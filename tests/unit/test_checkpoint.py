@@ -20,7 +20,7 @@ import cupytp
 from cupytp import backend, checkpoint, nn
 from cupytp.checkpoint import CheckpointError
 from cupytp.models.gpt2 import GPT2
-from cupytp.tensor import Replicated, local_mesh
+from cupytp.tensor import Replicated, default_generator, local_mesh
 from small_gpt2 import (CONFIG, assert_same, check_continues, gpt2, reference, snapshot,
                            train)
 from launch import REPO, mpiexec, under_mpiexec
@@ -63,6 +63,19 @@ def test_round_trip_continues_bit_for_bit(tmp_path):
     assert checkpoint.load(tmp_path, fresh, fresh_optimizer) == {**extra, "step": 2}
     assert hyperparameters(fresh_optimizer) == groups            # betas a tuple again
     check_continues(reference(model, optimizer), tmp_path, local_mesh(), step=2, rtol=0.0)
+
+
+def test_rng_state_in_extra_continues_dropout_alike(tmp_path):
+    model, optimizer = gpt2(local_mesh(), seed=1, dropout=0.5)
+    train(model, optimizer, 1)
+    extra = {"rng": list(default_generator.get_state())}
+    checkpoint.save(tmp_path, 1, model, optimizer, extra=extra)
+    expected = train(model, optimizer, 2)
+    fresh, fresh_optimizer = gpt2(local_mesh(), seed=2, dropout=0.5)
+    assert checkpoint.load(tmp_path, fresh, fresh_optimizer)["rng"] == extra["rng"]
+    assert train(fresh, fresh_optimizer, 2) != expected            # other dropout masks
+    default_generator.set_state(checkpoint.load(tmp_path, fresh, fresh_optimizer)["rng"])
+    assert train(fresh, fresh_optimizer, 2) == expected
 
 
 class Tensors(nn.Module):
