@@ -27,6 +27,10 @@ constexpr int BLOCK_N = 64;  // keys per tile: 16 per warp in the backward
 constexpr int PAD = 8;       // elements after each shared-memory row: ldmatrix rows hit other banks
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
+// blocks per multiprocessor the register budget is cut to (65536 registers / 128 threads)
+// (no cap with dropout: capping its unrolled Philox rounds makes ptxas spill)
+#define FLASH_FORWARD_BLOCKS(D, DROPOUT) ((DROPOUT) ? 1 : (D) == 64 ? 4 : 3)
+#define FLASH_BACKWARD_BLOCKS(D) 2
 
 struct Strides {
     long long batch, head, row;
@@ -93,6 +97,14 @@ __device__ __forceinline__ void mma<__half>(float (&d)[4], const unsigned (&a)[4
         "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// 2^x by the special-function unit (ex2.approx: 2^-inf = 0, relative error ~2^-22)
+__device__ __forceinline__ float exp2_approx(float x)
+{
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
 }
 
 // two floats as one register of two 16-bit values, `lo` in the low half
@@ -242,14 +254,13 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
                 mma<T>(s[2 * np + 1], qf[kk], kb[2], kb[3]);
             }
         }
-        // scale into the log2 domain; mask keys past the end and (causal) above the diagonal
+        // mask keys past the end and (causal) above the diagonal
         const bool edge = n0 + BLOCK_N > s_len || (causal && n0 + BLOCK_N - 1 > m0 + diagonal);
+        if (edge) {
 #pragma unroll
-        for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
+            for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
 #pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                s[nt][c] *= scale_log2;
-                if (edge) {
+                for (int c = 0; c < 4; ++c) {
                     const int row = m0 + row_in_block + (c / 2) * 8;
                     const int col = n0 + nt * 8 + quad * 2 + c % 2;
                     if (col >= s_len || (causal && col > row + diagonal))
@@ -257,7 +268,8 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
                 }
             }
         }
-        // online softmax: new running max, rescale what was summed so far
+        // online softmax (raw scores; the scale goes into the exponent): new running max,
+        // rescale what was summed so far
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             float m = row_max[r];
@@ -266,8 +278,8 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
                 m = fmaxf(m, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
             m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
             m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-            const float shift = m == negative_infinity<float>() ? 0.f : m;
-            const float correction = exp2f(row_max[r] - shift);
+            const float shift = (m == negative_infinity<float>() ? 0.f : m) * scale_log2;
+            const float correction = exp2_approx(row_max[r] * scale_log2 - shift);
             row_max[r] = m;
             row_sum[r] *= correction;
 #pragma unroll
@@ -279,7 +291,7 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
             for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
 #pragma unroll
                 for (int c = 2 * r; c < 2 * r + 2; ++c) {
-                    float p = exp2f(s[nt][c] - shift);
+                    float p = exp2_approx(fmaf(s[nt][c], scale_log2, -shift));
                     row_sum[r] += p;
                     if (DROPOUT) {
                         const unsigned long long t = m0 + row_in_block + r * 8;
@@ -334,7 +346,8 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
                 pack<T>(acc[dt][2 * r] * inverse, acc[dt][2 * r + 1] * inverse);
         if (quad == 0)
             lse[static_cast<long long>(blockIdx.y) * t_len + row] =
-                total > 0.f ? (row_max[r] + __log2f(total)) * LN2 : negative_infinity<float>();
+                total > 0.f ? (row_max[r] * scale_log2 + __log2f(total)) * LN2
+                            : negative_infinity<float>();
     }
 }
 
@@ -476,7 +489,7 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
                 const int key = n0 + key_in_block + (c / 2) * 8;
                 const int t_in_tile = nt * 8 + quad * 2 + c % 2;
                 const int t = m0 + t_in_tile;
-                float p = exp2f(st[nt][c] * scale_log2 - slse[t_in_tile]);
+                float p = exp2_approx(fmaf(st[nt][c], scale_log2, -slse[t_in_tile]));
                 if (edge && (key >= s_len || (causal && key > t + diagonal)))
                     p = 0.f;
                 float dp = dpt[nt][c];
@@ -590,7 +603,8 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
     flash::Dropout{threshold, keep_scale, seed, base, add, heads_global, head_offset, batch_offset}
 
 #define FLASH_ATTENTION_KERNELS(T, SUFFIX, D, DROPOUT, TAG)                                        \
-    extern "C" __global__ void __launch_bounds__(flash::THREADS) flash_forward_d##D##TAG##_##SUFFIX( \
+    extern "C" __global__ void __launch_bounds__(flash::THREADS, FLASH_FORWARD_BLOCKS(D, DROPOUT)) \
+        flash_forward_d##D##TAG##_##SUFFIX(                                                        \
         const T* q, const T* k, const T* v, T* o, float* lse, int heads, int t_len, int s_len,    \
         FLASH_STRIDES(qs), FLASH_STRIDES(ks), FLASH_STRIDES(vs), FLASH_STRIDES(os), float scale,  \
         int causal, FLASH_DROPOUT_PARAMS)                                                          \
@@ -600,7 +614,7 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
                                       FLASH_MAKE_STRIDES(vs), FLASH_MAKE_STRIDES(os), scale,      \
                                       causal != 0, FLASH_MAKE_DROPOUT);                            \
     }                                                                                              \
-    extern "C" __global__ void __launch_bounds__(flash::THREADS)                                   \
+    extern "C" __global__ void __launch_bounds__(flash::THREADS, FLASH_BACKWARD_BLOCKS(D))     \
         flash_backward_d##D##TAG##_##SUFFIX(                                                       \
             const T* q, const T* k, const T* v, const T* dout, const float* lse,                  \
             const float* delta, float* dq_accum, T* dk, T* dv, int heads, int t_len, int s_len,   \

@@ -58,7 +58,7 @@ def attention_forward(q, k, v, causal, scale, dropout=None):
     if not is_device_array(q):
         return attention_forward_numpy(q, k, v, causal, scale, dropout)
     b, h, t, d = q.shape
-    o = _like_output(q)
+    o = like_output(q)
     lse = xp.empty((b, h, t), dtype=xp.float32)
     if o.size:
         q, k, v = (_aligned(a) for a in (q, k, v))
@@ -77,7 +77,7 @@ def attention_backward(q, k, v, o, lse, do, causal, scale, dropout=None):
         return attention_backward_numpy(q, k, v, o, lse, do, causal, scale, dropout)
     b, h, t, d = q.shape
     s = k.shape[2]
-    dq, dk, dv = _like_output(q), _like_output(k), _like_output(v)
+    dq, dk, dv = like_output(q), like_output(k), like_output(v)
     if not (dq.size and dk.size):       # no query or no key: nothing flows back
         for grad in (dq, dk, dv):
             grad.fill(0)
@@ -126,7 +126,7 @@ def _check(**arrays):
                          "split the batch")
 
 
-def _like_output(a):
+def like_output(a):
     """An uninitialized (B, H, T, D) view of (B, T, H, D) memory, a's dtype."""
     b, h, t, d = a.shape
     return xp.empty((b, t, h, d), dtype=a.dtype).transpose(0, 2, 1, 3)

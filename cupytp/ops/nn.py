@@ -347,9 +347,9 @@ def _attention_placements(q, k, v):
 
 
 def _flash_attention(q, k, v, causal, dropout_p, generator):
-    """One node: flash forward (o and the row log-sum-exp kept), flash backward."""
-    from cupytp.kernels.flash_attention import (
-        AttentionDropout, attention_backward, attention_forward)
+    """One node: flash forward (o and the row log-sum-exp kept), flash backward; cuDNN's fused
+    attention instead where it applies (`kernels/cudnn_attention.py`, CUPYTP_ATTENTION)."""
+    from cupytp.kernels import cudnn_attention, flash_attention
     inputs = [q, k, v]
     same_mesh("scaled_dot_product_attention", inputs)
     placements = _attention_placements(q, k, v)
@@ -359,14 +359,18 @@ def _flash_attention(q, k, v, causal, dropout_p, generator):
     drop = None
     if dropout_p > 0:
         seed, base, add = (generator or default_generator).philox_args(b * h * t * k.shape[2])
-        drop = AttentionDropout(dropout_p, seed, base, add, h, *q.layout.offsets[:2])
-    o, lse = attention_forward(q._local, k._local, v._local, causal, scale, drop)
+        drop = flash_attention.AttentionDropout(dropout_p, seed, base, add, h,
+                                                *q.layout.offsets[:2])
+    kernels = cudnn_attention if cudnn_attention.applies(q._local, k._local, dropout_p) else \
+        flash_attention
+    o, lse = kernels.attention_forward(q._local, k._local, v._local, causal, scale, drop)
     out = make(o, q.mesh, q.shape, placements)                   # (B, H/tp, T, D)
 
     def backward(g):
         g = linear_grad(g, out.placements)
-        grads = attention_backward(q._local, k._local, v._local, o, lse,
-                                   g._local.astype(o.dtype, copy=False), causal, scale, drop)
+        grads = kernels.attention_backward(q._local, k._local, v._local, o, lse,
+                                           g._local.astype(o.dtype, copy=False), causal, scale,
+                                           drop)
         return tuple(make(local, x.mesh, x.shape, g.placements)
                      for local, x in zip(grads, (q, k, v)))
     return engine.record(out, (q, k, v), backward, "scaled_dot_product_attention")

@@ -6,6 +6,7 @@ import pytest
 import cupytp
 from cupytp import ops
 from cupytp.ops import ShardingError
+from cupytp.backend import bfloat16
 from cupytp.tensor import Partial, Replicated, Shard
 from sharding import check_against_dense, full, lay_out, rng_array
 
@@ -215,6 +216,47 @@ def test_attention_heads_sharded(mesh):
     q, k, v = (rng_array((2, 4, 5, 3), s) for s in (24, 25, 26))
     run_all(ops.scaled_dot_product_attention, [q, k, v],
             each(mesh, [R, S(1), S(0)], [R, S(1), S(0)], [R, S(1), S(0)]), mesh)
+
+
+def test_attention_dropout_is_mesh_invariant(mesh):
+    """The matmul path (float64) with dropout on the probabilities: any mesh equals one rank."""
+    q, k, v = (rng_array((2, 5, 4, 3), s) for s in (27, 28, 29))
+
+    def fn(*x):
+        cupytp.manual_seed(77)
+        return ops.scaled_dot_product_attention(*x, dropout_p=0.3)
+    run_all(fn, [q, k, v], each(mesh, [R, S(1), S(0)], [R, S(1), S(0)], [R, S(1), S(0)]), mesh)
+
+
+@pytest.mark.parametrize("causal,p", [(True, 0.0), (True, 0.25), (False, 0.25)])
+def test_flash_attention_equals_matmul_path(mesh, causal, p):
+    """bf16 with head dim 64 takes the flash node (its NumPy twin on CPU): with 5 heads split
+    unevenly, the batch split, or Partial inputs, its output and gradients equal the float64
+    matmul path on one rank, dropout mask included."""
+    arrays = [rng_array((2, 5, 6, 64), s).astype(bfloat16) for s in (30, 31, 32)]
+    weight = rng_array((2, 5, 6, 64), 33)
+
+    def run(mesh_, placements, dtype):
+        inputs = [lay_out(a.astype(dtype), mesh_, pl, requires_grad=True)
+                  for a, pl in zip(arrays, placements)]
+        cupytp.manual_seed(5)
+        out = ops.scaled_dot_product_attention(*inputs, causal=causal, dropout_p=p)
+        (out * lay_out(weight.astype(dtype), mesh_, (R,) * mesh_.ndim)).sum().backward()
+        return [full(out)] + [full(x.grad) for x in inputs]
+
+    expected = run(cupytp.local_mesh(), [(R,)] * 3, numpy.float64)
+    for placements in each(mesh, [R, S(1), S(0), P], [R, S(1), S(0), R], [S(1), S(1), S(0), R]):
+        for got, want in zip(run(mesh, placements, bfloat16), expected):
+            got = got.astype(numpy.float64)        # bf16: Partial parts add rounding of their own
+            numpy.testing.assert_allclose(got, want, rtol=0, atol=0.06,
+                                          err_msg=f"placements {placements}")
+            assert numpy.linalg.norm(got - want) < 0.01 * numpy.linalg.norm(want), placements
+
+
+def test_attention_rejects_sequence_sharding(mesh1d):
+    q = lay_out(rng_array((1, 2, 8, 64), 34).astype(bfloat16), mesh1d, (S(2),))
+    with pytest.raises(ShardingError, match="batch \\(0\\) or heads \\(1\\)"):
+        ops.scaled_dot_product_attention(q, q, q)
 
 
 def test_bad_inputs(mesh1d):

@@ -9,6 +9,7 @@ import pytest
 import cupytp
 from cupytp import ops
 from cupytp.backend import asnumpy, bfloat16, xp
+from cupytp.kernels import cudnn_attention
 from cupytp.kernels.flash_attention import (
     AttentionDropout, attention_backward, attention_backward_numpy, attention_forward,
     attention_forward_numpy, dropout_keep, keep_threshold)
@@ -137,6 +138,32 @@ def test_flash_bad_inputs_are_clear_errors():
         ops.scaled_dot_product_attention(*tensors, dropout_p=1.0)
 
 
+@pytest.mark.parametrize("d,t", [(64, 70), (128, 33)])
+def test_flash_attention_op_matches_matmul_path(d, t):
+    """The op on GPT-2's q, k, v (strided views of one (B, T, 3, H, D) tensor), its output
+    transposed and reshaped to (B, T, C) as DAttention does: the bf16 flash node (the kernels on
+    GPU, the twin on CPU) against the float64 matmul path, dropout included."""
+    b, h = 2, 3
+    packed = numpy.random.default_rng(d).standard_normal((b, t, 3, h, d)).astype(bfloat16)
+    weight = numpy.random.default_rng(1).standard_normal((b, t, h * d))
+    replicated = (Replicated(),)
+
+    def run(dtype):
+        x = from_local(xp.asarray(packed.astype(dtype)), local_mesh(), replicated,
+                       shape=packed.shape, requires_grad=True)
+        q, k, v = (x[:, :, i].transpose(1, 2) for i in range(3))         # (B, H, T, D)
+        cupytp.manual_seed(3)
+        y = ops.scaled_dot_product_attention(q, k, v, dropout_p=0.2)
+        y = y.transpose(1, 2).reshape(b, t, h * d)                       # (B, T, C)
+        w = from_local(xp.asarray(weight.astype(dtype)), local_mesh(), replicated,
+                       shape=weight.shape)
+        (y * w).sum().backward()
+        return asnumpy(y._local).astype(F64), asnumpy(x.grad._local).astype(F64)
+
+    for got, want in zip(run(bfloat16), run(F64)):
+        assert numpy.linalg.norm(got - want) < 1e-2 * numpy.linalg.norm(want)
+
+
 # ---- GPU: kernels against the twin --------------------------------------------------------------
 def strided_qkv(b, h, t, d, dtype, seed):
     """q, k, v as (B, H, T, D) views of one (B, T, 3, H, D) array, as GPT-2 builds them."""
@@ -173,9 +200,9 @@ def test_flash_kernels_match_twin(b, h, t, d, causal, p, dtype):
     assert relative_error(o, o_twin) < 1e-2
     numpy.testing.assert_allclose(asnumpy(lse), lse_twin, rtol=1e-4, atol=1e-4)
     with poisoned_allocations():
-        grads = attention_backward(*device, xp.asarray(o_twin), xp.asarray(lse_twin),
-                                   xp.asarray(g), causal, d ** -0.5, dropout)
-    twin = attention_backward_numpy(*host, o_twin, lse_twin, g, causal, d ** -0.5, dropout)
+        grads = attention_backward(*device, o, lse, xp.asarray(g), causal, d ** -0.5, dropout)
+    twin = attention_backward_numpy(*host, asnumpy(o), asnumpy(lse), g, causal, d ** -0.5,
+                                    dropout)
     for name, got, want in zip("qkv", grads, twin):
         assert relative_error(got, want) < 2e-2, f"d{name}"
 
@@ -194,3 +221,36 @@ def test_flash_kernel_dropout_mask_is_bit_exact(d):
     visible = numpy.tril(numpy.ones((t, t), bool))
     expected = dropout_keep(dropout, (b, h, t, t)) & visible
     numpy.testing.assert_array_equal(asnumpy(o).astype(F64) != 0, expected)
+
+
+def test_attention_implementation_choice(monkeypatch):
+    q, k, _ = qkv(1, 2, 4, 4, 64)
+    monkeypatch.setenv("CUPYTP_ATTENTION", "flash")
+    assert not cudnn_attention.applies(xp.asarray(q), xp.asarray(k), 0.0)
+    assert "flash RawKernel" in cudnn_attention.describe()
+    monkeypatch.setenv("CUPYTP_ATTENTION", "auto")
+    assert not cudnn_attention.applies(q, k, 0.0)                  # NumPy arrays: the twin
+    assert not cudnn_attention.applies(xp.asarray(q), xp.asarray(k), 0.1)    # dropout: flash
+    monkeypatch.setenv("CUPYTP_ATTENTION", "fastest")
+    with pytest.raises(ValueError, match="CUPYTP_ATTENTION='fastest'"):
+        cudnn_attention.applies(q, k, 0.0)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("b,h,t,d,causal,dtype", [(2, 3, 100, 64, True, bfloat16),
+                                                  (1, 2, 130, 128, False, F16)])
+def test_cudnn_attention_matches_twin(b, h, t, d, causal, dtype):
+    pytest.importorskip("cudnn")
+    host, device = strided_qkv(b, h, t, d, dtype, seed=t)
+    g = numpy.random.default_rng(10).standard_normal((b, h, t, d)).astype(dtype)
+    with poisoned_allocations():
+        o, lse = cudnn_attention.attention_forward(*device, causal, d ** -0.5)
+        grads = cudnn_attention.attention_backward(*device, o, lse, xp.asarray(g), causal,
+                                                   d ** -0.5)
+    o_twin, lse_twin = attention_forward_numpy(*host, causal, d ** -0.5)
+    assert relative_error(o, o_twin) < 1e-2
+    numpy.testing.assert_allclose(asnumpy(lse), lse_twin, rtol=1e-3, atol=1e-3)
+    twin = attention_backward_numpy(*host, asnumpy(o), asnumpy(lse), g, causal, d ** -0.5)
+    for name, got, want in zip("qkv", grads, twin):
+        assert relative_error(got, want) < 2e-2, f"d{name}"

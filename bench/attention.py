@@ -1,0 +1,245 @@
+"""Flash attention on one GPU: correctness against the NumPy twin and an fp32 reference, then
+forward and forward+backward times beside PyTorch's SDPA (flash backend) in the same process.
+
+    python3 bench/attention.py [--reps 30] [--skip-check]
+
+Times the flash RawKernel, cupytp's cuDNN path (where the cuDNN frontend imports) and PyTorch.
+
+Checks: random bf16/fp16 inputs as strided views of one (B, T, 3, H, D) array (as GPT-2 builds
+them), outputs poisoned with NaN before each launch, tails (T not a multiple of 64), head dims 64
+and 128, causal and not, dropout. Times: median of CUDA-event timings after warm-up. Prints a
+table last: ms, TFLOP/s (causal counts half the score matrix; backward = 2.5 x forward) and the
+ratio torch time / ours.
+"""
+import argparse
+import contextlib
+import time
+
+import numpy
+
+from cupytp.backend import asnumpy, bfloat16, xp
+from cupytp.kernels import cudnn_attention
+from cupytp.kernels import flash_attention
+from cupytp.kernels.flash_attention import (
+    AttentionDropout, attention_backward, attention_backward_numpy, attention_forward,
+    attention_forward_numpy)
+
+F16 = numpy.dtype(numpy.float16)
+
+
+@contextlib.contextmanager
+def poisoned():
+    """Every allocation inside starts as 0xFF bytes (NaN)."""
+    pool = xp.get_default_memory_pool()
+
+    def malloc(size):
+        memory = pool.malloc(size)
+        if size:
+            memory.memset_async(0xFF, size)
+        return memory
+
+    with xp.cuda.using_allocator(malloc):
+        yield
+
+
+def inputs(b, h, t, d, dtype, seed):
+    """Host and device q, k, v: (B, H, T, D) views of one (B, T, 3, H, D) array."""
+    qkv = (numpy.random.default_rng(seed).standard_normal((b, t, 3, h, d))).astype(dtype)
+    device = xp.asarray(qkv)
+    return ([qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3)],
+            [device[:, :, i].transpose(0, 2, 1, 3) for i in range(3)])
+
+
+def rel(got, want):
+    got, want = asnumpy(got).astype(numpy.float64), asnumpy(want).astype(numpy.float64)
+    if not numpy.isfinite(got).all():
+        return float("nan")
+    return float(numpy.linalg.norm(got - want) / max(numpy.linalg.norm(want), 1e-30))
+
+
+def torch_reference(host, g, causal):
+    """fp32 o, lse, dq, dk, dv by explicit masked softmax in PyTorch (float32 math)."""
+    import torch
+    q, k, v = (torch.tensor(a.astype(numpy.float32), device="cuda", requires_grad=True)
+               for a in host)
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if causal:
+        t, s = scores.shape[-2:]
+        visible = torch.ones(t, s, dtype=torch.bool, device="cuda").tril(s - t)
+        scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    o = torch.softmax(scores, -1) @ v
+    o.backward(torch.tensor(g.astype(numpy.float32), device="cuda"))
+    return [x.detach().cpu().numpy() for x in (o, lse, q.grad, k.grad, v.grad)]
+
+
+CHECKS = [  # b, h, t, d, causal, dropout p, dtype
+    (2, 3, 257, 64, True, 0.0, bfloat16), (1, 4, 1000, 64, False, 0.0, bfloat16),
+    (2, 2, 333, 128, True, 0.0, bfloat16), (1, 3, 130, 128, False, 0.0, F16),
+    (1, 2, 64, 64, True, 0.0, F16), (2, 2, 200, 64, True, 0.1, bfloat16),
+    (1, 2, 150, 128, False, 0.2, bfloat16), (4, 12, 1024, 64, True, 0.0, bfloat16),
+]
+
+
+def check():
+    rows, worst = [], 0.0
+    for case_id, (b, h, t, d, causal, p, dtype) in enumerate(CHECKS):
+        host, device = inputs(b, h, t, d, dtype, seed=case_id)
+        g = numpy.random.default_rng(100 + case_id).standard_normal((b, h, t, d)).astype(dtype)
+        dropout = None
+        if p:
+            base = xp.full((), 3, dtype=xp.uint64)
+            dropout = AttentionDropout(p, 1234 + case_id, base, 2 ** 32 - 5, h + 1, 0, 1)
+        scale = d ** -0.5
+        with poisoned():
+            o, lse = attention_forward(*device, causal, scale, dropout)
+            grads = attention_backward(*device, o, lse, xp.asarray(g), causal, scale, dropout)
+        ours = [o, lse, *grads]
+        twin_o, twin_lse = attention_forward_numpy(*host, causal, scale, dropout)
+        twin = [twin_o, twin_lse, *attention_backward_numpy(*host, asnumpy(o), asnumpy(lse), g,
+                                                            causal, scale, dropout)]
+        errors = [rel(a, b_) for a, b_ in zip(ours, twin)]
+        ref = torch_reference(host, g, causal) if not p else None
+        ref_errors = [rel(a, b_) for a, b_ in zip(ours, ref)] if ref else [float("nan")] * 5
+        name = f"B{b} H{h} T{t} D{d} {'causal' if causal else 'full'} p={p} {dtype}"
+        rows.append((name, errors, ref_errors))
+        if not p and cudnn_attention.applies(device[0], device[1], 0.0):
+            with poisoned():
+                o_c, lse_c = cudnn_attention.attention_forward(*device, causal, scale)
+                grads_c = cudnn_attention.attention_backward(*device, o_c, lse_c, xp.asarray(g),
+                                                             causal, scale)
+            cudnn_errors = [rel(a, b_) for a, b_ in zip([o_c, lse_c, *grads_c], ref)]
+            rows.append(("  cuDNN path", cudnn_errors, cudnn_errors))
+        worst = max(worst, *(e if e == e else 1.0 for e in errors))
+    print("\ncorrectness: relative L2 error of o, lse, dq, dk, dv (vs twin | vs fp32 reference)")
+    for name, errors, ref_errors in rows:
+        print(f"  {name:42s} twin " + " ".join(f"{e:.1e}" for e in errors) +
+              " | fp32 " + " ".join(f"{e:.1e}" for e in ref_errors))
+    print(f"worst error vs twin: {worst:.2e} -> {'PASS' if worst < 2e-2 else 'FAIL'}")
+    return worst < 2e-2
+
+
+def median_ms(fn, reps, event_module):
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = event_module.Event(), event_module.Event()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(event_module.elapsed(start, end))
+    return float(numpy.median(times))
+
+
+class CupyEvents:
+    Event = xp.cuda.Event
+
+    @staticmethod
+    def elapsed(start, end):
+        return xp.cuda.get_elapsed_time(start, end)
+
+
+class TorchEvents:
+    @staticmethod
+    def Event():
+        import torch
+        return torch.cuda.Event(enable_timing=True)
+
+    @staticmethod
+    def elapsed(start, end):
+        return start.elapsed_time(end)
+
+
+def time_ours(b, h, t, d, causal, p, reps, kind):
+    _, (q, k, v) = inputs(b, h, t, d, bfloat16, seed=7)
+    g = xp.asarray(numpy.random.default_rng(8).standard_normal((b, h, t, d)).astype(bfloat16))
+    dropout = AttentionDropout(p, 99, xp.zeros((), xp.uint64), 0, h) if p else None
+    scale = d ** -0.5
+    kernels = cudnn_attention if kind == "cudnn" else flash_attention
+    forward = lambda: kernels.attention_forward(q, k, v, causal, scale, dropout)
+
+    def both():
+        o, lse = forward()
+        kernels.attention_backward(q, k, v, o, lse, g, causal, scale, dropout)
+    return median_ms(forward, reps, CupyEvents), median_ms(both, reps, CupyEvents)
+
+
+def time_torch(b, h, t, d, causal, p, reps, backend_name):
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    chosen = getattr(SDPBackend, backend_name)
+    qkv = torch.randn(b, t, 3, h, d, device="cuda", dtype=torch.bfloat16)
+    q, k, v = (qkv[:, :, i].transpose(1, 2).detach().requires_grad_() for i in range(3))
+    g = torch.randn(b, h, t, d, device="cuda", dtype=torch.bfloat16)
+    fn = torch.nn.functional.scaled_dot_product_attention
+
+    def forward():
+        with sdpa_kernel(chosen):
+            return fn(q, k, v, is_causal=causal, dropout_p=p)
+
+    def both():
+        forward().backward(g)
+    return median_ms(forward, reps, TorchEvents), median_ms(both, reps, TorchEvents)
+
+
+BENCH = [  # b, h, t, d, causal, p
+    (8, 12, 1024, 64, True, 0.0), (8, 12, 1024, 64, False, 0.0), (8, 12, 1024, 64, True, 0.1),
+    (4, 16, 2048, 128, True, 0.0), (2, 16, 4096, 64, True, 0.0),
+]
+
+
+def bench(reps):
+    rows = []
+    for b, h, t, d, causal, p in BENCH:
+        flops = 4 * b * h * t * t * d * (0.5 if causal else 1.0)
+        results = {"ours": time_ours(b, h, t, d, causal, p, reps, "flash")}
+        if not p and cudnn_attention.applies(xp.empty((1, 1, t, d), bfloat16),
+                                             xp.empty((1, 1, t, d), bfloat16), 0.0):
+            results["ours-cudnn"] = time_ours(b, h, t, d, causal, p, reps, "cudnn")
+        for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION"):
+            try:
+                results[name] = time_torch(b, h, t, d, causal, p, reps, name)
+            except Exception as err:   # a backend that refuses the shape or is missing
+                print(f"torch {name} B{b} H{h} T{t} D{d} p={p}: {type(err).__name__}: "
+                      f"{str(err)[:120]}")
+        rows.append(((b, h, t, d, causal, p), flops, results))
+    print("\n| shape (B,H,T,D) | mask | p | impl | fwd ms | fwd TFLOP/s | fwd+bwd ms | "
+          "fwd+bwd TFLOP/s | torch flash / ours (fwd, fwd+bwd) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for (b, h, t, d, causal, p), flops, results in rows:
+        flash = results.get("FLASH_ATTENTION")
+        for impl, (fwd, both) in results.items():
+            ratio = (f"{flash[0] / fwd:.2f}x, {flash[1] / both:.2f}x"
+                     if flash and impl == "ours" else "")
+            print(f"| {b},{h},{t},{d} | {'causal' if causal else 'full'} | {p} | {impl} | "
+                  f"{fwd:.3f} | {flops / fwd / 1e9:.0f} | {both:.3f} | "
+                  f"{3.5 * flops / both / 1e9:.0f} | {ratio} |")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--skip-check", action="store_true")
+    args = parser.parse_args()
+    import torch
+    print(f"device: {xp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, "
+          f"CuPy {xp.__version__}, torch {torch.__version__}")
+    start = time.perf_counter()
+    for d in (64, 128):      # compile outside the timings
+        host, device = inputs(1, 1, 8, d, bfloat16, 0)
+        attention_forward(*device, True, 0.1)
+    print(f"compile: {time.perf_counter() - start:.1f} s")
+    print(cudnn_attention.describe())
+    view = numpy.arange(2 * 3 * 5 * 8, dtype=numpy.float32).astype(bfloat16).reshape(2, 3, 5, 8)
+    view = view.transpose(0, 2, 1, 3)
+    print("xp.asarray keeps a non-contiguous bf16 NumPy view's values:",
+          bool((asnumpy(xp.asarray(view)) == view).all()))
+    ok = True if args.skip_check else check()
+    bench(args.reps)
+    raise SystemExit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

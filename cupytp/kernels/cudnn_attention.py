@@ -1,0 +1,171 @@
+"""cuDNN's fused attention (the cuDNN frontend's SDPA graphs) on CuPy arrays, with the contract of
+`flash_attention` (same arguments, o laid out (B, T, H, D), lse (B, H, T) float32) but no dropout
+(cuDNN draws its own mask, which would differ from the framework's) and T == S only.
+
+`CUPYTP_ATTENTION` chooses: `flash` (the RawKernel always), `cudnn` (cuDNN wherever it applies;
+an error if the frontend, the `nvidia-cudnn-frontend` wheel, cannot be imported) or `auto` (the
+default: cuDNN where it applies and imports, it measured faster; else the RawKernel). One graph
+per shape, strides, dtype, mask and scale, built on first use: outside a CUDA-graph capture,
+whose eager warm-up call builds it. The NumPy twin of this math is flash_attention's.
+"""
+import functools
+import os
+
+from cupytp.backend import bfloat16, xp
+from cupytp.kernels import is_device_array
+from cupytp.kernels.flash_attention import DTYPES, HEAD_DIMS, like_output
+
+CHOICES = ("auto", "flash", "cudnn")
+
+
+def choice():
+    """The value of CUPYTP_ATTENTION (auto when unset)."""
+    value = os.environ.get("CUPYTP_ATTENTION", "auto").strip().lower() or "auto"
+    if value not in CHOICES:
+        raise ValueError(f"CUPYTP_ATTENTION={value!r} is not one of {CHOICES}")
+    return value
+
+
+def applies(q, k, dropout_p):
+    """True when cuDNN runs this attention (see the module docstring)."""
+    wanted = choice()
+    if wanted == "flash" or dropout_p > 0 or not is_device_array(q) or q.shape[2] != k.shape[2]:
+        return False
+    if q.dtype not in DTYPES or q.shape[-1] not in HEAD_DIMS or not (q.size and k.size):
+        return False
+    return _frontend(wanted == "cudnn") is not None
+
+
+def describe():
+    """One line naming what runs attention here, for logs."""
+    wanted = choice()
+    if wanted == "flash":
+        return "attention: flash RawKernel (CUPYTP_ATTENTION=flash)"
+    frontend = _frontend(wanted == "cudnn")
+    if frontend is None:
+        return f"attention: flash RawKernel (CUPYTP_ATTENTION={wanted}; no cuDNN frontend)"
+    cudnn = frontend[0]
+    return (f"attention: cuDNN frontend {cudnn.__version__} (backend {cudnn.backend_version()}) "
+            f"without dropout, flash RawKernel otherwise (CUPYTP_ATTENTION={wanted})")
+
+
+@functools.cache
+def _frontend(required):
+    """(cudnn module, handle), or None when the frontend cannot be used and is not required."""
+    try:
+        import cudnn
+        return cudnn, cudnn.create_handle()
+    except (ImportError, OSError, RuntimeError) as err:
+        if required:
+            raise RuntimeError(f"CUPYTP_ATTENTION=cudnn, but the cuDNN frontend cannot be used "
+                               f"({err}): install nvidia-cudnn-frontend or use "
+                               "CUPYTP_ATTENTION=flash") from err
+        return None
+
+
+def attention_forward(q, k, v, causal, scale, dropout=None):
+    _no_dropout(dropout)
+    b, h, t, d = q.shape
+    o = like_output(q)
+    stats = xp.empty((b, h, t, 1), dtype=xp.float32)
+    graph, tensors, workspace = _forward_graph(*_geometry(q, k, v, o), causal, float(scale))
+    _execute(graph, tensors, (q, k, v, o, stats), workspace)
+    return o, stats.reshape(b, h, t)
+
+
+def attention_backward(q, k, v, o, lse, do, causal, scale, dropout=None):
+    _no_dropout(dropout)
+    b, h, t, d = q.shape
+    dq, dk, dv = like_output(q), like_output(k), like_output(v)
+    o, do = _laid_out(o), _laid_out(do)     # one layout for both, as the graph wants
+    stats = lse.reshape(b, h, t, 1)
+    graph, tensors, workspace = _backward_graph(*_geometry(q, k, v, o, do, dq, dk, dv), causal,
+                                                float(scale))
+    _execute(graph, tensors, (q, k, v, o, do, stats, dq, dk, dv), workspace)
+    return dq, dk, dv
+
+
+def _no_dropout(dropout):
+    if dropout is not None:
+        raise ValueError("cuDNN attention runs without dropout here (its mask would not be the "
+                         "framework's): use flash_attention for dropout")
+
+
+def _laid_out(a):
+    """`a` in like_output's layout (itself when it already is)."""
+    out = like_output(a)
+    if a.strides == out.strides:
+        return a
+    out[...] = a
+    return out
+
+
+def _geometry(*arrays):
+    """(dtype, ((shape, element strides), ...)): the hashable key of a graph."""
+    return arrays[0].dtype, tuple((a.shape, tuple(s // a.itemsize for s in a.strides))
+                                  for a in arrays)
+
+
+def _execute(graph, tensors, arrays, workspace_size):
+    cudnn, handle = _frontend(False)
+    cudnn.set_stream(handle=handle, stream=xp.cuda.get_current_stream().ptr)
+    workspace = xp.empty(max(workspace_size, 1), dtype=xp.uint8)
+    graph.execute(dict(zip(tensors, arrays)), workspace, handle=handle)
+
+
+def _new_graph(dtype):
+    cudnn, handle = _frontend(False)
+    io = cudnn.data_type.BFLOAT16 if dtype == bfloat16 else cudnn.data_type.HALF
+    graph = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
+                          compute_data_type=cudnn.data_type.FLOAT, handle=handle)
+
+    def tensor(name, layout, data_type=io):
+        shape, strides = layout
+        return graph.tensor(name=name, dim=list(shape), stride=list(strides), data_type=data_type)
+    return cudnn, graph, tensor, io
+
+
+def _mask(cudnn, causal):
+    return dict(diagonal_alignment=cudnn.diagonal_alignment.TOP_LEFT,
+                diagonal_band_right_bound=0 if causal else None)
+
+
+def _finish(cudnn, graph, outputs):
+    for tensor, (shape, strides), data_type in outputs:
+        tensor.set_output(True).set_dim(list(shape)).set_stride(list(strides))
+        tensor.set_data_type(data_type)
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    graph.check_support()
+    graph.build_plans()
+    return graph.get_workspace_size()
+
+
+def _stats_layout(q_layout):
+    (b, h, t, _), _ = q_layout
+    return (b, h, t, 1), (h * t, t, 1, 1)
+
+
+@functools.cache
+def _forward_graph(dtype, layouts, causal, scale):
+    cudnn, graph, tensor, io = _new_graph(dtype)
+    q, k, v = (tensor(name, layout) for name, layout in zip("qkv", layouts))
+    o, stats = graph.sdpa(name="sdpa", q=q, k=k, v=v, generate_stats=True, attn_scale=scale,
+                          **_mask(cudnn, causal))
+    workspace = _finish(cudnn, graph, [(o, layouts[3], io),
+                                       (stats, _stats_layout(layouts[0]), cudnn.data_type.FLOAT)])
+    return graph, (q, k, v, o, stats), workspace
+
+
+@functools.cache
+def _backward_graph(dtype, layouts, causal, scale):
+    cudnn, graph, tensor, io = _new_graph(dtype)
+    q, k, v, o, do = (tensor(name, layout) for name, layout in zip(("q", "k", "v", "o", "do"),
+                                                                    layouts))
+    stats = tensor("stats", _stats_layout(layouts[0]), cudnn.data_type.FLOAT)
+    dq, dk, dv = graph.sdpa_backward(name="sdpa_backward", q=q, k=k, v=v, o=o, dO=do,
+                                     stats=stats, attn_scale=scale, **_mask(cudnn, causal))
+    workspace = _finish(cudnn, graph, [(grad, layout, io)
+                                       for grad, layout in zip((dq, dk, dv), layouts[5:])])
+    return graph, (q, k, v, o, do, stats, dq, dk, dv), workspace
