@@ -6,9 +6,11 @@ model on CPU or GPT-2 124M on GPU. `--tp` ranks split every layer; the remaining
 """
 import argparse
 import glob
+import math
 import os
 import signal
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("CUPY_TF32", "1")     # fp32 matmuls on tensor cores (before CuPy loads)
@@ -20,7 +22,7 @@ from cupytp import backend, checkpoint  # noqa: E402
 from cupytp.autograd import no_grad  # noqa: E402
 from cupytp.data import (DataError, TokenLoader, default_corpus_path,  # noqa: E402
                          get_tokenizer, prepare_corpus, read_tokens)
-from cupytp.distributed import all_gather_object  # noqa: E402
+from cupytp.distributed import all_gather_object, broadcast_object  # noqa: E402
 from cupytp.models.gpt2 import GPT2, preset  # noqa: E402
 from cupytp.ops import autocast  # noqa: E402
 from cupytp.optim import (AdamW, clip_grad_norm_, constant, cosine_with_warmup,  # noqa: E402
@@ -29,44 +31,65 @@ from cupytp.tensor import Replicated, Shard, default_generator, from_local  # no
 from cupytp.utils import TrainLog, estimate_mfu, plot_loss  # noqa: E402
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+LOG_RANKS = os.environ.get("CUPYTP_LOG_RANKS", "0") not in ("", "0")
 
 
 class RankZeroParser(argparse.ArgumentParser):
     """Usage errors print once (rank 0), not once per rank."""
 
     def error(self, message):
-        from mpi4py import MPI
-        if MPI.COMM_WORLD.rank == 0:
+        if cupytp.init().rank == 0:
             self.print_usage(sys.stderr)
             print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
         sys.exit(2)
+
+
+def number(kind, low, strict=False):
+    """An argparse type: a finite `kind` (int or float) >= `low` (> `low` when `strict`)."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if not math.isfinite(value) or value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(
+                f"{text} is not a{'n integer' if kind is int else ' finite number'} "
+                f"{'>' if strict else '>='} {low}")
+        return value
+    return parse
+
+
+POSITIVE_INT, COUNT, POSITIVE, NON_NEGATIVE = (number(int, 0, True), number(int, 0),
+                                               number(float, 0, True), number(float, 0))
 
 
 def parse_args(argv):
     p = RankZeroParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="tiny, 124M, 350M, 774M, 1558M "
                    "(default: tiny on CPU, 124M on GPU)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
-    p.add_argument("--dp", type=int, default=None, help="data-parallel ranks (default world/tp)")
+    p.add_argument("--tp", type=POSITIVE_INT, default=1, help="tensor-parallel ranks")
+    p.add_argument("--dp", type=POSITIVE_INT, default=None,
+                   help="data-parallel ranks (default world/tp)")
     p.add_argument("--data", default=None, help="a text file, or a directory of llm.c .bin "
                    "shards (*train*.bin, *val*.bin); default: tiny Shakespeare")
     p.add_argument("--tokenizer", default="byte", choices=["byte", "bpe", "tiktoken"])
-    p.add_argument("--batch-size", type=int, default=None, help="sequences per data-parallel rank")
-    p.add_argument("--seq-len", type=int, default=None)
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--lr", type=float, default=None)
-    p.add_argument("--min-lr-frac", type=float, default=0.1)
-    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--batch-size", type=POSITIVE_INT, default=None,
+                   help="sequences per data-parallel rank")
+    p.add_argument("--seq-len", type=POSITIVE_INT, default=None)
+    p.add_argument("--steps", type=POSITIVE_INT, default=None)
+    p.add_argument("--grad-accum", type=POSITIVE_INT, default=1)
+    p.add_argument("--lr", type=POSITIVE, default=None)
+    p.add_argument("--min-lr-frac", type=NON_NEGATIVE, default=0.1)
+    p.add_argument("--warmup", type=COUNT, default=None)
     p.add_argument("--schedule", default="cosine", choices=["cosine", "linear", "constant"])
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--weight-decay", type=NON_NEGATIVE, default=0.1)
+    p.add_argument("--grad-clip", type=NON_NEGATIVE, default=1.0, help="0: no clipping")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
                    help="bf16: matmuls in bfloat16, fp32 master weights and loss")
-    p.add_argument("--eval-interval", type=int, default=100)
-    p.add_argument("--eval-batches", type=int, default=10)
-    p.add_argument("--log-interval", type=int, default=10)
-    p.add_argument("--sample-tokens", type=int, default=200)
+    p.add_argument("--eval-interval", type=POSITIVE_INT, default=100)
+    p.add_argument("--eval-batches", type=POSITIVE_INT, default=10)
+    p.add_argument("--log-interval", type=POSITIVE_INT, default=10)
+    p.add_argument("--sample-tokens", type=COUNT, default=200)
     p.add_argument("--init-from", default=None, help="a Hugging Face GPT-2 checkpoint to start "
                    "from (model.safetensors or its directory)")
     p.add_argument("--checkpoint", default=None, help="directory to save the trained model to")
@@ -80,8 +103,9 @@ def parse_args(argv):
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --checkpoint-dir")
     p.add_argument("--out", default="out/train_gpt2")
-    p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--peak-tflops", type=float, default=None, help="for MFU (default: by GPU)")
+    p.add_argument("--seed", type=COUNT, default=1337)
+    p.add_argument("--peak-tflops", type=POSITIVE, default=None,
+                   help="for MFU (default: by GPU)")
     p.add_argument("--no-cuda-graph", action="store_true", help="on GPU, run each step eagerly "
                    "instead of replaying it as one captured CUDA graph")
     args = p.parse_args(argv)
@@ -89,6 +113,8 @@ def parse_args(argv):
         p.error("--resume, --checkpoint-interval and --keep-last need --checkpoint-dir")
     if args.checkpoint_interval < 0 or (args.keep_last is not None and args.keep_last < 1):
         p.error("--checkpoint-interval must be >= 0 and --keep-last >= 1")
+    if args.min_lr_frac > 1:
+        p.error(f"argument --min-lr-frac: {args.min_lr_frac} is more than 1")
     gpu = backend.on_gpu
     defaults = {"model": "124M" if gpu else "tiny", "batch_size": 8 if gpu else 16,
                 "seq_len": 1024 if gpu else 128, "steps": 300 if gpu else 400,
@@ -107,12 +133,37 @@ def fail(message):
     sys.exit(2)
 
 
-def make_mesh(args, world):
+def make_mesh(args, world, heads):
+    """The (dp, tp) mesh; sizes that cannot work are an error that suggests ones that do."""
+    fits = " or ".join(f"--tp {tp}" for tp in range(1, world + 1)
+                       if world % tp == 0 and heads % tp == 0)
+    if heads % args.tp:
+        raise ValueError(f"--tp {args.tp} does not divide the model's {heads} attention heads: "
+                         f"with {world} ranks use {fits}")
+    if args.dp is None and world % args.tp:
+        raise ValueError(f"--tp {args.tp} does not divide the {world} launched ranks: use "
+                         f"{fits}, or launch a multiple of {args.tp} ranks")
     dp = args.dp or world // args.tp
-    if args.tp < 1 or dp < 1 or args.tp * dp != world:
-        raise ValueError(f"--tp {args.tp} × --dp {dp} must equal the {world} launched ranks "
-                         f"(mpiexec -n {args.tp * max(dp, 1)})")
+    if args.tp * dp != world:
+        raise ValueError(f"--tp {args.tp} × --dp {dp} is {args.tp * dp} ranks, but {world} were "
+                         f"launched: run mpiexec -n {args.tp * dp}, or leave --dp out")
     return cupytp.DeviceMesh((dp, args.tp), ("dp", "tp"))
+
+
+def check_writable(path):
+    """Fail before training when the --checkpoint directory cannot be written (rank 0, which
+    writes it, tries; every rank gets the verdict)."""
+    error = None
+    if cupytp.distributed.get_rank() == 0:
+        try:
+            os.makedirs(path, exist_ok=True)
+            with tempfile.TemporaryFile(dir=path):
+                pass
+        except OSError as err:
+            error = f"--checkpoint {path} is not a writable directory: {err.strerror or err}"
+    error = broadcast_object(error)
+    if error:
+        raise ValueError(error)
 
 
 def load_data(args, tokenizer, rank):
@@ -134,7 +185,7 @@ def load_data(args, tokenizer, rank):
             paths = prepare_corpus(text, os.path.join(args.out, "data"), tokenizer)
         except DataError as err:       # every rank must fail with it, not wait for rank 0
             error = str(err)
-    paths, error = cupytp.distributed.runtime.world_comm().bcast((paths, error), root=0)
+    paths, error = broadcast_object((paths, error))
     if error:
         raise DataError(error)
     return read_tokens(paths[0]), read_tokens(paths[1])
@@ -159,11 +210,23 @@ def evaluate(model, loader, mesh, batches):
 
 
 def memory_gib():
-    """Device memory the framework's pool holds (GPU), or the process's peak RSS (CPU)."""
+    """(current, peak) GiB of this rank: the framework's device pool (GPU) or the process's
+    resident memory (CPU)."""
     if backend.on_gpu:
-        return cupytp.memory_stats()["reserved_bytes"] / 2 ** 30
+        stats = cupytp.memory_stats()
+        return stats["reserved_bytes"] / 2 ** 30, stats["reserved_bytes_peak"] / 2 ** 30
     import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+    with open("/proc/self/statm") as f:
+        current = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return current / 2 ** 30, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+
+
+def say(rank, text):
+    """A progress line: from rank 0, or from every rank with its rank first (CUPYTP_LOG_RANKS)."""
+    if LOG_RANKS or rank == 0:
+        from tqdm import tqdm
+        tqdm.write(f"[rank {rank}] {text}" if LOG_RANKS else text, file=sys.stdout)
+        sys.stdout.flush()
 
 
 class Checkpoints:
@@ -237,7 +300,9 @@ def make_train_step(model, optimizer, args):
 
 def train(args):
     info = cupytp.init()
-    mesh = make_mesh(args, info.world_size)
+    mesh = make_mesh(args, info.world_size, preset(args.model).n_head)
+    if args.checkpoint:
+        check_writable(args.checkpoint)
     dp_rank, dp = mesh.get_local_rank("dp"), mesh.shape[0]
     text_for_bpe = None
     if args.tokenizer == "bpe":
@@ -248,8 +313,6 @@ def train(args):
     if args.seq_len > config.block_size:
         raise ValueError(f"--seq-len {args.seq_len} is longer than the model's context "
                          f"({config.block_size})")
-    if config.n_head % args.tp:
-        raise ValueError(f"--tp {args.tp} does not divide the model's {config.n_head} heads")
     train_tokens, val_tokens = load_data(args, tokenizer, info.rank)
     loader = TokenLoader(train_tokens, args.batch_size, args.seq_len, dp_rank, dp, args.seed)
     val_loader = TokenLoader(val_tokens, args.batch_size, args.seq_len, dp_rank, dp, args.seed)
@@ -268,49 +331,69 @@ def train(args):
     peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items()
                                      if backend.on_gpu and k in gpu_name()), None)
     log = TrainLog(args.out) if info.rank == 0 else None
-    progress = _progress(args.steps) if info.rank == 0 else None
-    if info.rank == 0:
-        print(f"GPT-2 {args.model}: {model.num_parameters() / 1e6:.2f}M parameters, "
-              f"vocab {tokenizer.vocab_size} (padded {model.vocab}), mesh dp={dp} tp={args.tp}, "
-              f"{backend.device_name}, {tokens_per_step} tokens/step", flush=True)
+    progress = _progress(args.steps) if info.rank == 0 and not LOG_RANKS else None
+    say(info.rank, f"GPT-2 {args.model}: {model.num_parameters() / 1e6:.2f}M parameters, "
+        f"vocab {tokenizer.vocab_size} (padded {model.vocab}), mesh dp={dp} tp={args.tp}, "
+        f"{backend.device_name}, {tokens_per_step} tokens/step")
     train_step = make_train_step(model, optimizer, args)
-    first_loss, logged_step = None, start - 1
+    first_loss, logged_step, step = None, start - 1, start
+    nonfinite = backend.xp.full((), -1, dtype=numpy.int64)   # first step of a non-finite loss
     if progress is not None:
         progress.update(start)
     clock = time.perf_counter()
-    for step in range(start, args.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step)
-        batches = [tuple(batch_tensor(a, mesh) for a in loader.next_batch())
-                   for _ in range(args.grad_accum)]
-        loss, norm = train_step(batches)
-        last = step == args.steps - 1
-        if step % args.log_interval == 0 or last:
-            value = loss.item()           # the one host sync, at log steps only
-            first_loss = value if first_loss is None else first_loss
-            elapsed = time.perf_counter() - clock
-            steps_done, logged_step = step - logged_step, step
-            tokens_per_s = tokens_per_step * steps_done / elapsed
-            clock = time.perf_counter()
-            mfu = estimate_mfu(config.flops_per_token(args.seq_len), tokens_per_s / info.world_size,
-                               peak * 1e12) if peak else None
-            val = evaluate(model, val_loader, mesh, args.eval_batches) \
-                if step % args.eval_interval == 0 or last else None
-            if info.rank == 0:
+    try:
+        for step in range(start, args.steps):
+            val = None
+            if step % args.eval_interval == 0:       # before the step's update, as its loss
+                began = time.perf_counter()
+                val = evaluate(model, val_loader, mesh, args.eval_batches)
+                clock += time.perf_counter() - began
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step)
+            batches = [tuple(batch_tensor(a, mesh) for a in loader.next_batch())
+                       for _ in range(args.grad_accum)]
+            loss, norm = train_step(batches)
+            nonfinite = first_nonfinite(nonfinite, loss, step)
+            if step % args.log_interval == 0 or val is not None or step == args.steps - 1:
+                value = loss.item()           # the one host sync, at log steps only
+                check_finite(nonfinite, value, step, args)
+                first_loss = value if first_loss is None else first_loss
+                elapsed = time.perf_counter() - clock
+                steps_done, logged_step = step - logged_step, step
+                tokens_per_s = tokens_per_step * steps_done / elapsed
+                clock = time.perf_counter()
+                mfu = estimate_mfu(config.flops_per_token(args.seq_len),
+                                   tokens_per_s / info.world_size, peak * 1e12) if peak else None
+                memory = all_gather_object(memory_gib())
                 row = {"loss": value, "val_loss": val, "lr": lr_at(step),
-                       "tokens_per_s": tokens_per_s, "mfu": mfu, "mem_gib": memory_gib()}
-                log.log(step, **row)
-                progress.set_postfix_str(_postfix(row, norm))  # norm: read at log steps only
-                progress.update(steps_done)
-        if checkpoints is not None:
-            checkpoints.after_step(step + 1)
+                       "tokens_per_s": tokens_per_s, "mfu": mfu,
+                       "mem_gib": max(p for _, p in memory)}
+                if info.rank == 0:
+                    log.log(step, **row)
+                text = _postfix(row, norm, memory[info.rank:info.rank + 1] if LOG_RANKS
+                                else memory)   # norm: read at log steps only
+                if progress is not None:
+                    progress.set_postfix_str(text)
+                    progress.update(steps_done)
+                else:
+                    say(info.rank, f"step {step}/{args.steps}: {text}")
+            if checkpoints is not None:
+                checkpoints.after_step(step + 1)
+        step = args.steps
+        val = evaluate(model, val_loader, mesh, args.eval_batches)   # the trained model
+    except KeyboardInterrupt:
+        interrupted(step, args.out, progress, info.rank)
+    finally:
+        if progress is not None:
+            progress.close()
     if checkpoints is not None:
         checkpoints.close(args.steps)
     if info.rank == 0:
-        progress.close()
+        log.log(args.steps, val_loss=val)
         plot_loss(args.out)
-        print(f"first loss {first_loss:.4f} (ln vocab = {numpy.log(tokenizer.vocab_size):.4f}), "
-              f"final train loss {value:.4f}, final val loss {val:.4f}", flush=True)
+    say(info.rank, f"first loss {first_loss:.4f} (ln vocab = "
+        f"{numpy.log(tokenizer.vocab_size):.4f}), final train loss {value:.4f}, final val loss "
+        f"{val:.4f}")
     if args.sample_tokens:
         prompt = numpy.array([tokenizer.encode("\n")])
         sample = model.generate(prompt, args.sample_tokens, temperature=0.8, top_k=40,
@@ -321,6 +404,35 @@ def train(args):
         model.save_pretrained(args.checkpoint)
         if info.rank == 0:
             print(f"saved {args.checkpoint}", flush=True)
+
+
+def first_nonfinite(first, loss, step):
+    """`first` (a device scalar, -1 while every loss was finite) updated with `step`'s loss,
+    without a host synchronization."""
+    xp = backend.xp
+    return xp.where((first < 0) & ~xp.isfinite(loss.full_tensor()), step, first)
+
+
+def check_finite(first, value, step, args):
+    """At a log step: stop with one line when a loss has not been finite (the same verdict on
+    every rank: the loss is Replicated)."""
+    first = int(first)
+    if first < 0 and math.isfinite(value):
+        return
+    raise ValueError(f"the training loss is not finite from step {first if first >= 0 else step}"
+                     f" on ({value} at step {step}): lower --lr (now {args.lr:g}) or "
+                     "--grad-clip, or check the data")
+
+
+def interrupted(step, out, progress, rank):
+    """Ctrl-C: one line, loss.png drawn from what was logged, exit status 130."""
+    if progress is not None:
+        progress.close()
+    if rank == 0:
+        if os.path.isfile(os.path.join(out, "log.jsonl")):
+            plot_loss(out)
+        print(f"interrupted at step {step}; logs in {out}", file=sys.stderr, flush=True)
+    sys.exit(130)
 
 
 def lr_schedule(args):
@@ -341,7 +453,7 @@ def _progress(total):
     return tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stdout)
 
 
-def _postfix(row, norm):
+def _postfix(row, norm, memory):
     parts = [f"loss {row['loss']:.3f}"]
     if norm is not None:
         parts.append(f"|g| {float(norm):.2f}")
@@ -350,12 +462,16 @@ def _postfix(row, norm):
     parts.append(f"{row['tokens_per_s'] / 1e3:.1f}k tok/s")
     if row["mfu"] is not None:
         parts.append(f"MFU {100 * row['mfu']:.1f}%")
-    parts.append(f"{row['mem_gib']:.2f} GiB")
+    ranks = [f"{now:.2f}/{peak:.2f}" for now, peak in memory]
+    if len(ranks) > 1:
+        ranks = [f"r{rank} {text}" for rank, text in enumerate(ranks)]
+    parts.append(f"mem (now/peak GiB) {', '.join(ranks)}")
     return ", ".join(parts)
 
 
 def main(argv=None):
     args = parse_args(argv)
+    numpy.seterr(all="ignore")      # a non-finite loss is reported once, by check_finite
     try:
         train(args)
     except (ValueError, KeyError, FileNotFoundError, DataError) as err:
