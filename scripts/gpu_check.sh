@@ -18,7 +18,7 @@ python3 -m pytest tests/unit -q -p no:cacheprovider > "$out/unit.log" 2>&1
 result[unit]=$?
 n=1
 while [ "$n" -le "$max" ]; do
-  mpiexec -n "$n" python3 -m pytest tests/mpi -q -p no:cacheprovider -x > "$out/mpi_$n.log" 2>&1
+  mpiexec -n "$n" python3 -m pytest tests/mpi -q -p no:cacheprovider --maxfail=10 > "$out/mpi_$n.log" 2>&1
   result[mpi_$n]=$?
   n=$((n * 2))
 done
