@@ -33,6 +33,6 @@ def test_mismatch_is_named_error_within_seconds(ranks, mode, rank1_call):
 def test_without_debug_no_check():
     """The check is off by default: ranks that agree run with no exchange at all."""
     result = mpiexec(2, ["-c", "import cupytp.distributed.process_group as pg, cupytp; "
-                               "cupytp.init(); print('observers', len(pg._observers))"],
+                               "cupytp.init(); print(f'observers {len(pg._observers)}')"],
                      timeout=60)
     assert result.stdout.count("observers 0") == 2, result.stdout + result.stderr
