@@ -39,36 +39,61 @@ def _groups(source, target):
     return groups
 
 
-def _landing(x, dim, shape, groups):
-    """The output dimension that sharded input dimension `dim` lands in, or a ShardingError."""
+def _landings(x, dim, shape, groups):
+    """Where sharded input dimension `dim` may land: (output dim, elements per step of `dim`,
+    elements per step of it), the outermost dimension of size > 1 of its group first, then the
+    group's dimensions of size 1 (for a `dim` of size 1). None when `dim` is not the outermost
+    dimension of size > 1 of its group (a rank's part would not be one block)."""
     for a, b in groups:
         if dim in a:
-            outer = [d for d in a if d < dim and x.shape[d] != 1]
-            landing = [e for e in b if shape[e] != 1]
-            if not outer and landing:
-                return landing[0], math.prod(x.shape[d] for d in a if d > dim), \
-                    math.prod(shape[k] for k in b if k > landing[0])
-    fail("reshape", [x], f"sharded dimension {dim} is not the outermost of the dimensions it "
-         f"merges into in {shape}", "Redistribute that dimension to Replicated first.")
+            if any(d < dim and x.shape[d] != 1 for d in a):
+                return []
+            candidates = [e for e in b if shape[e] != 1][:1]
+            if x.shape[dim] == 1:
+                candidates += [e for e in b if shape[e] == 1]
+            inner = math.prod(x.shape[d] for d in a if d > dim)
+            return [(e, inner, math.prod(shape[k] for k in b if k > e)) for e in candidates]
+    return []
+
+
+def _keeps_blocks(x, shape, dim, mesh_dims, landing):
+    """True when Shard(e) on `mesh_dims` gives every rank exactly its part of input `dim`."""
+    from cupytp.tensor.layout import Layout
+    e, inner_in, inner_out = landing
+    out = Layout(x.mesh, shape, [Shard(e) if m in mesh_dims else Replicated()
+                                 for m in range(x.mesh.ndim)])
+    for coordinate in numpy.ndindex(*x.mesh.shape):
+        (start_in, size_in), (start_out, size_out) = (x.layout.local_block(coordinate),
+                                                      out.local_block(coordinate))
+        if (start_in[dim] * inner_in, size_in[dim] * inner_in) != \
+                (start_out[e] * inner_out, size_out[e] * inner_out):
+            return False
+    return True
 
 
 def _reshape_placements(x, shape):
-    """x's placements carried into `shape`: each shard must stay one block per rank."""
-    from cupytp.tensor.layout import Layout
+    """x's placements carried into `shape`: each shard must stay one block per rank. A Shard on
+    mesh dimensions of one rank that has nowhere to go becomes Replicated (it splits nothing)."""
     groups = _groups(x.shape, shape)
-    landing = {d: _landing(x, d, shape, groups) for d in x.layout.sharded_dims()}
-    placements = tuple(Shard(landing[p.dim][0]) if isinstance(p, Shard) else p
-                       for p in x.placements)
-    out = Layout(x.mesh, shape, placements)
-    for coordinate in numpy.ndindex(*x.mesh.shape):
-        (start_in, size_in), (start_out, size_out) = (
-            x.layout.local_block(coordinate), out.local_block(coordinate))
-        for d, (e, inner_in, inner_out) in landing.items():
-            if (start_in[d] * inner_in, size_in[d] * inner_in) != \
-                    (start_out[e] * inner_out, size_out[e] * inner_out):
-                fail("reshape", [x], f"Shard({d}) cannot be carried into shape {shape} with "
-                     "array_split sizes", "Redistribute that dimension to Replicated first.")
-    return placements
+    placements, taken = list(x.placements), set()
+    splits = {d: [m for m, p in enumerate(x.placements) if p.is_shard(d)]
+              for d in x.layout.sharded_dims()}
+    trivial = {d for d, mesh_dims in splits.items() if all(x.mesh.shape[m] == 1
+                                                           for m in mesh_dims)}
+    for dim in sorted(splits, key=lambda d: (d in trivial, d)):    # real splits choose first
+        mesh_dims = splits[dim]
+        landing = next((c for c in _landings(x, dim, shape, groups)
+                        if c[0] not in taken and _keeps_blocks(x, shape, dim, mesh_dims, c)), None)
+        if landing is None and dim not in trivial:
+            fail("reshape", [x], f"Shard({dim}) cannot be carried into shape {shape} as one "
+                 "block per rank (a sharded dimension must be the outermost of those it merges "
+                 "with, in numpy.array_split sizes)",
+                 "Redistribute that dimension to Replicated first.")
+        for m in mesh_dims:
+            placements[m] = Replicated() if landing is None else Shard(landing[0])
+        if landing is not None:
+            taken.add(landing[0])
+    return tuple(placements)
 
 
 def reshape(x, shape):
