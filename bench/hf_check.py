@@ -34,7 +34,7 @@ def main():
     ids = numpy.random.default_rng(0).integers(0, config.vocab_size, size=(2, 32))
     path = os.path.join(args.out, "hf_check")
     ours.save_pretrained(path)
-    cupytp.distributed.runtime.world_comm().Barrier()
+    cupytp.distributed.barrier()
     mine = our_logits(ours, ids)
     if info.rank == 0:
         import torch
@@ -45,7 +45,7 @@ def main():
         error = numpy.abs(theirs - mine).max() / numpy.abs(theirs).max()
         print(f"cupytp -> transformers: max relative logit difference {error:.2e}")
         hf.save_pretrained(path + "_hf", safe_serialization=True)
-    cupytp.distributed.runtime.world_comm().Barrier()
+    cupytp.distributed.barrier()
     back = GPT2.from_pretrained(path + "_hf", mesh)
     error = numpy.abs(our_logits(back, ids) - mine).max() / numpy.abs(mine).max()
     if info.rank == 0:
