@@ -1,7 +1,7 @@
 """Flash attention on one GPU: correctness against the NumPy twin and an fp32 reference, then
 forward and forward+backward times beside PyTorch's SDPA (flash backend) in the same process.
 
-    python3 bench/attention.py [--reps 30] [--skip-check]
+    python3 bench/attention.py [--reps 30] [--skip-check] [--stress N]
 
 Times the flash RawKernel, cupytp's cuDNN path (where the cuDNN frontend imports) and PyTorch.
 
@@ -119,6 +119,39 @@ def check():
     return worst < 2e-2
 
 
+def stress(n):
+    """Race hunt. (1) The backward of one small causal case n times, given o and lse uploaded
+    from the twin or the kernel's own: count wrong gradients. (2) dk and dv (no atomics: they
+    must be bit-identical run to run) of larger cases, n runs each."""
+    b, h, t, d = 1, 2, 100, 64
+    host, device = inputs(b, h, t, d, bfloat16, seed=t + d)
+    g = numpy.random.default_rng(9).standard_normal((b, h, t, d)).astype(bfloat16)
+    o_twin, lse_twin = attention_forward_numpy(*host, True, d ** -0.5)
+    want = attention_backward_numpy(*host, o_twin, lse_twin, g, True, d ** -0.5)
+    counts = {"uploaded o, lse: wrong grads": 0, "upload differs": 0, "own o, lse: wrong grads": 0}
+    for _ in range(n):
+        with poisoned():
+            o, lse = attention_forward(*device, True, d ** -0.5)
+            o_up, lse_up = xp.asarray(o_twin), xp.asarray(lse_twin)
+            counts["upload differs"] += int(not (asnumpy(o_up) == o_twin).all())
+            for key, (o_, lse_) in (("uploaded o, lse: wrong grads", (o_up, lse_up)),
+                                    ("own o, lse: wrong grads", (o, lse))):
+                grads = attention_backward(*device, o_, lse_, xp.asarray(g), True, d ** -0.5)
+                counts[key] += int(any(rel(a, w) > 2e-2 for a, w in zip(grads, want)))
+    print(f"stress, {n} runs of B{b} H{h} T{t} D{d} causal: {counts}")
+    for b, h, t, d in ((4, 12, 1024, 64), (2, 2, 333, 128)):
+        _, device = inputs(b, h, t, d, bfloat16, seed=1)
+        g = xp.asarray(numpy.random.default_rng(2).standard_normal((b, h, t, d)).astype(bfloat16))
+        o, lse = attention_forward(*device, True, d ** -0.5)
+        first = [asnumpy(a) for a in attention_backward(*device, o, lse, g, True, d ** -0.5)]
+        differ = 0
+        for _ in range(n):
+            again = attention_backward(*device, o, lse, g, True, d ** -0.5)
+            differ += int(any((asnumpy(a) != f).any() for a, f in zip(again[1:], first[1:])))
+        print(f"stress, B{b} H{h} T{t} D{d} causal: dk or dv differs from the first run in "
+              f"{differ} of {n} runs")
+
+
 def median_ms(fn, reps, event_module):
     for _ in range(3):
         fn()
@@ -222,6 +255,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--skip-check", action="store_true")
+    parser.add_argument("--stress", type=int, default=0, help="race hunt: runs per case")
     args = parser.parse_args()
     import torch
     print(f"device: {xp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, "
@@ -237,7 +271,10 @@ def main():
     print("xp.asarray keeps a non-contiguous bf16 NumPy view's values:",
           bool((asnumpy(xp.asarray(view)) == view).all()))
     ok = True if args.skip_check else check()
-    bench(args.reps)
+    if args.stress:
+        stress(args.stress)
+    if args.reps:
+        bench(args.reps)
     raise SystemExit(0 if ok else 1)
 
 

@@ -19,6 +19,7 @@ import numpy  # noqa: E402
 
 import cupytp  # noqa: E402
 from cupytp import backend, memory, nn, ops  # noqa: E402
+from cupytp.kernels import cudnn_attention  # noqa: E402
 from cupytp.models.gpt2 import GPT2, preset  # noqa: E402
 from cupytp.optim import AdamW, clip_grad_norm_, decay_groups  # noqa: E402
 from cupytp.tensor import Replicated, Shard, from_local  # noqa: E402
@@ -64,6 +65,8 @@ def main():
     p.add_argument("--label", default="", help="a name for this run in the RESULT line")
     args = p.parse_args()
     info = cupytp.init()
+    if info.rank == 0:
+        print(cudnn_attention.describe())
     tp = args.tp or info.world_size
     dp = info.world_size // tp
     mesh = cupytp.DeviceMesh((dp, tp), ("dp", "tp"))

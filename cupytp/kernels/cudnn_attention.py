@@ -3,8 +3,9 @@
 (cuDNN draws its own mask, which would differ from the framework's) and T == S only.
 
 `CUPYTP_ATTENTION` chooses: `flash` (the RawKernel always), `cudnn` (cuDNN wherever it applies;
-an error if the frontend, the `nvidia-cudnn-frontend` wheel, cannot be imported) or `auto` (the
-default: cuDNN where it applies and imports, it measured faster; else the RawKernel). One graph
+an error if the frontend, the `nvidia-cudnn-frontend` wheel, cannot be imported), `auto` (the
+default: cuDNN where it applies and imports, it measured faster; else the RawKernel) or `matmul`
+(`ops.scaled_dot_product_attention` materializes the scores: for comparisons). One graph
 per shape, strides, dtype, mask and scale, built on first use: outside a CUDA-graph capture,
 whose eager warm-up call builds it. The NumPy twin of this math is flash_attention's.
 """
@@ -15,7 +16,7 @@ from cupytp.backend import bfloat16, xp
 from cupytp.kernels import is_device_array
 from cupytp.kernels.flash_attention import DTYPES, HEAD_DIMS, like_output
 
-CHOICES = ("auto", "flash", "cudnn")
+CHOICES = ("auto", "flash", "cudnn", "matmul")
 
 
 def choice():
@@ -29,7 +30,7 @@ def choice():
 def applies(q, k, dropout_p):
     """True when cuDNN runs this attention (see the module docstring)."""
     wanted = choice()
-    if wanted == "flash" or dropout_p > 0 or not is_device_array(q) or q.shape[2] != k.shape[2]:
+    if wanted in ("flash", "matmul") or dropout_p > 0 or not is_device_array(q) or q.shape[2] != k.shape[2]:
         return False
     if q.dtype not in DTYPES or q.shape[-1] not in HEAD_DIMS or not (q.size and k.size):
         return False
@@ -39,8 +40,8 @@ def applies(q, k, dropout_p):
 def describe():
     """One line naming what runs attention here, for logs."""
     wanted = choice()
-    if wanted == "flash":
-        return "attention: flash RawKernel (CUPYTP_ATTENTION=flash)"
+    if wanted in ("flash", "matmul"):
+        return f"attention: {wanted} (CUPYTP_ATTENTION={wanted})"
     frontend = _frontend(wanted == "cudnn")
     if frontend is None:
         return f"attention: flash RawKernel (CUPYTP_ATTENTION={wanted}; no cuDNN frontend)"

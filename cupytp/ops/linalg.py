@@ -24,9 +24,9 @@ _autocast = threading.local()
 
 @contextmanager
 def autocast(dtype="bf16"):
-    """Inside: contractions (einsum, matmul) cast floating operands to `dtype` (through the
-    differentiable cast, so fp32 parameters stay the masters and get fp32 gradients); other ops
-    keep their inputs' dtype. `autocast(None)` turns it off."""
+    """Inside: contractions (einsum, matmul, attention) cast floating operands to `dtype`
+    (through the differentiable cast, so fp32 parameters stay the masters and get fp32
+    gradients); other ops keep their inputs' dtype. `autocast(None)` turns it off."""
     previous = getattr(_autocast, "dtype", None)
     _autocast.dtype = None if dtype is None else backend.dtype(dtype)
     try:
@@ -35,7 +35,8 @@ def autocast(dtype="bf16"):
         _autocast.dtype = previous
 
 
-def _autocast_operand(x):
+def autocast_operand(x):
+    """`x` cast to the autocast dtype inside `autocast` (differentiably), else `x` itself."""
     dtype = getattr(_autocast, "dtype", None)
     if dtype is None or x.dtype == dtype or x.dtype.kind not in "fV":
         return x
@@ -162,7 +163,7 @@ def _local_einsum(sa, sb, out, x, y):
 def einsum(spec, a, b):
     """Two-operand einsum with explicit letters, e.g. 'btc,cd->btd' or 'bhtd,bhsd->bhts'."""
     same_mesh("einsum", [a, b])
-    a, b = _autocast_operand(a), _autocast_operand(b)
+    a, b = autocast_operand(a), autocast_operand(b)
     sa, sb, out, shape = _parse(spec, a, b)
     targets_a, targets_b, placements = _rule(spec, sa, sb, out, a, b)
     a = convert(f"einsum {spec!r}", a, targets_a, [a, b])

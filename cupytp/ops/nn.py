@@ -14,7 +14,7 @@ from cupytp.ops.base import (
     Partial, Replicated, Shard, backend, convert, engine, fail, is_tensor, linear_grad, make,
     reduce_all, same_mesh)
 from cupytp.ops.elementwise import mul
-from cupytp.ops.linalg import einsum
+from cupytp.ops.linalg import autocast_operand, einsum
 from cupytp.ops.reduction import sum as reduce_sum
 from cupytp.tensor.random import default_generator
 
@@ -316,13 +316,17 @@ def scaled_dot_product_attention(q, k, v, causal=True, dropout_p=0.0, generator=
     Shard(1)), no communication. Dropout with probability `dropout_p` on the probabilities, by
     their global (b, h, t, s) index: the same mask on any mesh and on both paths.
 
-    bf16/fp16 with head dim 64 or 128: flash attention, one node whose kernels never store the
-    (T, S) scores (`kernels/flash_attention.cu`; its NumPy twin on CPU). Otherwise the scores
-    are materialized: einsum, fused causal softmax, `dropout`, einsum."""
+    Inside `autocast` q, k and v are cast to its dtype first, as contractions are. bf16/fp16
+    with head dim 64 or 128: flash attention, one node whose kernels never store the (T, S)
+    scores (`kernels/flash_attention.cu`, or cuDNN's where `kernels/cudnn_attention.py` says; the
+    NumPy twin on CPU). Otherwise, or with CUPYTP_ATTENTION=matmul, the scores are materialized:
+    einsum, fused causal softmax, `dropout`, einsum."""
+    from cupytp.kernels import cudnn_attention
     from cupytp.kernels.flash_attention import supported
     if not 0 <= dropout_p < 1:
         raise ValueError(f"attention dropout probability must be in [0, 1), got {dropout_p}")
-    if supported(q._local, k._local, v._local):
+    q, k, v = (autocast_operand(x) for x in (q, k, v))
+    if supported(q._local, k._local, v._local) and cudnn_attention.choice() != "matmul":
         return _flash_attention(q, k, v, causal, dropout_p, generator)
     scores = einsum("bhtd,bhsd->bhts", q, k)                    # (B, H/tp, T, S)
     scale = 1.0 / math.sqrt(q.shape[-1])

@@ -164,6 +164,31 @@ def test_flash_attention_op_matches_matmul_path(d, t):
         assert numpy.linalg.norm(got - want) < 1e-2 * numpy.linalg.norm(want)
 
 
+def test_attention_under_autocast_runs_in_its_dtype(monkeypatch):
+    """fp32 q, k, v inside autocast("bf16") take the flash node in bf16, as the training step
+    does; CUPYTP_ATTENTION=matmul materializes the scores instead, with the same result."""
+    arrays = [a.astype(numpy.float32) for a in qkv(1, 2, 5, 5, 64, seed=5)]
+
+    def run():
+        inputs = [from_local(xp.asarray(a), local_mesh(), (Replicated(),), shape=a.shape,
+                             requires_grad=True) for a in arrays]
+        with ops.autocast("bf16"):
+            out = ops.scaled_dot_product_attention(*inputs)
+        op = out._node.name
+        out.sum().backward()
+        return out, op, [asnumpy(x.grad._local).astype(F64) for x in inputs]
+
+    out, op, grads = run()
+    assert out.dtype == bfloat16 and op == "scaled_dot_product_attention"
+    monkeypatch.setenv("CUPYTP_ATTENTION", "matmul")
+    reference, op, reference_grads = run()
+    assert op == "einsum"
+    numpy.testing.assert_allclose(asnumpy(out._local).astype(F64),
+                                  asnumpy(reference._local).astype(F64), atol=2e-2)
+    for got, want in zip(grads, reference_grads):
+        assert got.dtype == F64 and numpy.abs(got - want).max() < 3e-2
+
+
 # ---- GPU: kernels against the twin --------------------------------------------------------------
 def strided_qkv(b, h, t, d, dtype, seed):
     """q, k, v as (B, H, T, D) views of one (B, T, 3, H, D) array, as GPT-2 builds them."""
@@ -227,7 +252,7 @@ def test_attention_implementation_choice(monkeypatch):
     q, k, _ = qkv(1, 2, 4, 4, 64)
     monkeypatch.setenv("CUPYTP_ATTENTION", "flash")
     assert not cudnn_attention.applies(xp.asarray(q), xp.asarray(k), 0.0)
-    assert "flash RawKernel" in cudnn_attention.describe()
+    assert cudnn_attention.describe() == "attention: flash (CUPYTP_ATTENTION=flash)"
     monkeypatch.setenv("CUPYTP_ATTENTION", "auto")
     assert not cudnn_attention.applies(q, k, 0.0)                  # NumPy arrays: the twin
     assert not cudnn_attention.applies(xp.asarray(q), xp.asarray(k), 0.1)    # dropout: flash
