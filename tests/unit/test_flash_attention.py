@@ -279,3 +279,24 @@ def test_cudnn_attention_matches_twin(b, h, t, d, causal, dtype):
     twin = attention_backward_numpy(*host, asnumpy(o), asnumpy(lse), g, causal, d ** -0.5)
     for name, got, want in zip("qkv", grads, twin):
         assert relative_error(got, want) < 2e-2, f"d{name}"
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_flash_dropout_in_a_cuda_graph_draws_as_eager():
+    """Replays of a captured attention with dropout read the counter base from device memory:
+    each replay draws the mask that the same eager call draws."""
+    arrays = qkv(2, 3, 70, 70, 64, seed=6)
+    tensors = [from_local(xp.asarray(a), local_mesh(), (Replicated(),), shape=a.shape)
+               for a in arrays]
+    generator = Generator(21)
+
+    def attend(q, k, v):
+        return ops.scaled_dot_product_attention(q, k, v, dropout_p=0.3, generator=generator)
+
+    eager = [asnumpy(attend(*tensors)._local).astype(F64) for _ in range(4)]
+    generator.manual_seed(21)
+    graphed = cupytp.cuda_graph(attend)
+    for want in eager:
+        numpy.testing.assert_array_equal(asnumpy(graphed(*tensors)._local).astype(F64), want)
+    assert (eager[1] != eager[2]).any()
