@@ -113,7 +113,7 @@ def _signature(value):
         return ("dict", tuple((k, _signature(v)) for k, v in sorted(value.items())))
     local = getattr(value, "_local", None)
     if local is not None:      # a DTensor
-        return ("DTensor", value.shape, str(value.dtype), value.placements, id(value.mesh))
+        return ("DTensor", value.shape, str(value.dtype), value.placements, value.mesh)
     if isinstance(value, backend.xp.ndarray):
         return ("array", value.shape, str(value.dtype))
     return ("value", value)
@@ -216,7 +216,8 @@ class CudaGraph:
                 out = self.fn(*static_args, **static_kwargs)
             except BaseException as error:
                 self._abandon(capture)
-                if isinstance(error, xp.cuda.runtime.CUDARuntimeError):
+                if isinstance(error, xp.cuda.runtime.CUDARuntimeError) or (
+                        isinstance(error, RuntimeError) and "captur" in str(error)):
                     raise GraphCaptureError(
                         f"{self.fn.__name__} cannot be captured: a host synchronization or a "
                         f"host-to-device copy at {_where(error)} ({error}); keep values on the "

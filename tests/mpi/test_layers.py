@@ -7,7 +7,7 @@ import numpy
 import pytest
 
 import cupytp
-from cupytp import nn
+from cupytp import backend, nn
 from cupytp.parallel import apply_tensor_parallel, parallelize_module
 from cupytp.tensor import Replicated, Shard, local_mesh
 from sharding import full, lay_out, rng_array
@@ -83,7 +83,7 @@ def test_mlp_is_the_gpt2_formula(world):
     and its c_fc bias gradient is the finite-difference one."""
     mlp = build(LAYERS["mlp"], local_mesh())
     for seed, bias in enumerate((mlp.c_fc.bias, mlp.c_proj.bias)):
-        bias.to_local()[...] = rng_array(bias.shape, 31 + seed)
+        bias.to_local()[...] = backend.asarray(rng_array(bias.shape, 31 + seed))
     w1, b1, w2, b2 = (full(p) for p in (mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight,
                                         mlp.c_proj.bias))
     x = rng_array((2, 3, 6), 33)
