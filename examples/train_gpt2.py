@@ -322,7 +322,7 @@ def train(args):
         model = GPT2.from_pretrained(args.init_from, mesh)
     else:
         model = GPT2(config, mesh)
-    optimizer = AdamW(decay_groups(model.parameters(), args.weight_decay), lr=args.lr,
+    optimizer = AdamW(decay_groups(model.named_parameters(), args.weight_decay), lr=args.lr,
                       betas=(0.9, 0.95), eps=1e-8)
     lr_at = lr_schedule(args)
     checkpoints = Checkpoints(args, model, optimizer, loader) if args.checkpoint_dir else None

@@ -44,10 +44,14 @@ class AdamW(Optimizer):
 
 def decay_groups(params, weight_decay):
     """The usual AdamW grouping (GPT-2, nanoGPT): matrices (ndim >= 2: linear and embedding
-    weights) decay with `weight_decay`; biases and norm weights (ndim < 2) do not.
+    weights) decay with `weight_decay`; biases and norm weights (ndim < 2) do not. Given
+    (name, parameter) pairs, a parameter named `...bias` never decays, whatever its shape (GPT-2's
+    fused q|k|v bias is `[3, C]`).
 
-        AdamW(decay_groups(model.parameters(), 0.1), lr=6e-4)
+        AdamW(decay_groups(model.named_parameters(), 0.1), lr=6e-4)
     """
-    params = list(params)
-    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    named = [item if isinstance(item, tuple) else ("", item) for item in params]
+    decays = [p.ndim >= 2 and not name.endswith("bias") for name, p in named]
+    return [{"params": [p for (_, p), d in zip(named, decays) if d],
+             "weight_decay": weight_decay},
+            {"params": [p for (_, p), d in zip(named, decays) if not d], "weight_decay": 0.0}]

@@ -192,6 +192,17 @@ def test_decay_groups_decay_matrices_only():
         numpy.testing.assert_allclose(value(p), expected[0], rtol=1e-12)
 
 
+def test_decay_groups_by_name_never_decay_biases():
+    """GPT-2's fused q|k|v bias is [3, C]: two dimensions, yet a bias (no decay, as in PyTorch's
+    GPT-2 recipe where it is [3C])."""
+    _, params = make_params()
+    names = ["h.0.attn.c_attn.bias" if p.ndim >= 2 else f"p{i}" for i, p in enumerate(params)]
+    names[0] = "h.0.attn.c_attn.weight"
+    decay, no_decay = decay_groups(zip(names, params), 0.1)
+    assert decay["params"] == [params[0]]
+    assert no_decay["params"] == [params[1], params[2], params[3]]
+
+
 def test_parameters_without_gradients_are_skipped():
     values, params = make_params()
     optimizer = AdamW([{"params": params[:3]}, {"params": params[3:]}], lr=1e-2)
