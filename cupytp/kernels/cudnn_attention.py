@@ -14,7 +14,7 @@ import os
 
 from cupytp.backend import bfloat16, xp
 from cupytp.kernels import is_device_array
-from cupytp.kernels.flash_attention import DTYPES, HEAD_DIMS, like_output
+from cupytp.kernels.flash_attention import DTYPES, HEAD_DIMS, check_lse, like_output
 
 CHOICES = ("auto", "flash", "cudnn", "matmul")
 
@@ -79,7 +79,8 @@ def attention_backward(q, k, v, o, lse, do, causal, scale, dropout=None):
     b, h, t, d = q.shape
     dq, dk, dv = like_output(q), like_output(k), like_output(v)
     o, do = _laid_out(o), _laid_out(do)     # one layout for both, as the graph wants
-    stats = lse.reshape(b, h, t, 1)
+    check_lse(lse, q)
+    stats = xp.ascontiguousarray(lse).reshape(b, h, t, 1)
     graph, tensors, workspace = _backward_graph(*_geometry(q, k, v, o, do, dq, dk, dv), causal,
                                                 float(scale))
     _execute(graph, tensors, (q, k, v, o, do, stats, dq, dk, dv), workspace)

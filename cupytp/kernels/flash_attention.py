@@ -73,6 +73,7 @@ def attention_forward(q, k, v, causal, scale, dropout=None):
 
 def attention_backward(q, k, v, o, lse, do, causal, scale, dropout=None):
     _check(q=q, k=k, v=v, o=o, do=do)
+    check_lse(lse, q)
     if not is_device_array(q):
         return attention_backward_numpy(q, k, v, o, lse, do, causal, scale, dropout)
     b, h, t, d = q.shape
@@ -83,6 +84,7 @@ def attention_backward(q, k, v, o, lse, do, causal, scale, dropout=None):
             grad.fill(0)
         return dq, dk, dv
     q, k, v, o, do = (_aligned(a) for a in (q, k, v, o, do))
+    lse = xp.ascontiguousarray(lse)          # the kernel indexes it as (B, H, T) rows
     delta = xp.empty((b, h, t), dtype=xp.float32)
     _kernel("backward_delta", d, q.dtype)((ceil_div(t, ROWS_PER_BLOCK), b * h), (THREADS,),
                                           (o, do, delta, numpy.int32(h), numpy.int32(t),
@@ -124,6 +126,14 @@ def _check(**arrays):
     if b * h > 65535:
         raise ValueError(f"flash attention: batch x heads = {b * h} exceeds the grid's 65535: "
                          "split the batch")
+
+
+def check_lse(lse, q):
+    """lse must be float32 (B, H, T) of q's kind (any strides)."""
+    if type(lse) is not type(q) or lse.dtype != numpy.float32 or lse.shape != q.shape[:3]:
+        raise ValueError(f"flash attention: lse must be a float32 {type(q).__name__} of shape "
+                         f"{q.shape[:3]} (the forward's), got {type(lse).__name__} {lse.dtype} "
+                         f"{lse.shape}")
 
 
 def like_output(a):
@@ -201,7 +211,8 @@ def _probabilities(q, k, causal, scale, lse=None):
         e = numpy.exp(scores - numpy.where(numpy.isfinite(m), m, f32(0)))
         total = e.sum(axis=-1, keepdims=True)
         with numpy.errstate(divide="ignore"):
-            lse = numpy.where(total > 0, m + numpy.log(total), -numpy.inf)[..., 0].astype(f32)
+            lse = numpy.where(total > 0, m + numpy.log(total), -numpy.inf)[..., 0]
+        lse = numpy.ascontiguousarray(lse, dtype=f32)
     finite = numpy.isfinite(lse)[..., None]
     p = numpy.where(finite, numpy.exp(scores - numpy.where(finite, lse[..., None], f32(0))), 0)
     return p.astype(f32), lse

@@ -132,6 +132,12 @@ def test_flash_bad_inputs_are_clear_errors():
         attention_forward(q.astype(numpy.float32), k, v, True, 0.125)
     with pytest.raises(ValueError, match="v must be"):
         attention_forward(q, k, v[:, :1], True, 0.125)
+    o, lse = attention_forward(q, k, v, True, 0.125)
+    assert lse.flags.c_contiguous
+    with pytest.raises(ValueError, match="lse must be a float32"):
+        attention_backward(q, k, v, o, lse.astype(F64), o, True, 0.125)
+    with pytest.raises(ValueError, match="lse must be a float32"):
+        attention_backward(q, k, v, o, lse[:, :1], o, True, 0.125)
     tensors = [from_local(xp.asarray(a), local_mesh(), (Replicated(),), shape=a.shape)
                for a in (q, k, v)]
     with pytest.raises(ValueError, match="dropout probability"):
@@ -224,8 +230,10 @@ def test_flash_kernels_match_twin(b, h, t, d, causal, p, dtype):
     o_twin, lse_twin = attention_forward_numpy(*host, causal, d ** -0.5, dropout)
     assert relative_error(o, o_twin) < 1e-2
     numpy.testing.assert_allclose(asnumpy(lse), lse_twin, rtol=1e-4, atol=1e-4)
+    lse_strided = xp.ascontiguousarray(lse.transpose(2, 1, 0)).transpose(2, 1, 0)   # any strides
     with poisoned_allocations():
-        grads = attention_backward(*device, o, lse, xp.asarray(g), causal, d ** -0.5, dropout)
+        grads = attention_backward(*device, o, lse_strided, xp.asarray(g), causal, d ** -0.5,
+                                   dropout)
     twin = attention_backward_numpy(*host, asnumpy(o), asnumpy(lse), g, causal, d ** -0.5,
                                     dropout)
     for name, got, want in zip("qkv", grads, twin):
