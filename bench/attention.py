@@ -12,8 +12,9 @@ table last: ms, TFLOP/s (causal counts half the score matrix; backward = 2.5 x f
 ratio torch time / ours.
 """
 import argparse
-import contextlib
+import sys
 import time
+from pathlib import Path
 
 import numpy
 
@@ -24,30 +25,11 @@ from cupytp.kernels.flash_attention import (
     AttentionDropout, attention_backward, attention_backward_numpy, attention_forward,
     attention_forward_numpy)
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "unit"))
+from test_flash_attention import strided_qkv as inputs  # noqa: E402  (B, H, T, D) views of qkv
+from test_kernels import poisoned_allocations as poisoned  # noqa: E402  outputs start as NaN
+
 F16 = numpy.dtype(numpy.float16)
-
-
-@contextlib.contextmanager
-def poisoned():
-    """Every allocation inside starts as 0xFF bytes (NaN)."""
-    pool = xp.get_default_memory_pool()
-
-    def malloc(size):
-        memory = pool.malloc(size)
-        if size:
-            memory.memset_async(0xFF, size)
-        return memory
-
-    with xp.cuda.using_allocator(malloc):
-        yield
-
-
-def inputs(b, h, t, d, dtype, seed):
-    """Host and device q, k, v: (B, H, T, D) views of one (B, T, 3, H, D) array."""
-    qkv = (numpy.random.default_rng(seed).standard_normal((b, t, 3, h, d))).astype(dtype)
-    device = xp.asarray(qkv)
-    return ([qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3)],
-            [device[:, :, i].transpose(0, 2, 1, 3) for i in range(3)])
 
 
 def rel(got, want):
@@ -167,7 +149,9 @@ def median_ms(fn, reps, event_module):
 
 
 class CupyEvents:
-    Event = xp.cuda.Event
+    @staticmethod
+    def Event():
+        return xp.cuda.Event()
 
     @staticmethod
     def elapsed(start, end):

@@ -125,6 +125,47 @@ __device__ __forceinline__ unsigned pack<__half>(float lo, float hi)
     return *reinterpret_cast<unsigned*>(&v);
 }
 
+// ---- fragments --------------------------------------------------------------------------------
+// The element offset of this lane's row address for ldmatrix_x4 of the 16x16 tile at (row0, col0)
+// of a shared tile with `stride` elements per row.
+// A operand stored row-major (rows = m): registers a0..a3 of mma.
+__device__ __forceinline__ int a_rows(int row0, int col0, int stride, int lane)
+{
+    return (row0 + lane % 16) * stride + col0 + lane / 16 * 8;
+}
+
+// B operand stored n-major (rows = n, ldmatrix_x4): b0, b1 of n-octet row0, then of row0 + 8.
+// Read with ldmatrix_x4_trans from k-major storage, the same addresses give an A operand.
+__device__ __forceinline__ int b_rows(int row0, int col0, int stride, int lane)
+{
+    return (row0 + lane / 16 * 8 + lane % 8) * stride + col0 + (lane / 8) % 2 * 8;
+}
+
+// B operand stored k-major (rows = k, ldmatrix_x4_trans): b0, b1 of n-octet col0, then col0 + 8.
+__device__ __forceinline__ int bt_rows(int row0, int col0, int stride, int lane)
+{
+    return (row0 + (lane / 8) % 2 * 8 + lane % 8) * stride + col0 + lane / 16 * 8;
+}
+
+// The A fragment (16 rows x 16 columns) held by the accumulators of two adjacent column octets.
+template <typename T>
+__device__ __forceinline__ void accumulators_as_a(unsigned (&a)[4], const float (&lo)[4],
+                                                  const float (&hi)[4])
+{
+    a[0] = pack<T>(lo[0], lo[1]);
+    a[1] = pack<T>(lo[2], lo[3]);
+    a[2] = pack<T>(hi[0], hi[1]);
+    a[3] = pack<T>(hi[2], hi[3]);
+}
+
+template <int N>
+__device__ __forceinline__ void zero(float (&x)[N][4])
+{
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+        x[i][0] = x[i][1] = x[i][2] = x[i][3] = 0.f;
+}
+
 // ---- dropout ----------------------------------------------------------------------------------
 struct Dropout {
     unsigned long long threshold;  // keep iff the 53-bit draw >= threshold = ceil(p 2^53)
@@ -222,9 +263,7 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
 
     unsigned qf[D / 16][4];
     float acc[D / 8][4];
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i)
-        acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    zero(acc);
     float row_max[2] = {negative_infinity<float>(), negative_infinity<float>()};
     float row_sum[2] = {0.f, 0.f};  // this thread's columns only, summed over the quad at the end
     const int row_in_block = warp * 16 + group;
@@ -236,20 +275,17 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
         if (j == 0) {
 #pragma unroll
             for (int kk = 0; kk < D / 16; ++kk)
-                ldmatrix_x4(qf[kk], sq + (warp * 16 + lane % 16) * STRIDE + kk * 16 + lane / 16 * 8);
+                ldmatrix_x4(qf[kk], sq + a_rows(warp * 16, kk * 16, STRIDE, lane));
         }
         // s = q kᵀ for this warp's 16 queries and the tile's 64 keys
         float s[BLOCK_N / 8][4];
-#pragma unroll
-        for (int i = 0; i < BLOCK_N / 8; ++i)
-            s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+        zero(s);
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
 #pragma unroll
             for (int np = 0; np < BLOCK_N / 16; ++np) {
                 unsigned kb[4];
-                ldmatrix_x4(kb, sk + (np * 16 + lane / 16 * 8 + lane % 8) * STRIDE + kk * 16 +
-                                    (lane / 8) % 2 * 8);
+                ldmatrix_x4(kb, sk + b_rows(np * 16, kk * 16, STRIDE, lane));
                 mma<T>(s[2 * np], qf[kk], kb[0], kb[1]);
                 mma<T>(s[2 * np + 1], qf[kk], kb[2], kb[3]);
             }
@@ -310,15 +346,12 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
         // acc += p v: the score accumulators of two key octets are the A fragment of 16 keys
 #pragma unroll
         for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-            const unsigned pa[4] = {pack<T>(s[2 * kk][0], s[2 * kk][1]),
-                                    pack<T>(s[2 * kk][2], s[2 * kk][3]),
-                                    pack<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                    pack<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+            unsigned pa[4];
+            accumulators_as_a<T>(pa, s[2 * kk], s[2 * kk + 1]);
 #pragma unroll
             for (int dp = 0; dp < D / 16; ++dp) {
                 unsigned vb[4];
-                ldmatrix_x4_trans(vb, sv + (kk * 16 + (lane / 8) % 2 * 8 + lane % 8) * STRIDE +
-                                          dp * 16 + lane / 16 * 8);
+                ldmatrix_x4_trans(vb, sv + bt_rows(kk * 16, dp * 16, STRIDE, lane));
                 mma<T>(acc[2 * dp], pa, vb[0], vb[1]);
                 mma<T>(acc[2 * dp + 1], pa, vb[2], vb[3]);
             }
@@ -438,11 +471,8 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
     };
 
     float dk_acc[D / 8][4], dv_acc[D / 8][4];
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-        dk_acc[i][0] = dk_acc[i][1] = dk_acc[i][2] = dk_acc[i][3] = 0.f;
-        dv_acc[i][0] = dv_acc[i][1] = dv_acc[i][2] = dv_acc[i][3] = 0.f;
-    }
+    zero(dk_acc);
+    zero(dv_acc);
     load_tile<T, D, BLOCK_N>(sk, k, ks.row, s_len - n0);
     load_tile<T, D, BLOCK_N>(sv, v, vs.row, s_len - n0);
     if (m_begin < m_tiles)
@@ -456,21 +486,17 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
         __syncthreads();
         // sᵀ = k qᵀ and dpᵀ = v doᵀ: this warp's 16 keys x the tile's 64 queries
         float st[BLOCK_M / 8][4], dpt[BLOCK_M / 8][4];
-#pragma unroll
-        for (int nt = 0; nt < BLOCK_M / 8; ++nt) {
-            st[nt][0] = st[nt][1] = st[nt][2] = st[nt][3] = 0.f;
-            dpt[nt][0] = dpt[nt][1] = dpt[nt][2] = dpt[nt][3] = 0.f;
-        }
+        zero(st);
+        zero(dpt);
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
             unsigned ka[4], va[4];
-            const int a_offset = (warp * 16 + lane % 16) * STRIDE + kk * 16 + lane / 16 * 8;
+            const int a_offset = a_rows(warp * 16, kk * 16, STRIDE, lane);
             ldmatrix_x4(ka, sk + a_offset);
             ldmatrix_x4(va, sv + a_offset);
 #pragma unroll
             for (int np = 0; np < BLOCK_M / 16; ++np) {
-                const int b_offset =
-                    (np * 16 + lane / 16 * 8 + lane % 8) * STRIDE + kk * 16 + (lane / 8) % 2 * 8;
+                const int b_offset = b_rows(np * 16, kk * 16, STRIDE, lane);
                 unsigned qb[4], dob[4];
                 ldmatrix_x4(qb, sq + b_offset);
                 ldmatrix_x4(dob, sdo + b_offset);
@@ -507,18 +533,12 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
         // dv += pᵀ do and dk += dsᵀ q (A fragments straight from the accumulators)
 #pragma unroll
         for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
-            const unsigned pa[4] = {pack<T>(st[2 * kk][0], st[2 * kk][1]),
-                                    pack<T>(st[2 * kk][2], st[2 * kk][3]),
-                                    pack<T>(st[2 * kk + 1][0], st[2 * kk + 1][1]),
-                                    pack<T>(st[2 * kk + 1][2], st[2 * kk + 1][3])};
-            const unsigned dsa[4] = {pack<T>(dpt[2 * kk][0], dpt[2 * kk][1]),
-                                     pack<T>(dpt[2 * kk][2], dpt[2 * kk][3]),
-                                     pack<T>(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]),
-                                     pack<T>(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
+            unsigned pa[4], dsa[4];
+            accumulators_as_a<T>(pa, st[2 * kk], st[2 * kk + 1]);
+            accumulators_as_a<T>(dsa, dpt[2 * kk], dpt[2 * kk + 1]);
 #pragma unroll
             for (int dp = 0; dp < D / 16; ++dp) {
-                const int offset =
-                    (kk * 16 + (lane / 8) % 2 * 8 + lane % 8) * STRIDE + dp * 16 + lane / 16 * 8;
+                const int offset = bt_rows(kk * 16, dp * 16, STRIDE, lane);
                 unsigned dob[4], qb[4];
                 ldmatrix_x4_trans(dob, sdo + offset);
                 ldmatrix_x4_trans(qb, sq + offset);
@@ -542,19 +562,15 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
             load_rows(m0 + BLOCK_M);
         // dq of this warp's 16 queries += ds k over the block's 64 keys
         float dq[D / 8][4];
-#pragma unroll
-        for (int dt = 0; dt < D / 8; ++dt)
-            dq[dt][0] = dq[dt][1] = dq[dt][2] = dq[dt][3] = 0.f;
+        zero(dq);
 #pragma unroll
         for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
             unsigned dsa[4];
-            ldmatrix_x4_trans(dsa, sds + (kk * 16 + lane / 16 * 8 + lane % 8) * DS_STRIDE +
-                                       warp * 16 + (lane / 8) % 2 * 8);
+            ldmatrix_x4_trans(dsa, sds + b_rows(kk * 16, warp * 16, DS_STRIDE, lane));
 #pragma unroll
             for (int dp = 0; dp < D / 16; ++dp) {
                 unsigned kb[4];
-                ldmatrix_x4_trans(kb, sk + (kk * 16 + (lane / 8) % 2 * 8 + lane % 8) * STRIDE +
-                                          dp * 16 + lane / 16 * 8);
+                ldmatrix_x4_trans(kb, sk + bt_rows(kk * 16, dp * 16, STRIDE, lane));
                 mma<T>(dq[2 * dp], dsa, kb[0], kb[1]);
                 mma<T>(dq[2 * dp + 1], dsa, kb[2], kb[3]);
             }
