@@ -30,7 +30,9 @@ def choice():
 def applies(q, k, dropout_p):
     """True when cuDNN runs this attention (see the module docstring)."""
     wanted = choice()
-    if wanted in ("flash", "matmul") or dropout_p > 0 or not is_device_array(q) or q.shape[2] != k.shape[2]:
+    if wanted in ("flash", "matmul") or dropout_p > 0 or not is_device_array(q):
+        return False
+    if q.shape[2] != k.shape[2]:
         return False
     if q.dtype not in DTYPES or q.shape[-1] not in HEAD_DIMS or not (q.size and k.size):
         return False

@@ -77,7 +77,8 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* 
 
 // d += a (16x16, row) · b (16x8, col), fp32 accumulators
 template <typename T>
-__device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1);
+__device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], unsigned b0,
+                                    unsigned b1);
 
 template <>
 __device__ __forceinline__ void mma<__nv_bfloat16>(float (&d)[4], const unsigned (&a)[4],
