@@ -7,10 +7,12 @@ and learning-rate schedule, on the CPU:
 
 Prints both losses, their difference and the learning rate per step, so a divergence (ours) can
 be told from a loss curve that both frameworks share (the schedule's). Needs `torch` (not a
-dependency of cupytp).
+dependency of cupytp). On a GPU both run there; `CUPY_TF32=1` (what train_gpt2.py sets) gives
+both frameworks TF32 matmuls.
 """
 import argparse
 import math
+import os
 
 import numpy
 import torch
@@ -64,6 +66,8 @@ def main():
     args = p.parse_args()
     cupytp.init()
     torch.manual_seed(args.seed)
+    device = "cuda" if backend.on_gpu else "cpu"
+    torch.backends.cuda.matmul.allow_tf32 = os.environ.get("CUPY_TF32") == "1"
     dtype = {"fp32": torch.float32, "fp64": torch.float64}[args.dtype]
     tokenizer = ByteTokenizer()
     config = GPT2Config(vocab_size=tokenizer.vocab_size, block_size=args.seq_len,
@@ -71,7 +75,7 @@ def main():
 
     cupytp.manual_seed(args.seed)
     ours = GPT2(config).to(args.dtype)
-    weights = {k: torch.tensor(v, dtype=dtype, requires_grad=True)
+    weights = {k: torch.tensor(v, dtype=dtype, device=device, requires_grad=True)
                for k, v in ours.hf_state_dict().items() if k != "lm_head.weight"}
     ours_opt = AdamW(decay_groups(ours.named_parameters(), 0.1), lr=args.lr,
                      betas=(0.9, 0.95), eps=1e-8)
@@ -84,8 +88,8 @@ def main():
     loader = TokenLoader(read_tokens(paths[0]), args.batch_size, args.seq_len, seed=args.seed)
     replicated = (Replicated(),)
     print(f"GPT-2 {args.n_layer} layers, {args.n_embd} wide, {args.n_head} heads, vocab "
-          f"{config.vocab_size}, B={args.batch_size}, T={args.seq_len}, {args.dtype}, lr "
-          f"{args.lr:g}, warmup {args.warmup}, cosine over {args.total_steps}")
+          f"{config.vocab_size}, B={args.batch_size}, T={args.seq_len}, {args.dtype} on "
+          f"{device}, lr {args.lr:g}, warmup {args.warmup}, cosine over {args.total_steps}")
     print(f"{'step':>4}  {'lr':>9}  {'cupytp':>10}  {'pytorch':>10}  {'|difference|':>12}  "
           f"{'|g| cupytp':>10}  {'|g| torch':>10}")
     worst = 0.0
@@ -100,7 +104,8 @@ def main():
         norm = float(clip_grad_norm_(ours.parameters(), 1.0))
         ours_opt.step()
         ours_opt.zero_grad()
-        torch_loss = torch_forward(weights, config, torch.from_numpy(x), torch.from_numpy(y))
+        torch_loss = torch_forward(weights, config, torch.from_numpy(x).to(device),
+                                   torch.from_numpy(y).to(device))
         torch_loss.backward()
         torch_norm = float(torch.nn.utils.clip_grad_norm_(weights.values(), 1.0))
         torch_opt.step()
