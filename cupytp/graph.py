@@ -231,7 +231,6 @@ class CudaGraph:
         graph.upload(caller)
         self.graph, self.capture, self.signature = graph, capture, signature
         self.static_args, self.static_out = (static_args, static_kwargs), out
-        memory.empty_cache()       # the eager warm-up's cached blocks are not needed any more
 
     def _abandon(self, capture):
         _state.capture = None
