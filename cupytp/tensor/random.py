@@ -70,9 +70,8 @@ class Generator(graph.GraphState):
     """A seed and a running offset; each draw reserves the counters of one global tensor."""
 
     def __init__(self, seed=0):
-        self._zero = None            # device 0-d uint64 zero: the base of eager draws
-        self._graph_base = None      # device 0-d uint64: the base of captured draws
-        self.manual_seed(seed)
+        self._bases = None           # device uint64 (2,): [0] = 0, the base of eager draws;
+        self.manual_seed(seed)       # [1] the base of captured draws, set before each replay
 
     def manual_seed(self, seed):
         self.seed = int(seed) & 0xFFFFFFFFFFFFFFFF
@@ -89,16 +88,13 @@ class Generator(graph.GraphState):
         """Reserve `count` counters: (seed, base, add), the counters being base + add + i for
         i < count, with `base` a 0-d uint64 device array (zero outside a CUDA-graph capture,
         rewritten before each replay inside one) for kernels that read it from memory."""
-        xp = backend.xp
+        if self._bases is None:      # made once, best before any capture (a warm-up step)
+            self._bases = backend.xp.zeros(2, dtype=backend.xp.uint64)
         record = graph.join(self)
         if record is not None:
-            if self._graph_base is None:
-                self._graph_base = xp.empty((), dtype=xp.uint64)
-            base, add = self._graph_base, self.offset - record["start"]
+            base, add = self._bases[1], self.offset - record["start"]
         else:
-            if self._zero is None:
-                self._zero = xp.zeros((), dtype=xp.uint64)
-            base, add = self._zero, self.offset
+            base, add = self._bases[0], self.offset
         self.offset += count
         return self.seed, base, add
 
@@ -114,7 +110,7 @@ class Generator(graph.GraphState):
         if self.seed != record["seed"]:
             raise graph.GraphCaptureError("the generator was reseeded after a CUDA graph captured "
                                           "draws from it: capture the step again")
-        self._graph_base.fill(backend.xp.uint64(self.offset))
+        self._bases[1:].fill(backend.xp.uint64(self.offset))
         self.offset += record["per_replay"]
 
     def _words(self, shape, offsets, local_shape):

@@ -76,7 +76,7 @@ def test_generator_draws_in_a_capture_count_from_the_replay_base():
     shape, offsets = (3, 5), (0, 0)
     expected = [eager.uniform(shape, offsets, shape) for _ in range(6)]
     captured.uniform(shape, offsets, shape)           # one eager draw before the capture
-    captured._graph_base = numpy.array(15, dtype=numpy.uint64)   # as the first replay sets it
+    captured._bases[1] = 15                          # as the first replay sets it
     with FakeCapture() as capture:
         inside = [captured.uniform(shape, offsets, shape) for _ in range(2)]
     for drawn, reference in zip(inside, expected[1:3]):
@@ -86,7 +86,7 @@ def test_generator_draws_in_a_capture_count_from_the_replay_base():
     assert state is captured and record["per_replay"] == 30
     for replay in range(2):                          # each replay: base = the eager offset
         capture.before_replay()
-        assert int(captured._graph_base) == 15 + 30 * replay
+        assert int(captured._bases[1]) == 15 + 30 * replay
         assert captured.offset == 15 + 30 * (replay + 1)
     numpy.testing.assert_array_equal(captured.uniform(shape, offsets, shape), expected[5])
 
