@@ -120,14 +120,20 @@ def _signature(value):
 
 
 def _where(error):
-    """The innermost frame of the failing call outside CuPy: 'file:line in function'."""
-    frames = [f for f in traceback.extract_tb(error.__traceback__)
-              if "cupy" not in Path(f.filename).parts or f.filename.startswith(_PACKAGE)]
-    frames = [f for f in frames if not f.filename.endswith("graph.py")] or frames
-    if not frames:
-        return "an unknown place"
-    f = frames[-1]
-    return f"{f.filename}:{f.lineno} in {f.name} ({(f.line or '').strip()})"
+    """Where the failing call came from: the innermost frame of the caller's own code (outside
+    cupytp and CuPy), and the innermost cupytp frame under it: 'file:line in function (...)'."""
+    frames = traceback.extract_tb(error.__traceback__)
+
+    def ours(f):
+        return f.filename.startswith(_PACKAGE)
+
+    def cupy(f):
+        return "cupy" in Path(f.filename).parts or "cupy_backends" in Path(f.filename).parts
+    caller = [f for f in frames if not ours(f) and not cupy(f)]
+    inner = [f for f in frames if ours(f) and not f.filename.endswith("graph.py")]
+    text = [f"{f.filename}:{f.lineno} in {f.name} ({(f.line or '').strip()})"
+            for f in (caller[-1:] + inner[-1:])]
+    return " via ".join(text) or "an unknown place"
 
 
 class CudaGraph:

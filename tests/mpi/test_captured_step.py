@@ -87,7 +87,8 @@ def test_host_sync_inside_the_step_is_a_clear_error(mesh):
 
     run = cupytp.cuda_graph(step, warmup=1)
     run(x)
-    with pytest.raises(cupytp.GraphCaptureError, match=r"host synchronization.*test_graph.py"):
+    with pytest.raises(cupytp.GraphCaptureError,
+                       match=r"host synchronization.*test_captured_step.py:\d+ in step"):
         run(x)
 
 
