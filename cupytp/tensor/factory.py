@@ -86,7 +86,8 @@ def from_local(local, mesh=None, placements=None, shape=None, requires_grad=Fals
     and extents except along sharded dimensions, shards of numpy.array_split sizes; otherwise
     every rank raises the same error. `run_check` (default: on under CUPYTP_DEBUG=1) also
     checks a given `shape` that way, and that Replicated parts hold the same values on every
-    rank (a broadcast along each Replicated mesh dimension, compared bit for bit).
+    rank (a broadcast along each Replicated mesh dimension, compared bit for bit; not when a
+    Partial placement makes the parts terms of sums, which may differ between replicas).
     """
     mesh, placements = _mesh_and_placements(mesh, placements)
     local = backend.asarray(local)
@@ -98,7 +99,7 @@ def from_local(local, mesh=None, placements=None, shape=None, requires_grad=Fals
         raise ValueError(f"from_local: this rank's array has shape {local.shape}, but {layout} "
                          f"gives it {layout.local_shape} (shards follow numpy.array_split sizes;"
                          " pass the right shape=)")
-    if run_check:
+    if run_check and not any(p.is_partial() for p in layout.placements):
         _check_replicas(local, layout)
     return DTensor(local, layout, requires_grad=requires_grad)
 
@@ -172,9 +173,9 @@ def _check_replicas(local, layout):
                                for r, d in differing)
             raise ValueError(
                 f"from_local(run_check=True): the arrays are Replicated along mesh dimension "
-                f"{layout.mesh.dim_names[dim]!r}, but {listed} differ from global rank "
-                f"{group.ranks[0]}'s: give every rank the same values, or use a Shard or "
-                "Partial placement")
+                f"{layout.mesh.dim_names[dim]!r}, but {listed} hold{'s' * (len(differing) == 1)}"
+                f" other values than global rank {group.ranks[0]}: give every rank the same "
+                "values, or use a Shard or Partial placement")
 
 
 def _build(shape, mesh, placements, fill, requires_grad):

@@ -57,6 +57,7 @@ def test_dtypes_must_agree(mesh2d):
 
 
 def test_run_check_replicated_values(mesh2d, monkeypatch):
+    monkeypatch.delenv("CUPYTP_DEBUG", raising=False)
     value = rng_array((4, 3), 2)
     placements = (Replicated(), Shard(1))
     agreed = from_local(block(value, mesh2d, placements), mesh2d, placements, run_check=True)
