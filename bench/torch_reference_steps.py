@@ -14,7 +14,6 @@ import argparse
 import math
 import os
 
-import numpy
 import torch
 import torch.nn.functional as F
 

@@ -5,9 +5,9 @@ of a hang until the timeout.
 A fingerprint is the op with the arguments every rank must share, the global shape, the dtype
 and the call site: the first frame outside the cupytp package, compared by line (by function
 for broadcast, scatter and gather, whose source rank's code naturally differs); the framework's
-own frame is shown too, not compared. The ranks exchange them with one small host all-gather over the
-group's MPI communicator, polled against the group's timeout. Point-to-point sends and receives
-are not compared (only two ranks take part).
+own frame is shown too, not compared. The ranks exchange them with one small host all-gather
+over the group's MPI communicator, polled against the group's timeout. Point-to-point sends and
+receives are not compared (only two ranks take part).
 """
 import os
 import sys
