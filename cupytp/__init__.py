@@ -12,6 +12,8 @@ from cupytp.tensor import (
     DTensor, Layout, Partial, Replicated, Shard, ShardingType, arange, distribute, from_local,
     full, local_mesh, manual_seed, ones, rand, randn, zeros)
 
+from cupytp import debug      # after the layers it looks at
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -21,5 +23,5 @@ __all__ = [
     "concat", "cross_entropy", "dropout", "einsum", "embedding", "gelu", "layer_norm",
     "log_softmax", "matmul", "softmax", "split", "stack", "DTensor", "Layout", "Partial",
     "Replicated", "Shard", "ShardingType", "arange", "distribute", "from_local", "full",
-    "local_mesh", "manual_seed", "ones", "rand", "randn", "zeros",
+    "local_mesh", "manual_seed", "ones", "rand", "randn", "zeros", "debug",
 ]
