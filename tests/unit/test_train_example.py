@@ -15,7 +15,9 @@ import pytest
 from launch import REPO, mpiexec, under_mpiexec
 
 pytestmark = pytest.mark.skipif(under_mpiexec(), reason="launches its own jobs")
-SMALL = ["--batch-size", "4", "--seq-len", "32", "--sample-tokens", "0", "--eval-batches", "2"]
+# the tiny model on every device (the script's own default is 124M on a GPU)
+SMALL = ["--model", "tiny", "--batch-size", "4", "--seq-len", "32", "--sample-tokens", "0",
+         "--eval-batches", "2"]
 
 
 def run(args, ranks=1, timeout=600, env=None):
@@ -145,7 +147,8 @@ def test_bad_input_one_line_nonzero_exit(tmp_path, args, message):
     (tmp_path / "file").write_text("")
     named = {"EMPTY": empty, "BAD": bad, "BADCONFIG": config, "UNWRITABLE": tmp_path / "file/x"}
     args = [str(named.get(a, a)) for a in args]
-    result = run(args + ["--steps", "1", "--out", str(tmp_path / "out")], ranks=2, timeout=120)
+    result = run(["--model", "tiny"] + args + ["--steps", "1", "--out", str(tmp_path / "out")],
+                 ranks=2, timeout=120)
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
     assert result.returncode != 0
     assert len(errors) == 1 and message in errors[0], result.stderr[-3000:]
