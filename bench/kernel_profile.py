@@ -1,0 +1,75 @@
+"""Where a program's GPU time goes, kernel by kernel: runs a Python script under the CUDA
+profiler that PyTorch ships (CUPTI; it sees every kernel of the process, CuPy's and cuBLAS's
+too, also inside CUDA graphs) and prints device time per kernel and per kind of kernel.
+
+    python bench/kernel_profile.py --per 13 -- bench/train_gpt2.py --B 8 --dtype bf16
+    python bench/kernel_profile.py --per 13 -- .carry/anchors/torch_tp_gpt2.py --sdpa 1
+
+`--per` divides the totals (the number of steps the script runs, warm-up included), so the
+figures read as ms per step. Needs torch with CUDA; one GPU, one process.
+"""
+import argparse
+import collections
+import re
+import runpy
+import sys
+
+KINDS = (   # first match wins
+    ("nccl", r"nccl"),
+    ("attention", r"flash|fmha|attention|sdpa|cudnn"),
+    ("matmul", r"gemm|nvjet|cutlass|sm90_xmma|sm80_xmma|ampere|hopper|cublas|splitK"),
+    ("layernorm", r"layer_?norm|ln_"),
+    ("cross-entropy", r"cross_entropy|softmax|log_softmax|nll"),
+    ("optimizer", r"adam|sgd|multi_tensor|l2norm|scale|clip|values"),
+    ("gelu", r"gelu"),
+    ("embedding", r"embedding|index|gather|scatter"),
+    ("dropout", r"dropout|philox|random"),
+    ("copy/cast", r"copy|cast|convert|astype|transpose|contiguous|memcpy|memset|fill"),
+    ("elementwise", r"elementwise|vectorized|cupy_|add|mul|where"),
+)
+
+
+def kind(name):
+    low = name.lower()
+    return next((k for k, pattern in KINDS if re.search(pattern, low)), "other")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--per", type=float, default=1.0, help="divide totals by this (steps run)")
+    p.add_argument("--top", type=int, default=30)
+    p.add_argument("script")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    a = p.parse_args()
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    sys.argv = [a.script] + [x for x in a.args if x != "--"]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        runpy.run_path(a.script, run_name="__main__")
+        torch.cuda.synchronize()
+    per_name = collections.defaultdict(lambda: [0.0, 0])
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        entry = per_name[event.name]
+        entry[0] += event.device_time_total if hasattr(event, "device_time_total") \
+            else event.cuda_time_total
+        entry[1] += 1
+    total = sum(t for t, _ in per_name.values())
+    per_kind = collections.defaultdict(lambda: [0.0, 0])
+    for name, (t, n) in per_name.items():
+        per_kind[kind(name)][0] += t
+        per_kind[kind(name)][1] += n
+    scale = 1e-3 / a.per       # µs in total -> ms per step
+    print(f"\n{a.script}: {total * scale:.2f} ms of kernels per step, "
+          f"{sum(n for _, n in per_name.values()) / a.per:.0f} kernels per step")
+    print(f"{'kind':16} {'ms/step':>8} {'share':>6} {'kernels':>8}")
+    for k, (t, n) in sorted(per_kind.items(), key=lambda kv: -kv[1][0]):
+        print(f"{k:16} {t * scale:8.2f} {100 * t / total:5.1f}% {n / a.per:8.0f}")
+    print(f"\ntop {a.top} kernels:")
+    for name, (t, n) in sorted(per_name.items(), key=lambda kv: -kv[1][0])[:a.top]:
+        print(f"{t * scale:8.3f} ms {n / a.per:6.0f}x  {kind(name):13} {name[:110]}")
+
+
+if __name__ == "__main__":
+    main()
