@@ -69,16 +69,15 @@ def job_results(launch, tmp_path_factory):
                                 text=True, timeout=600, env=dict(os.environ, PYTHONPATH=str(REPO), **env))
     else:
         result = mpiexec(ranks, args, timeout=600, env=env)
-    outcome = {}
+    outcome = {sample["id"]: "" for sample in samples}
     for rank in range(ranks):
         path = out / f"results-{rank}.json"
         if not path.exists():
             raise AssertionError(f"the {ranks}-rank job of doc samples wrote no results for "
                                  f"rank {rank}:\n{result.stdout[-5000:]}\n{result.stderr[-5000:]}")
         for row in json.loads(path.read_text()):
-            if not row["passed"] and row["id"] not in outcome:
-                outcome[row["id"]] = f"rank {rank}: {row['report']}"
-            outcome.setdefault(row["id"], "")
+            if not row["passed"]:
+                outcome[row["id"]] += f"rank {rank}: {row['report']}\n"
     _results[launch] = outcome
     return outcome
 
