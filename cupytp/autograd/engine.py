@@ -14,15 +14,23 @@ For observers (cupytp.debug.CommTracer): `in_backward()` says whether a backward
 running, and while a scope source is set (`set_scope_source`), each node keeps what it returned
 when the op ran (the modules being called), which `backward_scope()` gives back while that
 node's gradients are computed.
+
+A node's backward may `queue_callback(fn)`: `fn()` runs when the pass ends, before `backward()`
+returns (fully_shard finishes its last gradient reductions there).
 """
 import threading
 from contextlib import contextmanager
 
-_state = threading.local()
+class _State(threading.local):
+    enabled = True          # gradient mode
+    node = None             # the node whose gradients backward() is computing
+
+
+_state = _State()
 
 
 def is_grad_enabled():
-    return getattr(_state, "enabled", True)
+    return _state.enabled
 
 
 @contextmanager
@@ -69,21 +77,21 @@ def set_scope_source(source):
 
 def in_backward():
     """True while backward() runs on this thread."""
-    return getattr(_state, "node", None) is not None
+    return _state.node is not None
 
 
 def backward_scope():
     """The scope of the node whose gradients backward() is computing (None if none)."""
-    node = getattr(_state, "node", None)
+    node = _state.node
     return None if node is None else node.scope
 
 
 def record(output, inputs, backward, name):
     """Attach a Node to `output` when gradients are on and some input requires one."""
-    if not is_grad_enabled():
+    if not _state.enabled:
         return output
-    needed = tuple(t if t is not None and t.requires_grad else None for t in inputs)
-    if any(t is not None for t in needed):
+    needed = tuple([t if t is not None and t.requires_grad else None for t in inputs])
+    if needed.count(None) < len(needed):
         output.requires_grad = True
         output._node = Node(needed, backward, name,
                             None if _scope_source is None else _scope_source())
@@ -112,6 +120,14 @@ def _topological_order(root):
     return order[::-1]
 
 
+def queue_callback(callback):
+    """Run `callback()` once the backward pass in progress has handed out its last gradient
+    (before backward() returns). Called from a node's backward."""
+    if not in_backward():
+        raise RuntimeError("queue_callback outside a backward pass")
+    _state.callbacks.append(callback)
+
+
 def backward(root, grad):
     """Propagate `grad` (d loss / d root) to every leaf that requires a gradient."""
     if not root.requires_grad:
@@ -121,11 +137,14 @@ def backward(root, grad):
         root.accumulate_grad(grad)
         return
     pending = {id(root): grad}
+    _state.callbacks = []
     with no_grad():
         try:
             _walk(root, pending)
         finally:
             _state.node = None
+        while _state.callbacks:
+            _state.callbacks.pop(0)()
 
 
 def _walk(root, pending):

@@ -20,7 +20,7 @@ def saved_tensors(model, optimizer):
     """{key: DTensor} of everything `model` and `optimizer` (either may be None) hold."""
     tensors = {}
     if model is not None:
-        tensors.update((MODEL + name, t) for name, t in model.state_dict().items())
+        tensors.update((MODEL + name, t) for name, t in model.sharded_state_dict().items())
     if optimizer is not None:
         for index, states in optimizer.state_dict()["state"].items():
             tensors.update((f"{OPTIMIZER}{index}/{name}", t) for name, t in states.items())
@@ -48,7 +48,7 @@ def to_json(value, what):
 
 def model_targets(model):
     """{key: tensor} that loading `model` fills."""
-    return {MODEL + name: t for name, t in model.state_dict().items()}
+    return {MODEL + name: t for name, t in model.sharded_state_dict().items()}
 
 
 def optimizer_targets(optimizer, keys):

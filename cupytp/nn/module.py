@@ -90,12 +90,18 @@ class Module:
     # ---- state --------------------------------------------------------------------------------
     def state_dict(self):
         """{name: DTensor} of every parameter and buffer (each rank holds its shards)."""
+        return self.sharded_state_dict()
+
+    def sharded_state_dict(self):
+        """{name: DTensor} of every parameter and buffer as this rank stores it: what
+        checkpoints save and load_state_dict writes into. The same as state_dict(), except on a
+        fully sharded model, whose state_dict() gathers the data-parallel shards."""
         return OrderedDict(list(self.named_parameters()) + list(self.named_buffers()))
 
     def load_state_dict(self, state, strict=True):
         """Copy values in: DTensors (redistributed to each parameter's placements) or full
         arrays (NumPy or device; each rank keeps its own block)."""
-        own = self.state_dict()
+        own = self.sharded_state_dict()
         missing = [name for name in own if name not in state]
         unexpected = [name for name in state if name not in own]
         if strict and (missing or unexpected):
@@ -130,6 +136,12 @@ class Module:
 
     def num_parameters(self):
         return sum(p.size for p in self.parameters())
+
+    def as_distributed(self, **options):
+        """Fully shard this model over every rank of the job (after cupytp.init()): one line
+        instead of per-layer wrapping. `options` go to cupytp.parallel.fully_shard."""
+        from cupytp.parallel.fully_shard import fully_shard
+        return fully_shard(self, **options)
 
 
 _tracking = 0                   # how many track_calls() are open

@@ -1,5 +1,7 @@
-"""Parallelization of whole models: tensor-parallel plans."""
+"""Parallelization of whole models: tensor-parallel plans, fully sharded data parallelism."""
+from cupytp.parallel.fully_shard import FSDPGroup, FSDPModule, fully_shard, plan_groups
 from cupytp.parallel.tensor_parallel import (
     apply_tensor_parallel, megatron_plan, parallelize_module, relayout)
 
-__all__ = ["apply_tensor_parallel", "megatron_plan", "parallelize_module", "relayout"]
+__all__ = ["FSDPGroup", "FSDPModule", "fully_shard", "plan_groups", "apply_tensor_parallel",
+           "megatron_plan", "parallelize_module", "relayout"]
