@@ -46,16 +46,13 @@ from cupytp.tensor.redistribute import grad_placements, redistribute_local
 
 # ---- the parameter analyzer -----------------------------------------------------------------------
 def layers(module, prefix=""):
-    """(name, module) of the layers of `module`: elements of its ModuleLists (nested lists are
-    looked into), in definition order."""
+    """(name, module) of the layers of `module`: the elements of its ModuleLists (Sequential
+    included; a list inside a list is looked into), in definition order. The module itself
+    may be one."""
     for name, child in module.named_children():
         full = f"{prefix}.{name}" if prefix else name
-        if isinstance(child, ModuleList):
-            for index, element in child.named_children():
-                if isinstance(element, ModuleList):
-                    yield from layers(ModuleList([element]), f"{full}.{index}")
-                else:
-                    yield f"{full}.{index}", element
+        if isinstance(module, ModuleList) and not isinstance(child, ModuleList):
+            yield full, child
         else:
             yield from layers(child, full)
 
@@ -158,9 +155,9 @@ class FSDPGroup:
             raise ValueError(f"fully_shard: the parameters of group {names} have dtypes "
                              f"{sorted(str(d) for d in dtypes)}: cast the model to one dtype "
                              "first (model.to(...))")
-        master_dtype = dtypes.pop()
-        self.param_dtype = backend.dtype(state.param_dtype or master_dtype)
-        self.reduce_dtype = backend.dtype(state.reduce_dtype or master_dtype)
+        master_dtype = dtypes.pop() if dtypes else None     # a root group may be empty
+        self.param_dtype = backend.dtype(state.param_dtype or master_dtype or "fp32")
+        self.reduce_dtype = backend.dtype(state.reduce_dtype or master_dtype or "fp32")
         for index, slot in enumerate(self.slots):
             slot.index = index
         self.places = {id(m): _member_places(m, self.slots, names == [""]) for m in modules}
@@ -485,7 +482,7 @@ class FSDPModule:
         the optimizer's states, and full parameters gathered now."""
         params = self.parameters()
         states = [] if optimizer is None else [
-            t for p in params for t in optimizer.state.get(id(p), {}).values()]
+            t for p in params for t in optimizer.state.get(p, {}).values()]
         return {
             "parameters": sum(p.to_local().nbytes for p in params),
             "gradients": sum(p.grad.to_local().nbytes for p in params if p.grad is not None),

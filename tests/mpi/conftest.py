@@ -1,6 +1,10 @@
+import shutil
+import tempfile
+
 import pytest
 
 import cupytp
+from cupytp.distributed.runtime import barrier, broadcast_object
 
 
 @pytest.fixture(scope="session")
@@ -25,3 +29,13 @@ def mesh2d(world):
 @pytest.fixture(params=["1d", "2d"])
 def mesh(request, mesh1d, mesh2d):
     return mesh1d if request.param == "1d" else mesh2d
+
+
+@pytest.fixture
+def shared_dir(world):
+    """A fresh directory that every rank sees."""
+    path = broadcast_object(tempfile.mkdtemp(prefix="cupytp-test-") if world.rank == 0 else None)
+    yield path
+    barrier()
+    if world.rank == 0:
+        shutil.rmtree(path)

@@ -5,15 +5,13 @@ steps, and an error on one rank is raised on every rank, with nothing loaded."""
 import json
 import math
 import os
-import shutil
-import tempfile
 
 import numpy
 import pytest
 
 from cupytp import checkpoint, nn
 from cupytp.checkpoint import CheckpointError
-from cupytp.distributed.runtime import barrier, broadcast_object
+from cupytp.distributed.runtime import barrier
 from cupytp.tensor import Partial, Replicated, Shard, local_mesh
 from small_gpt2 import assert_same, check_continues, gpt2, reference, snapshot, train
 from sharding import full, lay_out, rng_array
@@ -45,16 +43,6 @@ def laid_out(arrays, mesh, placements):
     return Tensors({name: lay_out(array, mesh, placements[name],
                                   requires_grad=array.dtype.kind == "f")
                     for name, array in arrays.items()})
-
-
-@pytest.fixture
-def shared_dir(world):
-    """A fresh directory that every rank sees."""
-    path = broadcast_object(tempfile.mkdtemp(prefix="cupytp-test-") if world.rank == 0 else None)
-    yield path
-    barrier()
-    if world.rank == 0:
-        shutil.rmtree(path)
 
 
 @pytest.mark.parametrize("source", ["1d", "2d"])
