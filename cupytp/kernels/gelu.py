@@ -14,6 +14,7 @@ import numpy
 from cupytp.backend import xp
 from cupytp.kernels import ceil_div, check_lists, compute_dtype, dtype_suffix, get_kernel
 from cupytp.kernels import is_device_array
+from cupytp.kernels.column_sum import column_sum
 
 THREADS = 256
 MAX_BLOCKS = 32768  # the kernels' grid-stride loops cover larger arrays
@@ -62,7 +63,7 @@ def bias_gelu_backward(x, bias, dy):
     dx = xp.empty_like(x)
     partials = xp.zeros((_row_blocks(x), x.shape[-1]), dtype=bias.dtype)
     _launch_rows("bias_gelu_backward", x, bias, (dy, dx, partials))
-    return dx, partials.sum(axis=0)
+    return dx, column_sum(partials)
 
 
 def _check_bias(x, bias, **arrays):

@@ -8,6 +8,7 @@ Layers built without a mesh are dense (one rank); `cupytp.parallel` re-lays them
 import math
 
 from cupytp import ops
+from cupytp.ops.linalg import autocast_operand
 from cupytp.nn.module import Module
 from cupytp.tensor import Replicated, Shard, ones, randn, zeros
 from cupytp.tensor.factory import local_mesh
@@ -33,7 +34,8 @@ def _mesh(mesh):
 
 
 class DLinear(Module):
-    """y = x @ weight + bias, weight `[in, out]` (the GPT-2 Conv1D layout).
+    """y = x @ weight + bias, weight `[in, out]` (the GPT-2 Conv1D layout); inside `autocast`
+    the bias joins the product in the autocast dtype, so the output stays 16-bit.
 
     weight Shard(1) (column-parallel): weight `[in, out/tp]`, output Shard(-1), no communication.
     weight Shard(0) (row-parallel): weight `[in/tp, out]`, input Shard(-1) (a Replicated input is
@@ -59,7 +61,7 @@ class DLinear(Module):
 
     def forward(self, x):
         y = ops.matmul(x, self.weight)
-        return y + self.bias if self.bias is not None else y
+        return y + autocast_operand(self.bias) if self.bias is not None else y
 
     def parallel_layout(self, style):
         """Placements of (weight, bias) on the tensor-parallel dim for a parallel style."""
@@ -241,7 +243,7 @@ class DQKV(Module):
 
     def forward(self, x):
         y = ops.einsum("btc,cjd->btjd", x, self.weight)
-        return y + self.bias if self.bias is not None else y
+        return y + autocast_operand(self.bias) if self.bias is not None else y
 
     def parallel_layout(self, style):
         return {"heads": (Shard(2), Shard(1)), "replicate": (Replicated(), Replicated())}[style]

@@ -10,8 +10,9 @@ import numbers
 import numpy
 
 from cupytp.ops.base import (
-    Partial, Replicated, Shard, backend, convert, engine, fail, is_tensor, linear_grad, make,
-    same_mesh, scalar_or_tensor)
+    Partial, Replicated, Shard, backend, cached, convert, engine, fail, is_tensor, linear_grad,
+    make, same_mesh, scalar_or_tensor)
+from cupytp.ops.reduction import leading_sum_placements
 
 LINEAR_JOINTLY = "jointly"      # add, sub: P op P is P, nothing else
 LINEAR_EACH = "each"            # mul: exactly one Partial factor
@@ -68,13 +69,22 @@ def elementwise_rule(op, operands, out_shape, linear):
     return targets, tuple(out)
 
 
+def _layout_rule(op, operands, linear):
+    """(input placements per tensor operand, output shape, output placements)."""
+    out_shape = numpy.broadcast_shapes(*[t.shape for t in operands if is_tensor(t)])
+    targets, out_placements = elementwise_rule(op, operands, out_shape, linear)
+    return [tuple(t) for t in targets], tuple(out_shape), out_placements
+
+
 def apply(op, fn, operands, linear, backward_fn=None):
     """Run elementwise `fn` on the local arrays of `operands` (DTensors and numbers)."""
-    operands = [scalar_or_tensor(op, x) for x in operands]
     tensors = [x for x in operands if is_tensor(x)]
+    if len(tensors) < len(operands):
+        operands = [scalar_or_tensor(op, x) for x in operands]
     same_mesh(op, tensors)
-    out_shape = numpy.broadcast_shapes(*[t.shape for t in tensors])
-    targets, out_placements = elementwise_rule(op, operands, out_shape, linear)
+    signature = tuple([(x.shape, x.placements) if is_tensor(x) else None for x in operands])
+    targets, out_shape, out_placements = cached((_layout_rule, linear, signature), _layout_rule,
+                                                op, operands, linear)
     converted = iter([convert(op, t, p, tensors) for t, p in zip(tensors, targets)])
     operands = [next(converted) if is_tensor(x) else x for x in operands]
     local = fn(*[x._local if is_tensor(x) else x for x in operands])
@@ -160,7 +170,6 @@ def bias_gelu(x, bias):
     if bias.ndim != 1 or bias.shape[0] != x.shape[-1]:
         raise ValueError(f"bias_gelu: bias must have shape ({x.shape[-1]},) (x's last "
                          f"dimension), got {bias.shape}")
-    last = x.ndim - 1
     xp = backend.xp
 
     def backward(g, x, bias, out):
@@ -168,12 +177,9 @@ def bias_gelu(x, bias):
         dx, dbias = bias_gelu_backward(xp.ascontiguousarray(x._local),
                                        xp.ascontiguousarray(bias._local),
                                        xp.ascontiguousarray(g._local, dtype=x.dtype))
-        bias_placements = tuple(Shard(0) if p == Shard(last) else
-                                Partial() if isinstance(p, Shard) or p.is_partial() else p
-                                for p in g.placements)
         return (make(dx, x.mesh, x.shape, g.placements),
                 make(dbias.astype(bias.dtype, copy=False), bias.mesh, bias.shape,
-                     bias_placements))
+                     leading_sum_placements(g.placements, x.ndim)))
     return apply("bias_gelu", lambda v, b: forward(xp.ascontiguousarray(v),
                                                     xp.ascontiguousarray(b)),
                  [x, bias], NONLINEAR, backward)

@@ -16,7 +16,7 @@ import numpy
 from contextlib import contextmanager
 
 from cupytp.ops.base import (
-    Partial, Replicated, Shard, backend, convert, engine, fail, make, same_mesh)
+    Partial, Replicated, Shard, backend, cached, convert, engine, fail, make, same_mesh)
 from cupytp.ops.elementwise import astype
 
 _autocast = threading.local()
@@ -92,7 +92,7 @@ def _rule(spec, sa, sb, out, a, b):
         else:
             targets_a[dim] = targets_b[dim] = Replicated()
             placements.append(Replicated())
-    return targets_a, targets_b, tuple(placements)
+    return tuple(targets_a), tuple(targets_b), tuple(placements)
 
 
 def _as_matmul(sa, sb, out, x, y):
@@ -128,18 +128,33 @@ def _matmul(x, y):
 
 
 def _tensordot(x, y, axes_x, axes_y):
-    """tensordot; on the GPU and for bfloat16, as one matmul of the contracted axes moved to the
-    end of x and the front of y."""
+    """tensordot; on the GPU and for bfloat16, as one matmul of x as (kept, contracted) and y as
+    (contracted, kept). Contracted axes that lead or trail in order on a contiguous operand are
+    a reshape (a transposed view where needed, which cuBLAS reads in place); only other axis
+    orders are copied."""
     if not backend.on_gpu and x.dtype != backend.bfloat16:
         return backend.xp.tensordot(x, y, axes=(axes_x, axes_y))
-    xp = backend.xp
     keep_x = [d for d in range(x.ndim) if d not in axes_x]
     keep_y = [d for d in range(y.ndim) if d not in axes_y]
     inner = int(numpy.prod([x.shape[d] for d in axes_x], dtype=numpy.int64))
-    x2 = xp.ascontiguousarray(xp.transpose(x, keep_x + list(axes_x))).reshape(-1, inner)
-    y2 = xp.ascontiguousarray(xp.transpose(y, list(axes_y) + keep_y)).reshape(inner, -1)
-    out = _matmul(x2, y2)
+    out = _matmul(_as_matrix(x, list(axes_x), contracted_last=True, inner=inner),
+                  _as_matrix(y, list(axes_y), contracted_last=False, inner=inner))
     return out.reshape([x.shape[d] for d in keep_x] + [y.shape[d] for d in keep_y])
+
+
+def _as_matrix(v, axes, contracted_last, inner):
+    """`v` as a 2-D (kept, contracted) matrix (or (contracted, kept)), as a view when the
+    contracted axes lead or trail in order and v is contiguous, else as a copy."""
+    xp = backend.xp
+    n = v.ndim
+    leading, trailing = axes == list(range(len(axes))), axes == list(range(n - len(axes), n))
+    if v.flags.c_contiguous and (leading or trailing):
+        flat = v.reshape(inner, -1) if leading else v.reshape(-1, inner)
+        return flat if leading != contracted_last else flat.T
+    keep = [d for d in range(n) if d not in axes]
+    order = keep + axes if contracted_last else axes + keep
+    matrix = xp.ascontiguousarray(xp.transpose(v, order))
+    return matrix.reshape(-1, inner) if contracted_last else matrix.reshape(inner, -1)
 
 
 def _local_einsum(sa, sb, out, x, y):
@@ -150,8 +165,11 @@ def _local_einsum(sa, sb, out, x, y):
     if not any(letter in out for letter in shared):
         free = "".join(letter for letter in sa + sb if letter not in shared)
         if sorted(out) == sorted(free):
-            result = _tensordot(x, y, [sa.index(c) for c in shared],
-                                [sb.index(c) for c in shared])
+            axes_x, axes_y = [sa.index(c) for c in shared], [sb.index(c) for c in shared]
+            swapped = "".join(letter for letter in sb + sa if letter not in shared)
+            if out == swapped and out != free:        # y's kept letters first: yᵀ-side product
+                return _tensordot(y, x, axes_y, axes_x)
+            result = _tensordot(x, y, axes_x, axes_y)
             return result if out == free else xp.transpose(result, [free.index(c) for c in out])
     for first, second, a, b in ((sa, sb, x, y), (sb, sa, y, x)):
         result = _as_matmul(first, second, out, a, b)
@@ -165,7 +183,8 @@ def einsum(spec, a, b):
     same_mesh("einsum", [a, b])
     a, b = autocast_operand(a), autocast_operand(b)
     sa, sb, out, shape = _parse(spec, a, b)
-    targets_a, targets_b, placements = _rule(spec, sa, sb, out, a, b)
+    targets_a, targets_b, placements = cached(
+        (_rule, spec, a.shape, a.placements, b.shape, b.placements), _rule, spec, sa, sb, out, a, b)
     a = convert(f"einsum {spec!r}", a, targets_a, [a, b])
     b = convert(f"einsum {spec!r}", b, targets_b, [a, b])
     local = _local_einsum(sa, sb, out, a._local, b._local)

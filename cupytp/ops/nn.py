@@ -15,7 +15,7 @@ from cupytp.ops.base import (
     reduce_all, same_mesh)
 from cupytp.ops.elementwise import mul
 from cupytp.ops.linalg import autocast_operand, einsum
-from cupytp.ops.reduction import sum as reduce_sum
+from cupytp.ops.reduction import leading_sum_placements, sum as reduce_sum
 from cupytp.tensor.random import default_generator
 
 
@@ -95,8 +95,6 @@ def layer_norm(x, weight, bias, eps=1e-5):
     b_local = bias._local.astype(x.dtype, copy=False) if bias is not None else None
     y, xhat, rstd = layer_norm_forward(xp.ascontiguousarray(x._local), w_local, b_local, eps)
     out = make(y, x.mesh, x.shape, x.placements)
-    leading = tuple(range(x.ndim - 1))
-
     def backward(g):
         g = linear_grad(g, out.placements)
         gl = xp.ascontiguousarray(g._local)
@@ -104,12 +102,18 @@ def layer_norm(x, weight, bias, eps=1e-5):
                       g.placements)
         grad_w = None
         if weight is not None:
-            scaled = make((gl * xhat).astype(weight.dtype, copy=False), x.mesh, x.shape,
-                          g.placements)
-            grad_w = reduce_sum(scaled, leading)
-        grad_b = reduce_sum(g, leading) if bias is not None else None
+            grad_w = _column_grad(gl, xhat, weight, g.placements)
+        grad_b = _column_grad(gl, None, bias, g.placements) if bias is not None else None
         return grad_x, grad_w, grad_b
     return engine.record(out, (x, weight, bias), backward, "layer_norm")
+
+
+def _column_grad(g, xhat, param, placements):
+    """The gradient of a LayerNorm weight (xhat given) or bias: the column sum of g (times
+    xhat), Partial over the ranks that split the summed dimensions."""
+    from cupytp.kernels.column_sum import column_sum
+    return make(column_sum(g, xhat, dtype=param.dtype), param.mesh, param.shape,
+                leading_sum_placements(placements, g.ndim))
 
 
 def _as_index(op, index, like):

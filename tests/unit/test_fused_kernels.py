@@ -1,5 +1,5 @@
 """The fused kernels of the GPT-2 step (vocab-parallel cross-entropy, bias + GeLU, embedding
-backward): each NumPy twin against an independent float64 reference (row-by-row formulas,
+backward, column sums): each NumPy twin against an independent float64 reference (row-by-row formulas,
 finite differences, a Python loop), and on a GPU each kernel against its twin."""
 import math
 
@@ -8,6 +8,8 @@ import pytest
 
 from cupytp.backend import asnumpy, bfloat16, xp
 from cupytp.kernels import compute_dtype, dtype_suffix
+from cupytp.kernels.column_sum import MAX_ROW_BLOCKS as SUM_ROW_BLOCKS, column_sum
+from cupytp.kernels.column_sum import column_sum_numpy
 from cupytp.kernels.cross_entropy import cross_entropy_backward, cross_entropy_backward_numpy
 from cupytp.kernels.cross_entropy import cross_entropy_forward, cross_entropy_forward_numpy
 from cupytp.kernels.embedding import embedding_backward, embedding_backward_numpy
@@ -121,6 +123,33 @@ def test_cross_entropy_rejects_bad_arrays():
     m, stats = cross_entropy_forward(logits, targets, 0, 7, IGNORE)
     with pytest.raises(ValueError, match="row_sum must be float32 of shape"):
         cross_entropy_backward(logits, m, stats[:, 0].astype(F64), targets, m, 0, 7, IGNORE)
+
+
+# ---- column sums twin ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [F64, F32, bfloat16, F16], ids=dtype_suffix)
+def test_column_sum_numpy_matches_row_loop(dtype):
+    x = random((3, 4, 9), dtype, seed=20)
+    h = random((3, 4, 9), compute_dtype(dtype), seed=21)
+    rows = x.reshape(-1, 9).astype(F64)
+    plain, product = numpy.zeros(9), numpy.zeros(9)
+    for i, row in enumerate(rows):
+        plain += row
+        product += row * h.reshape(-1, 9)[i].astype(F64)
+    assert column_sum(x).dtype == dtype
+    assert_close(column_sum(x), plain, dtype)
+    assert column_sum(x, h, dtype=F32 if dtype != F64 else F64).dtype == compute_dtype(dtype)
+    assert_close(column_sum(x, h, dtype=compute_dtype(dtype)), product, compute_dtype(dtype))
+
+
+def test_column_sum_rejects_bad_inputs():
+    x = random((4, 3), bfloat16)
+    with pytest.raises(ValueError, match="compute dtype"):
+        column_sum(x, random((4, 3), bfloat16))
+    with pytest.raises(ValueError, match="shape"):
+        column_sum(x, random((4, 2), F32))
+    with pytest.raises(ValueError, match="dtype"):
+        column_sum(numpy.ones((2, 2), numpy.int32))
 
 
 # ---- bias + GeLU twin ---------------------------------------------------------------------------
@@ -246,6 +275,29 @@ def test_bias_gelu_kernels_match_twin(dtype, shape):
     assert_close(dx, dx_twin, dtype)
     scale = max(1.0, float(numpy.abs(dbias_twin).max()))   # a sum over many rows
     assert_close(asnumpy(dbias) / scale, dbias_twin / scale, compute_dtype(dtype))
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype", [F32, F64, bfloat16, F16], ids=dtype_suffix)
+@pytest.mark.parametrize("shape", [(1, 1), (3, 1), (5, 7, 33), (8, 1024, 768),
+                                   (32 * SUM_ROW_BLOCKS + 3, 65), (0, 4)])
+def test_column_sum_kernel_matches_twin(dtype, shape):
+    x = random(shape, dtype, seed=22)
+    h = random(shape, compute_dtype(dtype), seed=23)
+    with poisoned_allocations():
+        plain = column_sum(xp.asarray(x))
+        product = column_sum(xp.asarray(x), xp.asarray(h), dtype=F32 if dtype != F64 else F64)
+        again = column_sum(xp.asarray(x))
+    assert plain.dtype == dtype and product.dtype == compute_dtype(dtype)
+    assert (asnumpy(again) == asnumpy(plain)).all()          # deterministic
+    rows = max(1, x.size // shape[-1])
+    for actual, expected, kind in ((plain, column_sum_numpy(x), dtype),
+                                   (product, column_sum_numpy(x, h, compute_dtype(dtype)),
+                                    compute_dtype(dtype))):
+        scale = max(1.0, float(numpy.sqrt(rows)))            # a sum over many rows
+        assert_close(asnumpy(actual).astype(F64) / scale,
+                     numpy.asarray(expected).astype(F64) / scale, kind)
 
 
 @pytest.mark.gpu

@@ -265,3 +265,19 @@ def test_autocast_bf16_contractions():
         results[dtype] = [value(out).astype(numpy.float64), value(x.grad), value(y.grad)]
     for got, want in zip(results["bf16"], results[None]):
         numpy.testing.assert_allclose(got, want, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("spec", ["btc,btd->cd", "btc,vc->btv", "btv,btc->vc", "btjd,cjd->btc",
+                                  "btc,btjd->cjd", "tbc,btd->dc", "bc,cd->bd"])
+def test_bf16_contractions_read_operands_in_place(spec):
+    """bfloat16 einsums run as one matmul of (views of) the operands, whatever axes they
+    contract and whatever order the output wants: the values are the float32 products of the
+    bf16 inputs (a transposition mistake would be far off)."""
+    sizes = dict(b=2, t=3, c=4, d=5, v=6, j=3)
+    letters = spec.split("->")[0].split(",")
+    a, b = (r(*[sizes[x] for x in s]).astype(backend.bfloat16) for s in letters)
+    out = ops.einsum(spec, dt(a, grad=False), dt(b, grad=False))
+    expected = numpy.einsum(spec, a.astype(numpy.float64), b.astype(numpy.float64))
+    assert out.dtype == backend.bfloat16 and out.shape == expected.shape
+    numpy.testing.assert_allclose(value(out).astype(numpy.float64), expected, rtol=1e-2,
+                                  atol=1e-2)
