@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # One device call on a 2-GPU machine: cupytp's training step beside the PyTorch anchors (copied
 # from the shared anchors folder into .carry/anchors, named in the device tool's carry), in the
-# same call. Usage: bench/gpu_bench.sh [check] [comm] [train] [host] (default: train host).
-# Logs under $OUT; the last thing printed is the table of bench/compare.py.
+# same call. Usage: bench/gpu_bench.sh [check] [comm] [train1] [train2] [train] [host] [profile]
+# (default: train host; train = train1 train2, the 1-GPU and the TP=2 pairs). A cuDNN frontend
+# wheel carried in .carry/wheels is installed first (the machines have no internet), so that
+# attention can run through cuDNN. Logs under $OUT; the last thing printed is the table of
+# bench/compare.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -11,7 +14,14 @@ out=${OUT:-/tmp/gpu_bench}
 mkdir -p "$out"
 anchors=.carry/anchors
 what=${*:-train host}
+what=${what//train1/one}; what=${what//train2/two}; what=${what//train/one two}
 pairs=()
+if compgen -G ".carry/wheels/nvidia_cudnn_frontend-*.whl" > /dev/null; then
+  pip install -q --no-deps --target /tmp/cupytp_pylib .carry/wheels/nvidia_cudnn_frontend-*.whl
+  export PYTHONPATH=$PYTHONPATH:/tmp/cupytp_pylib
+  lib=$(python3 -c "import nvidia.cudnn as c; print(list(c.__path__)[0] + '/lib')" 2>/dev/null) &&
+    export LD_LIBRARY_PATH=$lib:${LD_LIBRARY_PATH:-}
+fi
 run() {   # run NAME COMMAND...: output to $out/NAME.log
   local name=$1; shift
   timeout 300 "$@" > "$out/$name.log" 2>&1 || echo "$name exited $?" >&2
@@ -21,18 +31,25 @@ for part in $what; do
     check) bash scripts/gpu_check.sh > "$out/gpu_check.txt" 2>&1; tail -6 "$out/gpu_check.txt" ;;
     comm) mpiexec -n 2 python3 bench/collectives.py --out "$out" > "$out/collectives.txt" 2>&1
           tail -4 "$out/collectives.txt" ;;
-    train)
+    one)
       run ours_1gpu python3 bench/train_gpt2.py --tp 1 --dtype bf16 --label 124M-1gpu
       run torch_1gpu python3 $anchors/torch_tp_gpt2.py --dtype bf16 --sdpa 1 --steps 10
+      pairs+=("124M-1gpu-B8=$out/ours_1gpu.log,$out/torch_1gpu.log") ;;
+    two)
       run ours_tp2 mpiexec -n 2 python3 bench/train_gpt2.py --tp 2 --dtype bf16 --label 124M-tp2
       run torch_tp2 torchrun --nproc_per_node=2 $anchors/torch_megatron_tp.py --steps 10
       run ours_big mpiexec -n 2 python3 bench/train_gpt2.py --tp 2 --dtype bf16 --layers 24 \
           --embd 2048 --heads 16 --B 4 --label 24x2048-tp2
       run torch_big torchrun --nproc_per_node=2 $anchors/torch_megatron_tp.py --layers 24 \
           --embd 2048 --heads 16 --B 4 --steps 10
-      pairs+=("124M-1gpu-B8=$out/ours_1gpu.log,$out/torch_1gpu.log"
-              "124M-tp2-B8=$out/ours_tp2.log,$out/torch_tp2.log"
+      pairs+=("124M-tp2-B8=$out/ours_tp2.log,$out/torch_tp2.log"
               "24x2048-tp2-B4=$out/ours_big.log,$out/torch_big.log") ;;
+    profile)   # device time per kind of kernel, ours (eager: 2 + 5 + 5 steps) and PyTorch's
+      run profile_ours python3 bench/kernel_profile.py --per 12 -- bench/train_gpt2.py --tp 1 \
+          --dtype bf16 --no-cuda-graph --steps 5 --warmup 2
+      run profile_torch python3 bench/kernel_profile.py --per 13 -- $anchors/torch_tp_gpt2.py \
+          --dtype bf16 --sdpa 1 --steps 10
+      for side in ours torch; do grep -B2 -A16 "ms of kernels" "$out/profile_$side.log"; done ;;
     host)
       run ours_tiny python3 bench/train_gpt2.py --tp 1 --dtype bf16 --B 2 --T 64 --label tiny-eager \
           --no-cuda-graph
