@@ -21,6 +21,7 @@ returns (fully_shard finishes its last gradient reductions there).
 import threading
 from contextlib import contextmanager
 
+
 class _State(threading.local):
     enabled = True          # gradient mode
     node = None             # the node whose gradients backward() is computing

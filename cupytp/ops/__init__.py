@@ -4,7 +4,8 @@ The rule chooses the output placements from the inputs' and may reduce a Partial
 a Replicated one by itself; anything needing a gather is a ShardingError that says which
 redistribute to call.
 """
-from cupytp.ops.base import ShardingError, redistribute
+from cupytp.ops import methods  # noqa: F401  (DTensor's operators and math methods)
+from cupytp.ops.base import ShardingError
 from cupytp.ops.elementwise import (
     add, astype, bias_gelu, div, exp, gelu, log, masked_fill, mul, neg, pow, sqrt, sub, tanh)
 from cupytp.ops.linalg import autocast, einsum, matmul
@@ -14,6 +15,7 @@ from cupytp.ops.nn import (
 from cupytp.ops.reduction import broadcast_to, max, mean, sum, sum_to_shape
 from cupytp.ops.shape import (
     concat, getitem, permute, reshape, split, stack, transpose, unsqueeze)
+from cupytp.tensor.redistribute import redistribute
 
 __all__ = [
     "ShardingError", "causal_softmax", "autocast", "redistribute", "add", "astype", "bias_gelu",

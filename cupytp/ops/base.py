@@ -1,4 +1,5 @@
-"""What every op shares: input conversion by the automatic rules, errors, recording.
+"""What every op shares: input conversion by the automatic rules, errors, recording. The
+conversions themselves are `cupytp.tensor.redistribute`'s (the one home of redistribution).
 
 Sharding rules ask for input placements; only changes that need no gathering happen by
 themselves: a Partial input is reduced (the lazy reduction: all-reduce, or reduce-scatter when a
@@ -14,7 +15,7 @@ from cupytp.tensor.dtensor import DTensor
 from cupytp.tensor.layout import Layout
 from cupytp.tensor.placement import Partial, Replicated, Shard, describe
 from cupytp.tensor.redistribute import (
-    check_same_mesh, describe_layouts, grad_placements, redistribute_local)
+    check_same_mesh, describe_layouts, grad_placements, redistribute)
 
 
 class ShardingError(ValueError):
@@ -28,6 +29,21 @@ def fail(op, tensors, why, advice):
 
 def is_tensor(x):
     return isinstance(x, DTensor)
+
+
+_rules = {}
+
+
+def cached(key, rule, *args):
+    """`rule(*args)`, computed once per `key` (the inputs' shapes and placements, hashed fast
+    since placements are interned): an op's sharding rule runs once per layout signature, not
+    once per call. A rule that raises caches nothing, so every bad call gets its error."""
+    result = _rules.get(key)
+    if result is None:
+        if len(_rules) >= 65536:
+            _rules.clear()
+        result = _rules[key] = rule(*args)
+    return result
 
 
 def make(local, mesh, shape, placements):
@@ -57,28 +73,6 @@ def convert(op, x, placements, inputs):
     return redistribute(x, placements)
 
 
-def redistribute(x, placements, async_op=False):
-    """Differentiable redistribution; its backward redistributes the gradient back."""
-    layout = x.layout.with_placements(placements)
-    local, layout = redistribute_local(x._local, x.layout, layout.placements, async_op)
-    source = x.layout
-
-    def finish(local):
-        out = DTensor._make(local, layout)
-
-        def backward(g):
-            if any(p.is_partial() and p.op != "sum" for p in source.placements):
-                raise RuntimeError("no gradient through the reduction of a Partial(max) value; "
-                                   "detach() it (as cross_entropy does with its max)")
-            return (redistribute(g, grad_placements(source.placements)),)
-        return engine.record(out, (x,), backward, "redistribute")
-
-    if async_op:
-        from cupytp.distributed.process_group import Pending, Work
-        return Work(Pending(local.wait, local.is_completed), lambda: finish(local.wait()))
-    return finish(local)
-
-
 def scalar_or_tensor(op, x):
     """Python numbers stay numbers; arrays must be DTensors on the same mesh."""
     if isinstance(x, numbers.Number) or is_tensor(x):
@@ -88,7 +82,8 @@ def scalar_or_tensor(op, x):
 
 
 def same_mesh(op, tensors):
-    check_same_mesh(op, [t for t in tensors if is_tensor(t)])
+    if len(tensors) > 1:
+        check_same_mesh(op, [t for t in tensors if is_tensor(t)])
 
 
 def reduce_all(op, x):
@@ -109,5 +104,5 @@ def linear_grad(g, placements, strict=()):
 
 # names the op modules take from here along with the helpers
 __all__ = ["ShardingError", "Partial", "Replicated", "Shard", "backend", "engine", "DTensor",
-           "Layout", "convert", "fail", "is_tensor", "linear_grad", "make", "redistribute",
-           "reduce_all", "same_mesh", "scalar_or_tensor"]
+           "Layout", "cached", "convert", "fail", "is_tensor", "linear_grad", "make",
+           "redistribute", "reduce_all", "same_mesh", "scalar_or_tensor"]

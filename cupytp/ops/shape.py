@@ -10,7 +10,8 @@ import math
 import numpy
 
 from cupytp.ops.base import (
-    Partial, Replicated, Shard, backend, convert, engine, fail, linear_grad, make, same_mesh)
+    Partial, Replicated, Shard, backend, cached, convert, engine, fail, linear_grad, make,
+    same_mesh)
 
 
 # ---- reshape ------------------------------------------------------------------------------------
@@ -109,23 +110,31 @@ def reshape(x, shape):
         raise ValueError(f"reshape: cannot view {x.shape} ({x.size} elements) as {shape}")
     if shape == x.shape:
         return x
-    out = make(None, x.mesh, shape, _reshape_placements(x, shape))
+    placements = cached((_reshape_placements, x.shape, x.placements, x.mesh.shape, shape),
+                        _reshape_placements, x, shape)
+    out = make(None, x.mesh, shape, placements)
     out._local = x._local.reshape(out.layout.local_shape)
     source = x.shape
     return engine.record(out, (x,), lambda g: (reshape(g, source),), "reshape")
 
 
 # ---- transpose ----------------------------------------------------------------------------------
+def _permute_rule(shape, placements, dims):
+    """(dims made non-negative, output shape, output placements, the inverse permutation)."""
+    dims = tuple(d % len(shape) for d in dims)
+    if sorted(dims) != list(range(len(shape))):
+        raise ValueError(f"permute: {dims} is not a permutation of {len(shape)} dimensions")
+    placements = tuple(Shard(dims.index(p.dim)) if isinstance(p, Shard) else p
+                       for p in placements)
+    inverse = tuple(sorted(range(len(dims)), key=dims.__getitem__))
+    return dims, tuple(shape[d] for d in dims), placements, inverse
+
+
 def permute(x, dims):
     """Dimensions of `x` reordered: output dim i is input dim dims[i]."""
-    dims = tuple(d % x.ndim for d in dims)
-    if sorted(dims) != list(range(x.ndim)):
-        raise ValueError(f"permute: {dims} is not a permutation of {x.ndim} dimensions")
-    placements = tuple(Shard(dims.index(p.dim)) if isinstance(p, Shard) else p
-                       for p in x.placements)
-    out = make(backend.xp.transpose(x._local, dims), x.mesh,
-               tuple(x.shape[d] for d in dims), placements)
-    inverse = tuple(sorted(range(len(dims)), key=dims.__getitem__))
+    dims, shape, placements, inverse = cached((_permute_rule, x.shape, x.placements, tuple(dims)),
+                                              _permute_rule, x.shape, x.placements, dims)
+    out = make(backend.xp.transpose(x._local, dims), x.mesh, shape, placements)
     return engine.record(out, (x,), lambda g: (permute(g, inverse),), "permute")
 
 

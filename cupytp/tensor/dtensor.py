@@ -1,22 +1,16 @@
 """DTensor: a raw array (CuPy or NumPy) plus the Layout that says which part of what it holds.
 
 There is no other tensor class: a single-process tensor is a DTensor on a one-rank mesh. Ops come
-from `cupytp.ops` (each a sharding rule + local forward + local backward); the methods and
-operators here forward to them.
+from `cupytp.ops` (each a sharding rule + local forward + local backward), which attaches the
+operators and math methods (`+`, `@`, `[...]`, `sum`, `reshape`, ...) to this class when it is
+imported (`cupytp/ops/methods.py`): the tensor layer does not know the ops above it.
 """
-import numbers
-
-import numpy
+import math
 
 from cupytp import backend
 from cupytp.autograd import engine
 from cupytp.tensor.placement import Replicated, describe
-from cupytp.tensor.redistribute import grad_placements, redistribute_local
-
-
-def _ops():
-    import cupytp.ops as ops
-    return ops
+from cupytp.tensor.redistribute import grad_placements, redistribute, redistribute_local
 
 
 class DTensor:
@@ -58,7 +52,7 @@ class DTensor:
 
     @property
     def size(self):
-        return int(numpy.prod(self.layout.shape, dtype=numpy.int64))
+        return math.prod(self.layout.shape)
 
     @property
     def local_shape(self):
@@ -119,7 +113,7 @@ class DTensor:
 
         With `async_op=True` returns a Work whose wait() gives the DTensor.
         """
-        return _ops().redistribute(self, placements, async_op=async_op)
+        return redistribute(self, placements, async_op)
 
     # ---- autograd -------------------------------------------------------------------------------
     def requires_grad_(self, flag=True):
@@ -163,94 +157,3 @@ class DTensor:
 
     def zero_grad(self):
         self.grad = None
-
-    def sum_to_shape(self, shape):
-        """Sum away broadcast dimensions so the result has `shape`."""
-        return _ops().sum_to_shape(self, shape)
-
-    # ---- operators ------------------------------------------------------------------------------
-    def __add__(self, other):
-        return _ops().add(self, other)
-
-    def __radd__(self, other):
-        return _ops().add(other, self)
-
-    def __sub__(self, other):
-        return _ops().sub(self, other)
-
-    def __rsub__(self, other):
-        return _ops().sub(other, self)
-
-    def __mul__(self, other):
-        return _ops().mul(self, other)
-
-    def __rmul__(self, other):
-        return _ops().mul(other, self)
-
-    def __truediv__(self, other):
-        return _ops().div(self, other)
-
-    def __rtruediv__(self, other):
-        return _ops().div(other, self)
-
-    def __neg__(self):
-        return _ops().neg(self)
-
-    def __pow__(self, exponent):
-        if not isinstance(exponent, numbers.Number):
-            raise TypeError("a DTensor's power takes a Python number exponent")
-        return _ops().pow(self, exponent)
-
-    def __matmul__(self, other):
-        return _ops().matmul(self, other)
-
-    def __rmatmul__(self, other):
-        return _ops().matmul(other, self)
-
-    def __getitem__(self, index):
-        return _ops().getitem(self, index)
-
-    # ---- methods --------------------------------------------------------------------------------
-    def sum(self, dim=None, keepdim=False):
-        return _ops().sum(self, dim, keepdim)
-
-    def mean(self, dim=None, keepdim=False):
-        return _ops().mean(self, dim, keepdim)
-
-    def max(self, dim=None, keepdim=False):
-        return _ops().max(self, dim, keepdim)
-
-    def exp(self):
-        return _ops().exp(self)
-
-    def log(self):
-        return _ops().log(self)
-
-    def sqrt(self):
-        return _ops().sqrt(self)
-
-    def tanh(self):
-        return _ops().tanh(self)
-
-    def reshape(self, *shape):
-        return _ops().reshape(self, shape[0] if len(shape) == 1 and
-                              not isinstance(shape[0], int) else shape)
-
-    view = reshape
-
-    def transpose(self, dim0, dim1):
-        return _ops().transpose(self, dim0, dim1)
-
-    def permute(self, *dims):
-        return _ops().permute(self, dims[0] if len(dims) == 1 and
-                              not isinstance(dims[0], int) else dims)
-
-    @property
-    def T(self):
-        return _ops().transpose(self, -2, -1)
-
-    def astype(self, dtype):
-        return _ops().astype(self, dtype)
-
-    to = astype
-

@@ -20,22 +20,15 @@ class Layout:
     def __init__(self, mesh, shape, placements):
         shape = tuple(int(n) for n in shape)
         placements = tuple(placements)
-        if len(placements) != mesh.ndim:
-            raise LayoutError(f"{len(placements)} placements {describe(placements)} for a "
-                              f"{mesh.ndim}-D mesh: give one placement per mesh dimension")
-        normalized = []
-        for p in placements:
-            if not isinstance(p, Placement):
-                raise LayoutError(f"{p!r} is not a placement: use Shard(dim), Replicated() or "
-                                  "Partial()")
-            if isinstance(p, Shard):
-                if not -len(shape) <= p.dim < len(shape):
-                    raise LayoutError(f"{p} is out of range for a tensor of shape {shape}")
-                p = Shard(p.dim % len(shape))
-            normalized.append(p)
+        try:
+            normalized = _checked.get((placements, len(shape), mesh.ndim))
+        except TypeError:             # something unhashable: not a placement, said below
+            normalized = None
+        if normalized is None:
+            normalized = _check(shape, placements, mesh.ndim)
         self.mesh = mesh
         self.shape = shape
-        self.placements = tuple(normalized)
+        self.placements = normalized
         self._local = None
 
     @classmethod
@@ -80,9 +73,6 @@ class Layout:
     def with_placements(self, placements):
         return Layout(self.mesh, self.shape, placements)
 
-    def with_shape(self, shape):
-        return Layout(self.mesh, shape, self.placements)
-
     def is_replicated(self):
         return all(p.is_replicated() for p in self.placements)
 
@@ -100,6 +90,29 @@ class Layout:
     def __repr__(self):
         return f"Layout(shape={self.shape}, placements={describe(self.placements)}, " \
                f"mesh={self.mesh.shape})"
+
+
+_checked = {}          # (placements, tensor ndim, mesh ndim) -> normalized placements
+
+
+def _check(shape, placements, mesh_ndim):
+    """`placements` with Shard dims made non-negative, or a LayoutError saying what is wrong."""
+    if len(placements) != mesh_ndim:
+        raise LayoutError(f"{len(placements)} placements {describe(placements)} for a "
+                          f"{mesh_ndim}-D mesh: give one placement per mesh dimension")
+    normalized = []
+    for p in placements:
+        if not isinstance(p, Placement):
+            raise LayoutError(f"{p!r} is not a placement: use Shard(dim), Replicated() or "
+                              "Partial()")
+        if isinstance(p, Shard):
+            if not -len(shape) <= p.dim < len(shape):
+                raise LayoutError(f"{p} is out of range for a tensor of shape {shape}")
+            p = Shard(p.dim % len(shape))
+        normalized.append(p)
+    normalized = tuple(normalized)
+    _checked[placements, len(shape), mesh_ndim] = normalized
+    return normalized
 
 
 @lru_cache(maxsize=65536)

@@ -11,13 +11,19 @@ One table names the collective for each change of placement along one mesh dimen
 | S(d) → S(e) | all-to-all                               | all-to-all                |
 | R → P       | rank 0 keeps the value, the others zeros | identity                  |
 
-The backward of a redistribution is the redistribution of the gradient back to the input's
-placements (a Partial input's gradient is Replicated), which yields the conjugate above.
-Changes on several mesh dimensions run innermost-first to Replicated, then outermost-first to
-the target, so nested sharding of one tensor dimension stays right.
+`redistribute(x, placements)` (also `DTensor.redistribute`) is differentiable: it records its
+own node, whose backward is the redistribution of the gradient back to the input's placements
+(a Partial input's gradient is Replicated), which yields the conjugate above. Changes on several
+mesh dimensions run innermost-first to Replicated, then outermost-first to the target, so nested
+sharding of one tensor dimension stays right. A change along a mesh dimension of one rank moves
+no data: only the labels change.
 """
+import functools
+
 from cupytp import backend
+from cupytp.autograd import engine
 from cupytp.distributed.process_group import Pending, Work, split_sizes
+from cupytp.tensor.layout import Layout
 from cupytp.tensor.placement import Partial, Replicated, Shard, describe
 
 
@@ -59,15 +65,51 @@ def _direct_ok(current, target, mesh_dim, dims):
                    if k % len(current) != mesh_dim)
 
 
+def redistribute(x, placements, async_op=False):
+    """`x` (a DTensor) with `placements`, one per mesh dimension; its backward redistributes
+    the gradient back to x's placements (Partial made Replicated). With `async_op=True`, a Work
+    whose wait() gives the DTensor."""
+    source = x.layout
+    local, layout = redistribute_local(x._local, source, placements, async_op)
+
+    def backward(g):
+        if any(p.is_partial() and p.op != "sum" for p in source.placements):
+            raise RuntimeError("no gradient through the reduction of a Partial(max) value; "
+                               "detach() it (as cross_entropy does with its max)")
+        return (redistribute(g, grad_placements(source.placements)),)
+
+    def finish(local):
+        return engine.record(type(x)._make(local, layout), (x,), backward, "redistribute")
+
+    if async_op:
+        return Work(Pending(local.wait, local.is_completed), lambda: finish(local.wait()))
+    return finish(local)
+
+
 def redistribute_local(local, layout, placements, async_op=False):
     """(new local array or Work, new Layout): the data movement of a redistribution, no autograd.
 
     With `async_op`, the last collective returns a Work whose wait() gives the local array.
     """
-    from cupytp.tensor.layout import Layout
-    target = Layout(layout.mesh, layout.shape, placements).placements
-    current = list(layout.placements)
     mesh = layout.mesh
+    new_layout = Layout(mesh, layout.shape, placements)
+    placements_now = list(layout.placements)
+    steps = _steps(layout.placements, new_layout.placements, mesh.shape)
+    for n, (mesh_dim, c, t) in enumerate(steps):
+        last = n == len(steps) - 1
+        step_layout = Layout.trusted(mesh, layout.shape, tuple(placements_now))
+        local = _transition(local, step_layout, mesh_dim, c, t, async_op and last)
+        placements_now[mesh_dim] = t
+    if async_op and not isinstance(local, Work):
+        local = Work(Pending(), lambda done=local: done)
+    return local, new_layout
+
+
+@functools.lru_cache(maxsize=4096)
+def _steps(current, target, mesh_shape):
+    """The transitions (mesh dim, from, to) that take `current` placements to `target`, leaving
+    out those along mesh dimensions of one rank (they move no data)."""
+    current = list(current)
     dirty = _plan(current, target)
     steps = []
     # phase 1, innermost first: everything that changes goes to Replicated (or directly to its
@@ -92,16 +134,7 @@ def redistribute_local(local, layout, placements, async_op=False):
         if current[i] != target[i]:
             steps.append((i, current[i], target[i]))
             current[i] = target[i]
-    placements_now = list(layout.placements)
-    for n, (mesh_dim, c, t) in enumerate(steps):
-        last = n == len(steps) - 1
-        step_layout = Layout(mesh, layout.shape, placements_now)
-        local = _transition(local, step_layout, mesh_dim, c, t, async_op and last)
-        placements_now[mesh_dim] = t
-    new_layout = Layout(mesh, layout.shape, target)
-    if async_op and not isinstance(local, Work):
-        local = Work(Pending(), lambda done=local: done)
-    return local, new_layout
+    return tuple(step for step in steps if mesh_shape[step[0]] > 1)
 
 
 def _transition(local, layout, mesh_dim, c, t, async_op):
