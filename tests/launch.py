@@ -14,6 +14,12 @@ def under_mpiexec():
     return any(var in os.environ for var in _MPI_SIZE_VARS)
 
 
+def enough_devices(ranks):
+    """True when a job of `ranks` ranks can run here: always on the CPU, one GPU per rank."""
+    from cupytp import backend
+    return not backend.on_gpu or backend.xp.cuda.runtime.getDeviceCount() >= ranks
+
+
 def mpiexec(ranks, args, timeout, env=None):
     """Run `python args...` on `ranks` ranks; returns the CompletedProcess (output captured)."""
     launcher = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) \
