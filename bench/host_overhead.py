@@ -124,7 +124,7 @@ def main():
           f"B={B} T={T} ops_per_step={ops_per_step} host_ms={host_ms:.2f} "
           f"us_per_op={1e3 * host_ms / ops_per_step:.1f} cpu_ms={cpu_ms:.2f} "
           f"cpu_us_per_op={1e3 * cpu_ms / ops_per_step:.1f} wall_ms={wall_ms:.2f} {split} "
-          f"loss={loss.item():.4f}", flush=True)
+          f"loss={loss.item()!r}", flush=True)
 
     if args.profile_steps:
         profiler = cProfile.Profile()

@@ -116,7 +116,7 @@ def _topological_order(root):
         visited.add(id(tensor))
         stack.append((tensor, True))
         for parent in tensor._node.inputs:
-            if parent is not None and id(parent) not in visited:
+            if parent is not None and parent._node is not None and id(parent) not in visited:
                 stack.append((parent, False))
     return order[::-1]
 

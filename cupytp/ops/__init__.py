@@ -8,7 +8,8 @@ from cupytp.ops import methods  # noqa: F401  (DTensor's operators and math meth
 from cupytp.ops.base import ShardingError
 from cupytp.ops.elementwise import (
     add, astype, bias_gelu, div, exp, gelu, log, masked_fill, mul, neg, pow, sqrt, sub, tanh)
-from cupytp.ops.linalg import autocast, einsum, matmul
+from cupytp.ops.amp import autocast
+from cupytp.ops.linalg import einsum, matmul
 from cupytp.ops.nn import (
     causal_softmax, cross_entropy, dropout, embedding, layer_norm, log_softmax,
     scaled_dot_product_attention, softmax, take_along_last)

@@ -32,6 +32,7 @@ def is_tensor(x):
 
 
 _rules = {}
+_ndarray = backend.xp.ndarray
 
 
 def cached(key, rule, *args):
@@ -48,7 +49,7 @@ def cached(key, rule, *args):
 
 def make(local, mesh, shape, placements):
     """A DTensor from an op's local result (NumPy's full reductions give scalars: wrapped)."""
-    if local is not None and not isinstance(local, backend.xp.ndarray):
+    if local is not None and not isinstance(local, _ndarray):
         local = backend.xp.asarray(local)
     return DTensor._make(local, Layout.trusted(mesh, tuple(shape), tuple(placements)))
 
@@ -95,11 +96,16 @@ def linear_grad(g, placements, strict=()):
     """The gradient `g` of an op's output that had `placements`, ready for a backward that is
     linear in it: a Partial gradient may stay Partial (except on the mesh dims in `strict`,
     where the input is sharded); anything else is made to match the output's gradient layout."""
-    target = tuple(gp if gp.is_partial() and p.is_replicated() and dim not in strict else p
-                   for dim, (gp, p) in enumerate(zip(g.placements, grad_placements(placements))))
+    key = (linear_grad, g.placements, tuple(placements), frozenset(strict))
+    target = cached(key, _linear_grad_placements, *key[1:])
     if g.placements != target:
         g = redistribute(g, target)
     return g
+
+
+def _linear_grad_placements(grad, placements, strict):
+    return tuple(gp if gp.is_partial() and p.is_replicated() and dim not in strict else p
+                 for dim, (gp, p) in enumerate(zip(grad, grad_placements(placements))))
 
 
 # names the op modules take from here along with the helpers

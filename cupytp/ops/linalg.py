@@ -10,38 +10,13 @@ from the same rule.
 """
 import functools
 import string
-import threading
 
 import numpy
-from contextlib import contextmanager
 
 from cupytp.ops.base import (
     Partial, Replicated, Shard, backend, cached, convert, engine, fail, make, same_mesh)
+from cupytp.ops.amp import autocast_operand
 from cupytp.ops.elementwise import astype
-
-_autocast = threading.local()
-
-
-@contextmanager
-def autocast(dtype="bf16"):
-    """Inside: contractions (einsum, matmul, attention) cast floating operands to `dtype`
-    (through the differentiable cast, so fp32 parameters stay the masters and get fp32
-    gradients); other ops keep their inputs' dtype. `autocast(None)` turns it off."""
-    previous = getattr(_autocast, "dtype", None)
-    _autocast.dtype = None if dtype is None else backend.dtype(dtype)
-    try:
-        yield
-    finally:
-        _autocast.dtype = previous
-
-
-def autocast_operand(x):
-    """`x` cast to the autocast dtype inside `autocast` (differentiably), else `x` itself."""
-    dtype = getattr(_autocast, "dtype", None)
-    if dtype is None or x.dtype == dtype or x.dtype.kind not in "fV":
-        return x
-    return astype(x, dtype)
-
 
 def _parse(spec, a, b):
     return _parse_shapes(spec, a.shape, b.shape)

@@ -16,6 +16,7 @@ import dataclasses
 from cupytp import backend, graph
 from cupytp.kernels.values import MAX_VALUES, write_values
 from cupytp.nn.module import assign
+from cupytp.ops import amp
 from cupytp.tensor import DTensor
 from cupytp.tensor.placement import describe
 from cupytp.tensor.redistribute import grad_placements
@@ -103,7 +104,9 @@ class Optimizer(graph.GraphState):
 
     # ---- stepping -------------------------------------------------------------------------------
     def step(self):
-        """Update every parameter that has a gradient, in place on each rank's local arrays."""
+        """Update every parameter that has a gradient, in place on each rank's local arrays
+        (autocast's casts of the old values are dropped)."""
+        amp.clear_cache()
         record = graph.join(self)
         for index, group in enumerate(self.param_groups):
             buckets = self._buckets(group)

@@ -19,16 +19,9 @@ class Layout:
 
     def __init__(self, mesh, shape, placements):
         shape = tuple(int(n) for n in shape)
-        placements = tuple(placements)
-        try:
-            normalized = _checked.get((placements, len(shape), mesh.ndim))
-        except TypeError:             # something unhashable: not a placement, said below
-            normalized = None
-        if normalized is None:
-            normalized = _check(shape, placements, mesh.ndim)
         self.mesh = mesh
         self.shape = shape
-        self.placements = normalized
+        self.placements = _normalized(shape, placements, mesh.ndim)
         self._local = None
 
     @classmethod
@@ -71,7 +64,8 @@ class Layout:
         return extents
 
     def with_placements(self, placements):
-        return Layout(self.mesh, self.shape, placements)
+        return Layout.trusted(self.mesh, self.shape,
+                              _normalized(self.shape, placements, self.mesh.ndim))
 
     def is_replicated(self):
         return all(p.is_replicated() for p in self.placements)
@@ -93,6 +87,16 @@ class Layout:
 
 
 _checked = {}          # (placements, tensor ndim, mesh ndim) -> normalized placements
+
+
+def _normalized(shape, placements, mesh_ndim):
+    """`placements` (checked) as a tuple with Shard dims made non-negative."""
+    placements = tuple(placements)
+    try:
+        normalized = _checked.get((placements, len(shape), mesh_ndim))
+    except TypeError:             # something unhashable: not a placement, said by _check
+        normalized = None
+    return _check(shape, placements, mesh_ndim) if normalized is None else normalized
 
 
 def _check(shape, placements, mesh_ndim):

@@ -31,8 +31,10 @@ class RedistributeError(ValueError):
     """A requested redistribution that has no meaning (e.g. a mesh mismatch)."""
 
 
+@functools.lru_cache(maxsize=1024)
 def grad_placements(placements):
-    """The placements of a gradient for a value with `placements`: Partial becomes Replicated."""
+    """The placements of a gradient for a value with `placements` (a tuple): Partial becomes
+    Replicated."""
     return tuple(Replicated() if p.is_partial() else p for p in placements)
 
 
@@ -92,7 +94,7 @@ def redistribute_local(local, layout, placements, async_op=False):
     With `async_op`, the last collective returns a Work whose wait() gives the local array.
     """
     mesh = layout.mesh
-    new_layout = Layout(mesh, layout.shape, placements)
+    new_layout = layout.with_placements(placements)
     placements_now = list(layout.placements)
     steps = _steps(layout.placements, new_layout.placements, mesh.shape)
     for n, (mesh_dim, c, t) in enumerate(steps):
@@ -173,8 +175,11 @@ def _all_to_all(local, layout, mesh_dim, from_dim, to_dim, group, async_op):
 
 
 def check_same_mesh(op, tensors):
+    first = tensors[0].mesh
+    if all(t.mesh is first for t in tensors):
+        return
     meshes = [t.mesh for t in tensors]
-    if any(m is not meshes[0] and m != meshes[0] for m in meshes[1:]):
+    if any(m is not first and m != first for m in meshes[1:]):
         raise RedistributeError(f"{op}: inputs live on different meshes "
                                 f"({', '.join(repr(m) for m in meshes)}); redistribute them onto "
                                 "one mesh first")

@@ -1,0 +1,61 @@
+"""Automatic mixed precision: contractions in a 16-bit dtype, parameters kept as fp32 masters.
+
+Inside `autocast("bf16")` contractions (einsum, matmul, attention) and the bias of a linear layer
+cast their floating operands through the differentiable `astype`, so fp32 parameters get fp32
+gradients. As in PyTorch's autocast, a parameter (a leaf that requires a gradient) is cast once
+per autocast region: a weight used twice in a forward pass is one cast node, whose backward
+casts the summed gradient once. The cache is dropped when the outermost region exits and when an
+optimizer steps (`clear_cache`), so a cast never outlives the values it was made from.
+"""
+import threading
+from contextlib import contextmanager
+
+from cupytp import backend
+from cupytp.autograd import engine
+from cupytp.ops.elementwise import astype
+
+
+class _State(threading.local):
+    dtype = None            # the autocast dtype (None: off)
+    cache = None            # (id(parameter), dtype, grad mode) -> (parameter, its local, cast)
+
+
+_state = _State()
+
+
+@contextmanager
+def autocast(dtype="bf16"):
+    """Inside: contractions cast floating operands to `dtype` (through the differentiable cast,
+    so fp32 parameters stay the masters and get fp32 gradients); other ops keep their inputs'
+    dtype. `autocast(None)` turns it off."""
+    previous, previous_cache = _state.dtype, _state.cache
+    _state.dtype = None if dtype is None else backend.dtype(dtype)
+    if _state.cache is None:
+        _state.cache = {}
+    try:
+        yield
+    finally:
+        _state.dtype, _state.cache = previous, previous_cache
+
+
+def clear_cache():
+    """Forget the casts of parameters made so far (an optimizer calls it when it steps)."""
+    if _state.cache:
+        _state.cache.clear()
+
+
+def autocast_operand(x):
+    """`x` cast to the autocast dtype inside `autocast` (differentiably), else `x` itself; a
+    parameter's cast is made once per autocast region."""
+    dtype = _state.dtype
+    if dtype is None or x.dtype == dtype or x.dtype.kind not in "fV":
+        return x
+    if not (x.requires_grad and x._node is None):
+        return astype(x, dtype)
+    key = (id(x), dtype, engine.is_grad_enabled())
+    hit = _state.cache.get(key)
+    if hit is not None and hit[0] is x and hit[1] is x._local and hit[2]._node is not engine.FREED:
+        return hit[2]
+    cast = astype(x, dtype)
+    _state.cache[key] = (x, x._local, cast)
+    return cast

@@ -1,0 +1,165 @@
+"""The cheap host path of an op: interned placements, cached sharding rules, redistributions that
+move nothing on one-rank mesh dimensions, autocast's per-region cast of parameters; and the
+layering that keeps redistribute in one home (no import cycle between the packages)."""
+import ast
+import copy
+import pickle
+
+import numpy
+import pytest
+
+import cupytp
+from cupytp import backend, ops
+from cupytp.ops import amp
+from cupytp.optim import SGD
+from cupytp.tensor import Partial, Replicated, Shard
+from launch import REPO
+
+
+@pytest.fixture(scope="module", autouse=True)
+def runtime():
+    cupytp.init()
+
+
+def dt(array, placements=None, grad=True):
+    mesh = cupytp.DeviceMesh((1,), ("tp",))
+    return cupytp.from_local(backend.asarray(numpy.asarray(array)), mesh, placements,
+                             requires_grad=grad)
+
+
+def test_placements_are_interned_values():
+    assert Shard(1) is Shard(numpy.int64(1)) is Shard(dim=1)
+    assert Partial() is Partial("sum") and Partial(op="max") is Partial("max")
+    assert Replicated() is Replicated() and Shard(0) != Shard(1) and Shard(0) != Replicated()
+    for p in (Shard(2), Replicated(), Partial("max")):
+        assert pickle.loads(pickle.dumps(p)) is p and copy.deepcopy(p) is p
+    assert repr(Shard(1)) == "Shard(dim=1)" and str(Partial("max")) == "P(max)"
+    with pytest.raises(TypeError, match="integer tensor dimension"):
+        Shard(1.5)
+    with pytest.raises(ValueError, match="not one of"):
+        Partial("avg")
+    with pytest.raises(AttributeError):
+        Shard(0).dim = 1
+
+
+def test_a_failing_rule_fails_every_time():
+    a = dt(numpy.ones((4, 4)), (Shard(0),))
+    b = dt(numpy.ones((4, 4)), (Shard(1),))
+    for _ in range(2):
+        with pytest.raises(ops.ShardingError, match="different dimensions"):
+            a + b
+
+
+def test_one_rank_mesh_redistribution_moves_nothing():
+    """Along a mesh dimension of one rank every change of placement keeps the data; the node is
+    still recorded, and the gradient comes back laid out like the input."""
+    x = dt(numpy.arange(12.0).reshape(3, 4), (Shard(1),))
+    y = x.redistribute((Replicated(),))
+    assert y.to_local() is x.to_local() and y.placements == (Replicated(),)
+    assert y._node.name == "redistribute"
+    (y * 2.0).sum().backward()
+    assert x.grad.placements == (Shard(1),)
+    numpy.testing.assert_array_equal(backend.asnumpy(x.grad.to_local()), numpy.full((3, 4), 2.0))
+
+
+def casts_of(root, leaf):
+    """The astype nodes in `root`'s graph whose input is `leaf`."""
+    found, stack, seen = [], [root], set()
+    while stack:
+        t = stack.pop()
+        if t is None or id(t) in seen or t._node is None:
+            continue
+        seen.add(id(t))
+        if t._node.name == "astype" and t._node.inputs[0] is leaf:
+            found.append(t)
+        stack.extend(t._node.inputs)
+    return found
+
+
+def test_autocast_casts_a_parameter_once_per_region():
+    """A weight used twice under autocast is cast once; its gradient is the sum over both uses,
+    cast back to fp32 (small integers: every bf16 step is exact)."""
+    rng = numpy.random.default_rng(0)
+    x1, x2 = (rng.integers(-2, 3, size=(3, 4)).astype(numpy.float32) for _ in range(2))
+    w = dt(rng.integers(-2, 3, size=(4, 5)).astype(numpy.float32))
+    a, b = dt(x1, grad=False), dt(x2, grad=False)
+    with ops.autocast("bf16"):
+        y = a @ w + b @ w
+    assert y.dtype == backend.bfloat16 and len(casts_of(y, w)) == 1
+    y.astype("fp32").sum().backward()
+    assert w.grad.dtype == numpy.float32
+    numpy.testing.assert_array_equal(backend.asnumpy(w.grad.to_local()),
+                                     (x1 + x2).T @ numpy.ones((3, 5), numpy.float32))
+
+
+def test_autocast_cache_lives_one_region_and_one_optimizer_step():
+    w = dt(numpy.ones((4, 4), numpy.float32))
+    x = dt(numpy.ones((4, 4), numpy.float32), grad=False)
+    with ops.autocast("bf16"):
+        first = amp.autocast_operand(w)
+        assert amp.autocast_operand(w) is first
+        assert amp.autocast_operand(x) is not amp.autocast_operand(x)     # not a parameter
+        (x @ w).astype("fp32").sum().backward()
+        SGD([w], lr=0.5).step()                                          # new values
+        second = amp.autocast_operand(w)
+        assert second is not first
+        numpy.testing.assert_array_equal(backend.asnumpy(second.to_local()).astype(numpy.float32),
+                                         backend.asnumpy(w.to_local()))
+        (x @ w).astype("fp32").sum().backward()                          # frees second's node
+        assert amp.autocast_operand(w) is not second
+    with ops.autocast("bf16"):
+        assert amp.autocast_operand(w) is not second
+
+
+LAYERS = {"nn": "nn+parallel", "parallel": "nn+parallel"}   # one layer in docs/design.md
+
+
+def package_imports():
+    """{package: {packages it imports}} over every import in cupytp (function-level ones too),
+    with the place of one import for each edge."""
+    edges = {}
+    for path in sorted((REPO / "cupytp").rglob("*.py")):
+        parts = path.relative_to(REPO / "cupytp").with_suffix("").parts
+        if parts == ("__init__",):
+            continue
+        source = LAYERS.get(parts[0], parts[0])
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] if node.module != "cupytp" else \
+                    [f"cupytp.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == "cupytp" and len(parts) > 1:
+                    target = LAYERS.get(parts[1], parts[1])
+                    if target != source:
+                        edges.setdefault(source, {}).setdefault(
+                            target, f"{path.relative_to(REPO)}:{node.lineno}")
+    return edges
+
+
+def test_packages_import_without_cycles():
+    """The packages form layers: no chain of imports leads from a package back to itself (the
+    tensor layer, in particular, never reaches up to the ops)."""
+    edges = package_imports()
+    assert "ops" not in edges.get("tensor", {})
+    done, path = set(), []
+
+    def visit(package):
+        if package in path:
+            cycle = path[path.index(package):] + [package]
+            where = [edges[a][b] for a, b in zip(cycle, cycle[1:])]
+            raise AssertionError(f"import cycle {' -> '.join(cycle)} ({', '.join(where)})")
+        if package in done:
+            return
+        path.append(package)
+        for target in edges.get(package, {}):
+            visit(target)
+        path.pop()
+        done.add(package)
+
+    for package in sorted(edges):
+        visit(package)
