@@ -9,7 +9,7 @@ from cupytp.ops import (
     ShardingError, autocast, concat, cross_entropy, dropout, einsum, embedding, gelu, layer_norm,
     log_softmax, matmul, softmax, split, stack)
 from cupytp.tensor import (
-    DTensor, Layout, Partial, Replicated, Shard, ShardingType, arange, distribute, from_local,
+    DTensor, Layout, Partial, Replicated, Shard, arange, distribute, from_local,
     full, local_mesh, manual_seed, ones, rand, randn, zeros)
 
 from cupytp import debug      # after the layers it looks at
@@ -22,6 +22,6 @@ __all__ = [
     "set_memory_limit", "ShardingError", "autocast",
     "concat", "cross_entropy", "dropout", "einsum", "embedding", "gelu", "layer_norm",
     "log_softmax", "matmul", "softmax", "split", "stack", "DTensor", "Layout", "Partial",
-    "Replicated", "Shard", "ShardingType", "arange", "distribute", "from_local", "full",
+    "Replicated", "Shard", "arange", "distribute", "from_local", "full",
     "local_mesh", "manual_seed", "ones", "rand", "randn", "zeros", "debug",
 ]

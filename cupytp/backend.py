@@ -79,11 +79,6 @@ def asarray(array, dtype=None):
     return xp.asarray(array, dtype=dtype)
 
 
-def current_stream_ptr():
-    """The raw pointer of the current CUDA stream (0 on CPU)."""
-    return xp.cuda.get_current_stream().ptr if on_gpu else 0
-
-
 def synchronize():
     """Wait until the current stream's work is done (a no-op on CPU).
 

@@ -25,9 +25,9 @@ _state = _State()
 
 @contextmanager
 def autocast(dtype="bf16"):
-    """Inside: contractions cast floating operands to `dtype` (through the differentiable cast,
-    so fp32 parameters stay the masters and get fp32 gradients); other ops keep their inputs'
-    dtype. `autocast(None)` turns it off."""
+    """Inside: contractions (einsum, matmul, attention) cast floating operands to `dtype`
+    (through the differentiable cast, so fp32 parameters stay the masters and get fp32
+    gradients); other ops keep their inputs' dtype. `autocast(None)` turns it off."""
     previous, previous_cache = _state.dtype, _state.cache
     _state.dtype = None if dtype is None else backend.dtype(dtype)
     if _state.cache is None:

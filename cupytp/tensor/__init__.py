@@ -3,12 +3,12 @@ from cupytp.tensor.dtensor import DTensor
 from cupytp.tensor.factory import (
     arange, distribute, from_local, full, local_mesh, ones, rand, randn, zeros)
 from cupytp.tensor.layout import Layout, LayoutError
-from cupytp.tensor.placement import Partial, Placement, Replicated, Shard, ShardingType
+from cupytp.tensor.placement import Partial, Placement, Replicated, Shard
 from cupytp.tensor.random import Generator, default_generator, manual_seed
 from cupytp.tensor.redistribute import RedistributeError
 
 __all__ = [
     "DTensor", "arange", "distribute", "from_local", "full", "local_mesh", "ones", "rand",
     "randn", "zeros", "Layout", "LayoutError", "Partial", "Placement", "Replicated", "Shard",
-    "ShardingType", "Generator", "default_generator", "manual_seed", "RedistributeError",
+    "Generator", "default_generator", "manual_seed", "RedistributeError",
 ]

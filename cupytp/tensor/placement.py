@@ -89,13 +89,6 @@ class Partial(Placement):
         return "P" if self.op == "sum" else f"P({self.op})"
 
 
-class ShardingType:
-    """The placements under one name, as in `ShardingType.Shard(1)`."""
-    Shard = Shard
-    Replicated = Replicated
-    Partial = Partial
-
-
 def describe(placements):
     """A layout's placements as a short string: `[S(0), R]`."""
     return "[" + ", ".join(str(p) for p in placements) + "]"
