@@ -1,5 +1,6 @@
 """Training-step throughput of GPT-2 on random tokens (no data pipeline), tensor-parallel over
 the launched ranks:  mpiexec -n N python bench/train_gpt2.py --model 124M --tp N
+(--fsdp: the data-parallel ranks fully sharded, parameters gathered in --dtype).
 
 Times full steps (forward, backward, clipping, AdamW) after warm-up, with the device synchronized
 around the timed region; on GPU the step is one captured CUDA graph (--no-cuda-graph: eager).
@@ -22,6 +23,7 @@ from cupytp import backend, memory, nn, ops  # noqa: E402
 from cupytp.kernels import cudnn_attention  # noqa: E402
 from cupytp.models.gpt2 import GPT2, preset  # noqa: E402
 from cupytp.optim import AdamW, clip_grad_norm_, decay_groups  # noqa: E402
+from cupytp.parallel import fully_shard  # noqa: E402
 from cupytp.tensor import Replicated, Shard, from_local  # noqa: E402
 
 
@@ -60,6 +62,10 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--fsdp", action="store_true", help="fully shard over the dp ranks")
+    p.add_argument("--untied", action="store_true", help="an LM head of its own (as the "
+                   "FSDP anchor's model)")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="0: no clipping (as the anchors)")
     p.add_argument("--no-cuda-graph", action="store_true", help="run every step eagerly")
     p.add_argument("--profile", action="store_true", help="eager, synchronized per module")
     p.add_argument("--label", default="", help="a name for this run in the RESULT line")
@@ -73,8 +79,12 @@ def main():
     cupytp.manual_seed(0)
     overrides = {k: v for k, v in (("n_layer", args.layers), ("n_embd", args.embd),
                                    ("n_head", args.heads)) if v is not None}
-    config = preset(args.model, **overrides)
+    config = preset(args.model, tie_word_embeddings=not args.untied, **overrides)
     model = GPT2(config, mesh)
+    if args.fsdp:
+        fully_shard(model, mesh, param_dtype=args.dtype)
+        if info.rank == 0:
+            print(model.fsdp_summary())
     optimizer = AdamW(decay_groups(model.parameters(), 0.1), lr=1e-4)
     rng = numpy.random.default_rng(mesh.get_local_rank("dp"))
     placements = (Shard(0), Replicated())
@@ -90,7 +100,8 @@ def main():
         with ops.autocast(None if args.dtype == "fp32" else args.dtype):
             _, loss = model(x, y)
         profile("backward", loss.backward)
-        profile("clip_grad_norm_", clip_grad_norm_, model.parameters(), 1.0)
+        if args.grad_clip:
+            profile("clip_grad_norm_", clip_grad_norm_, model.parameters(), args.grad_clip)
         profile("optimizer", optimizer.step)
         optimizer.zero_grad(set_to_none=False)   # keep the buffers: no reallocation
         return loss
@@ -126,7 +137,8 @@ def main():
     tokens_per_s = args.B * dp * args.T * args.steps / elapsed
     mfu = config.flops_per_token(args.T) * tokens_per_s / info.world_size / BF16_PEAK_FLOPS
     print(f"RESULT cupytp {args.label or args.model} graph={int(not eager)} dtype={args.dtype} "
-          f"tp={tp} dp={dp} L={config.n_layer} C={config.n_embd} B={args.B} T={args.T} "
+          f"tp={tp} dp={dp} fsdp={int(args.fsdp)} params={model.num_parameters() / 1e6:.0f}M "
+          f"L={config.n_layer} C={config.n_embd} B={args.B} T={args.T} "
           f"tok/s={tokens_per_s:.0f} step_ms={1e3 * elapsed / args.steps:.2f} "
           f"device_ms={device_ms:.2f} host_ms={1e3 * host / args.steps:.2f} "
           f"peak_alloc_GiB={stats['allocated_bytes_peak'] / 2 ** 30:.2f} "

@@ -5,6 +5,7 @@ model on CPU or GPT-2 124M on GPU. `--tp` ranks split every layer; the remaining
 (world / tp) split the batch. Logs (CSV, JSON lines, loss.png) go to --out.
 """
 import argparse
+import contextlib
 import glob
 import math
 import os
@@ -27,6 +28,7 @@ from cupytp.models.gpt2 import GPT2, preset  # noqa: E402
 from cupytp.ops import autocast  # noqa: E402
 from cupytp.optim import (AdamW, clip_grad_norm_, constant, cosine_with_warmup,  # noqa: E402
                           decay_groups, linear)
+from cupytp.parallel import fully_shard  # noqa: E402
 from cupytp.tensor import Replicated, Shard, default_generator, from_local  # noqa: E402
 from cupytp.utils import TrainLog, estimate_mfu, plot_loss  # noqa: E402
 
@@ -70,6 +72,8 @@ def parse_args(argv):
     p.add_argument("--tp", type=POSITIVE_INT, default=1, help="tensor-parallel ranks")
     p.add_argument("--dp", type=POSITIVE_INT, default=None,
                    help="data-parallel ranks (default world/tp)")
+    p.add_argument("--fsdp", action="store_true", help="shard parameters, gradients and "
+                   "optimizer states over the data-parallel ranks instead of replicating them")
     p.add_argument("--data", default=None, help="a text file, or a directory of llm.c .bin "
                    "shards (*train*.bin, *val*.bin); default: tiny Shakespeare")
     p.add_argument("--tokenizer", default="byte", choices=["byte", "bpe", "tiktoken"])
@@ -287,10 +291,12 @@ def make_train_step(model, optimizer, args):
     (gradients accumulate), clipping, AdamW. On GPU it is captured as one CUDA graph and replayed
     (unless --no-cuda-graph). Returns the last micro-batch's loss and the gradient norm."""
     def train_step(batches):
-        for x, y in batches:
-            with autocast(None if args.dtype == "fp32" else args.dtype):
-                _, loss = model(x, y)
-            (loss * (1.0 / len(batches))).backward()
+        for i, (x, y) in enumerate(batches):
+            last = i == len(batches) - 1
+            with contextlib.nullcontext() if last or not args.fsdp else model.no_sync():
+                with autocast(None if args.dtype == "fp32" else args.dtype):
+                    _, loss = model(x, y)
+                (loss * (1.0 / len(batches))).backward()
         norm = clip_grad_norm_(model.parameters(), args.grad_clip) if args.grad_clip else None
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)   # keep the buffers: no reallocation
@@ -322,6 +328,9 @@ def train(args):
         model = GPT2.from_pretrained(args.init_from, mesh)
     else:
         model = GPT2(config, mesh)
+    if args.fsdp:
+        fully_shard(model, mesh, param_dtype=args.dtype)
+        say(info.rank, model.fsdp_summary())
     optimizer = AdamW(decay_groups(model.named_parameters(), args.weight_decay), lr=args.lr,
                       betas=(0.9, 0.95), eps=1e-8)
     lr_at = lr_schedule(args)

@@ -34,6 +34,7 @@ class GPT2Config:
     bias: bool = True
     layer_norm_epsilon: float = 1e-5
     initializer_range: float = 0.02
+    tie_word_embeddings: bool = True    # False: the LM head has its own [vocab, C] weight
 
     def padded_vocab(self, tp=1):
         """vocab_size rounded up to a multiple of 64 × tp (every rank gets an equal share)."""
@@ -79,14 +80,21 @@ class GPT2Transformer(nn.Module):
                       init_std=std, proj_init_std=proj_std, eps=config.layer_norm_epsilon)
             for _ in range(config.n_layer)])
         self.ln_f = nn.LayerNorm(config.n_embd, mesh, config.layer_norm_epsilon, config.bias)
+        self._position_ids = {}                # (T, mesh) -> 0, 1, ..., T-1, made once
 
     def forward(self, ids):
         b, t = ids.shape
-        positions = cupytp.arange(t, ids.mesh, (Replicated(),) * ids.mesh.ndim)
-        x = self.drop(self.wte(ids) + self.wpe(positions))    # (B, T, C)
+        x = self.drop(self.wte(ids) + self.wpe(self.positions(t, ids.mesh)))    # (B, T, C)
         for block in self.h:
             x = block(x)
         return self.ln_f(x)
+
+    def positions(self, t, mesh):
+        """The position ids 0, 1, ..., t-1 (Replicated on `mesh`), built once per length."""
+        key = (t, mesh)
+        if key not in self._position_ids:
+            self._position_ids[key] = cupytp.arange(t, mesh, (Replicated(),) * mesh.ndim)
+        return self._position_ids[key]
 
 
 def _padded(embedding, rows):
@@ -121,7 +129,12 @@ class GPT2(nn.Module):
         tp = tp or (mesh.shape[nn.tp_dim(mesh)] if mesh is not None else 1)
         self.vocab = config.padded_vocab(tp)
         self.transformer = GPT2Transformer(config, self.vocab, local_mesh())
-        self.lm_head = nn.DLMHead(self.transformer.wte)
+        head = self.transformer.wte
+        if not config.tie_word_embeddings:
+            head = self.lm_head_embedding = _padded(nn.DEmbedding(
+                config.vocab_size, config.n_embd, local_mesh(),
+                init_std=config.initializer_range), self.vocab)
+        self.lm_head = nn.DLMHead(head)
         if mesh is not None:
             apply_tensor_parallel(self, mesh)
 
@@ -172,10 +185,10 @@ class GPT2(nn.Module):
                 value = value.reshape(c, 3 * c)
             elif name.endswith("attn.c_attn.bias"):
                 value = value.reshape(3 * c)
-            elif name == "transformer.wte.weight":
+            elif name in ("transformer.wte.weight", "lm_head_embedding.weight"):
                 value = value[:v]
             out[name] = value
-        out["lm_head.weight"] = out["transformer.wte.weight"]
+        out["lm_head.weight"] = out.pop("lm_head_embedding.weight", out["transformer.wte.weight"])
         return out
 
     def load_hf_state_dict(self, read):

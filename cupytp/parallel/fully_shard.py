@@ -122,8 +122,10 @@ class _Slot:
 
 
 def _dp_shard_dim(layout, dp):
-    """The largest tensor dimension no other mesh dimension shards (None if there is none)."""
-    taken = {p.dim for d, p in enumerate(layout.placements) if d != dp and p.is_shard()}
+    """The largest tensor dimension no other mesh dimension of more than one rank shards (None
+    if there is none)."""
+    taken = {p.dim for d, p in enumerate(layout.placements)
+             if d != dp and p.is_shard() and layout.mesh.shape[d] > 1}
     free = [d for d in range(len(layout.shape)) if d not in taken]
     return max(free, key=lambda d: (layout.shape[d], -d)) if free else None
 
