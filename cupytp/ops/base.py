@@ -5,7 +5,8 @@ Sharding rules ask for input placements; only changes that need no gathering hap
 themselves: a Partial input is reduced (the lazy reduction: all-reduce, or reduce-scatter when a
 Shard is wanted) and a Replicated input is sliced to a Shard. Anything else (a Shard input that
 would have to be gathered or moved) is a ShardingError naming the op, the layouts, and the
-redistribute that would make it work.
+redistribute that would make it work; along a mesh dimension of one rank, where no change moves
+data, every change happens by itself.
 """
 import numbers
 
@@ -61,12 +62,13 @@ def automatic(current, target):
 
 
 def convert(op, x, placements, inputs):
-    """`x` redistributed to `placements` where the automatic rules allow it, else ShardingError."""
+    """`x` redistributed to `placements` where the automatic rules allow it (and along mesh
+    dimensions of one rank, where no change moves data), else ShardingError."""
     placements = tuple(placements)
     if x.placements == placements:
         return x
-    for current, target in zip(x.placements, placements):
-        if not automatic(current, target):
+    for current, target, ranks in zip(x.placements, placements, x.mesh.shape):
+        if ranks > 1 and not automatic(current, target):
             fail(op, inputs, f"it needs {x.shape}{describe(x.placements)} as "
                  f"{describe(placements)}",
                  f"Call .redistribute({describe(placements)}) on that input first (or choose "

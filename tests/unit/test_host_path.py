@@ -62,6 +62,23 @@ def test_one_rank_mesh_redistribution_moves_nothing():
     numpy.testing.assert_array_equal(backend.asnumpy(x.grad.to_local()), numpy.full((3, 4), 2.0))
 
 
+def test_one_rank_mesh_converts_any_layout():
+    """An op that needs an input Replicated takes it as it is along a one-rank mesh dimension
+    (a sharded LayerNorm weight here), where on more ranks it would ask for a gather; the
+    gradient comes back laid out like the input."""
+    rng = numpy.random.default_rng(1)
+    x, w, b = rng.standard_normal((3, 8)), rng.standard_normal(8), rng.standard_normal(8)
+    results = []
+    for placements in ((Shard(0),), (Replicated(),)):
+        weight = dt(w, placements)
+        out = ops.layer_norm(dt(x, grad=False), weight, dt(b))
+        (out * out).sum().backward()
+        assert weight.grad.placements == placements
+        results.append([backend.asnumpy(t.full_tensor()) for t in (out, weight.grad)])
+    for sharded, replicated in zip(*results):
+        numpy.testing.assert_array_equal(sharded, replicated)
+
+
 def casts_of(root, leaf):
     """The astype nodes in `root`'s graph whose input is `leaf`."""
     found, stack, seen = [], [root], set()
