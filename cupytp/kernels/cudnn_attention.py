@@ -14,7 +14,8 @@ import os
 
 from cupytp.backend import bfloat16, xp
 from cupytp.kernels import is_device_array
-from cupytp.kernels.flash_attention import DTYPES, HEAD_DIMS, check_lse, like_output
+from cupytp.kernels.flash_attention import DTYPES, HEAD_DIMS, check_grads, check_lse
+from cupytp.kernels.flash_attention import like_output
 
 CHOICES = ("auto", "flash", "cudnn", "matmul")
 
@@ -76,10 +77,10 @@ def attention_forward(q, k, v, causal, scale, dropout=None):
     return o, stats.reshape(b, h, t)
 
 
-def attention_backward(q, k, v, o, lse, do, causal, scale, dropout=None):
+def attention_backward(q, k, v, o, lse, do, causal, scale, dropout=None, grads=None):
     _no_dropout(dropout)
     b, h, t, d = q.shape
-    dq, dk, dv = like_output(q), like_output(k), like_output(v)
+    dq, dk, dv = check_grads(grads, q, k, v)
     o, do = _laid_out(o), _laid_out(do)     # one layout for both, as the graph wants
     check_lse(lse, q)
     stats = xp.ascontiguousarray(lse).reshape(b, h, t, 1)

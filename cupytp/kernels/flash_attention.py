@@ -5,8 +5,9 @@ never does).
 `attention_forward(q, k, v, causal, scale, dropout)` → (o, lse): o = softmax(scale q kᵀ) v in
 q's dtype, returned as a (B, H, T, D) view of (B, T, H, D) memory (so o.transpose(1, 2) is
 contiguous); lse (B, H, T) float32, the log-sum-exp of each row of scaled scores (-inf for a query
-that sees no key). `attention_backward(q, k, v, o, lse, do, causal, scale, dropout)` →
-(dq, dk, dv), laid out like o. Causal: query t sees keys s <= t + S - T. Inputs may be strided
+that sees no key). `attention_backward(q, k, v, o, lse, do, causal, scale, dropout, grads=None)` →
+(dq, dk, dv), laid out like o, or written into `grads` (three arrays shaped like q, k and v with
+contiguous rows: views into one packed gradient, say). Causal: query t sees keys s <= t + S - T. Inputs may be strided
 views; bf16 or fp16, head dim 64 or 128 (`supported`); fp32 accumulation.
 
 Dropout (an `AttentionDropout`, or None) zeroes the probability (b, h, t, s) unless the Philox
@@ -71,14 +72,15 @@ def attention_forward(q, k, v, causal, scale, dropout=None):
     return o, lse
 
 
-def attention_backward(q, k, v, o, lse, do, causal, scale, dropout=None):
+def attention_backward(q, k, v, o, lse, do, causal, scale, dropout=None, grads=None):
     _check(q=q, k=k, v=v, o=o, do=do)
     check_lse(lse, q)
+    grads = check_grads(grads, q, k, v)
     if not is_device_array(q):
-        return attention_backward_numpy(q, k, v, o, lse, do, causal, scale, dropout)
+        return fill(grads, attention_backward_numpy(q, k, v, o, lse, do, causal, scale, dropout))
     b, h, t, d = q.shape
     s = k.shape[2]
-    dq, dk, dv = like_output(q), like_output(k), like_output(v)
+    dq, dk, dv = grads
     if not (dq.size and dk.size):       # no query or no key: nothing flows back
         for grad in (dq, dk, dv):
             grad.fill(0)
@@ -126,6 +128,27 @@ def _check(**arrays):
     if b * h > 65535:
         raise ValueError(f"flash attention: batch x heads = {b * h} exceeds the grid's 65535: "
                          "split the batch")
+
+
+def check_grads(grads, q, k, v):
+    """(dq, dk, dv) to write: `grads` when given (arrays shaped like q, k, v with contiguous rows
+    of D, e.g. views into one packed q|k|v gradient), else new arrays (like_output)."""
+    if grads is None:
+        return like_output(q), like_output(k), like_output(v)
+    for name, grad, like in zip(("dq", "dk", "dv"), grads, (q, k, v)):
+        if type(grad) is not type(like) or grad.shape != like.shape or grad.dtype != like.dtype \
+                or (grad.size and grad.strides[3] != grad.itemsize):
+            raise ValueError(f"attention backward: {name} must be a {like.dtype} "
+                             f"{type(like).__name__} of shape {like.shape} with contiguous "
+                             f"rows, got {type(grad).__name__} {grad.dtype} {grad.shape}")
+    return tuple(grads)
+
+
+def fill(grads, values):
+    """`values` copied into `grads` (the NumPy twin's results into the asked-for arrays)."""
+    for grad, value in zip(grads, values):
+        grad[...] = value
+    return grads
 
 
 def check_lse(lse, q):

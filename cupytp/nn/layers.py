@@ -210,10 +210,9 @@ class DAttention(Module):
         b, t, c = x.shape
         h = self.num_heads
         qkv = self.c_attn(x).reshape(b, t, 3, h, c // h)            # (B, T, 3, H/tp, D)
-        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # (B, H/tp, T, D)
         p = self.attn_dropout.p if self.training else 0.0
-        y = ops.scaled_dot_product_attention(q, k, v, causal=True, dropout_p=p)  # (B, H/tp, T, D)
-        y = y.transpose(1, 2).reshape(b, t, c)                     # (B, T, C/tp)
+        y = ops.packed_attention(qkv, causal=True, dropout_p=p)      # (B, T, H/tp, D)
+        y = y.reshape(b, t, c)                                       # (B, T, C/tp)
         return self.resid_dropout(self.c_proj(y))
 
     def parallel_plan(self):

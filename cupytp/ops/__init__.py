@@ -12,7 +12,7 @@ from cupytp.ops.amp import autocast
 from cupytp.ops.linalg import einsum, matmul
 from cupytp.ops.nn import (
     causal_softmax, cross_entropy, dropout, embedding, layer_norm, log_softmax,
-    scaled_dot_product_attention, softmax, take_along_last)
+    packed_attention, scaled_dot_product_attention, softmax, take_along_last)
 from cupytp.ops.reduction import broadcast_to, max, mean, sum, sum_to_shape
 from cupytp.ops.shape import (
     concat, getitem, permute, reshape, split, stack, transpose, unsqueeze)
@@ -22,7 +22,7 @@ __all__ = [
     "ShardingError", "causal_softmax", "autocast", "redistribute", "add", "astype", "bias_gelu",
     "div", "exp", "gelu", "log", "masked_fill", "mul", "neg", "pow", "sqrt", "sub", "tanh",
     "einsum", "matmul",
-    "cross_entropy", "dropout", "embedding", "layer_norm", "log_softmax",
+    "cross_entropy", "dropout", "embedding", "layer_norm", "log_softmax", "packed_attention",
     "scaled_dot_product_attention", "softmax", "take_along_last", "broadcast_to", "max", "mean",
     "sum", "sum_to_shape", "concat", "getitem", "permute", "reshape", "split", "stack",
     "transpose", "unsqueeze",

@@ -12,6 +12,7 @@ import numpy
 from cupytp.ops.base import (
     Partial, Replicated, Shard, backend, cached, convert, engine, fail, is_tensor, linear_grad,
     make, same_mesh, scalar_or_tensor)
+from cupytp.kernels import bias_add, is_device_array
 from cupytp.ops.reduction import leading_sum_placements
 
 LINEAR_JOINTLY = "jointly"      # add, sub: P op P is P, nothing else
@@ -97,7 +98,16 @@ def apply(op, fn, operands, linear, backward_fn=None):
 
 # ---- binary -------------------------------------------------------------------------------------
 def add(a, b):
-    return apply("add", lambda x, y: x + y, [a, b], LINEAR_JOINTLY, lambda g, a, b, out: (g, g))
+    return apply("add", _add_local, [a, b], LINEAR_JOINTLY, lambda g, a, b, out: (g, g))
+
+
+def _add_local(x, y):
+    """x + y; a bias along the last dimension of a GPU array goes through the bias_add kernel
+    (the same sum, without CuPy's broadcast indexing)."""
+    for big, small in ((x, y), (y, x)):
+        if is_device_array(big) and is_device_array(small) and bias_add.applies(big, small):
+            return bias_add.bias_add(big, small)
+    return x + y
 
 
 def sub(a, b):

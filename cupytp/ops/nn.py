@@ -357,20 +357,12 @@ def _attention_placements(q, k, v):
 def _flash_attention(q, k, v, causal, dropout_p, generator):
     """One node: flash forward (o and the row log-sum-exp kept), flash backward; cuDNN's fused
     attention instead where it applies (`kernels/cudnn_attention.py`, CUPYTP_ATTENTION)."""
-    from cupytp.kernels import cudnn_attention, flash_attention
     inputs = [q, k, v]
     same_mesh("scaled_dot_product_attention", inputs)
     placements = _attention_placements(q, k, v)
     q, k, v = (convert("scaled_dot_product_attention", x, placements, inputs) for x in inputs)
-    b, h, t, d = q.shape
-    scale = 1.0 / math.sqrt(d)
-    drop = None
-    if dropout_p > 0:
-        seed, base, add = (generator or default_generator).philox_args(b * h * t * k.shape[2])
-        drop = flash_attention.AttentionDropout(dropout_p, seed, base, add, h,
-                                                *q.layout.offsets[:2])
-    kernels = cudnn_attention if cudnn_attention.applies(q._local, k._local, dropout_p) else \
-        flash_attention
+    kernels, scale, drop = _attention_setup(q._local, k._local, dropout_p, generator,
+                                            q.shape[:3] + k.shape[2:3], q.layout.offsets[:2])
     o, lse = kernels.attention_forward(q._local, k._local, v._local, causal, scale, drop)
     out = make(o, q.mesh, q.shape, placements)                   # (B, H/tp, T, D)
 
@@ -382,3 +374,60 @@ def _flash_attention(q, k, v, causal, dropout_p, generator):
         return tuple(make(local, x.mesh, x.shape, g.placements)
                      for local, x in zip(grads, (q, k, v)))
     return engine.record(out, (q, k, v), backward, "scaled_dot_product_attention")
+
+
+def _attention_setup(q, k, dropout_p, generator, shape, offsets):
+    """(kernels, scale, dropout) for flash attention on local (B, H, T, D) arrays of a global
+    (B, H, T, S) problem at (batch, head) `offsets`: cuDNN's kernels where they apply, else the
+    RawKernel's; the dropout draws counters of the global problem."""
+    from cupytp.kernels import cudnn_attention, flash_attention
+    b, h, t, s = shape
+    drop = None
+    if dropout_p > 0:
+        seed, base, add = (generator or default_generator).philox_args(b * h * t * s)
+        drop = flash_attention.AttentionDropout(dropout_p, seed, base, add, h, *offsets)
+    kernels = cudnn_attention if cudnn_attention.applies(q, k, dropout_p) else flash_attention
+    return kernels, 1.0 / math.sqrt(q.shape[-1]), drop
+
+
+def packed_attention(qkv, causal=True, dropout_p=0.0, generator=None):
+    """Attention over packed queries, keys and values `qkv` (B, T, 3, H, D) (a fused q|k|v
+    projection's output): (B, T, H, D), the `scaled_dot_product_attention` of qkv[:, :, i]
+    transposed to (B, H, T, D). Batch Shard(0) and heads Shard(3) need no communication. On the
+    flash path the kernels read the three parts in place and the backward writes their gradients
+    straight into one packed gradient (no scatter of three)."""
+    from cupytp.kernels import cudnn_attention
+    from cupytp.kernels.flash_attention import supported
+    if qkv.ndim != 5 or qkv.shape[2] != 3:
+        raise ValueError(f"packed_attention takes q|k|v packed as (B, T, 3, H, D), got shape "
+                         f"{qkv.shape}")
+    if not 0 <= dropout_p < 1:
+        raise ValueError(f"attention dropout probability must be in [0, 1), got {dropout_p}")
+    qkv = autocast_operand(qkv)
+    if not supported(*_unpacked(qkv._local)) or cudnn_attention.choice() == "matmul":
+        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+        y = scaled_dot_product_attention(q, k, v, causal, dropout_p, generator)
+        return y.transpose(1, 2)
+    placements = tuple(p if p in (Shard(0), Shard(3)) else Replicated() for p in qkv.placements)
+    qkv = convert("packed_attention", qkv, placements, [qkv])
+    b, t, _, h, d = qkv.shape
+    views = _unpacked(qkv._local)
+    kernels, scale, drop = _attention_setup(views[0], views[1], dropout_p, generator,
+                                            (b, h, t, t), qkv.layout.offsets[::3][:2])
+    o, lse = kernels.attention_forward(*views, causal, scale, drop)   # (B, H, T, D) view
+    out = make(o.transpose(0, 2, 1, 3), qkv.mesh, (b, t, h, d),
+               tuple(Shard(2) if p == Shard(3) else p for p in placements))
+
+    def backward(g):
+        g = linear_grad(g, out.placements)
+        grad = backend.xp.empty_like(qkv._local)
+        do = g._local.astype(o.dtype, copy=False).transpose(0, 2, 1, 3)
+        kernels.attention_backward(*views, o, lse, do, causal, scale, drop,
+                                   grads=_unpacked(grad))
+        return (make(grad, qkv.mesh, qkv.shape, placements),)
+    return engine.record(out, (qkv,), backward, "packed_attention")
+
+
+def _unpacked(qkv):
+    """(q, k, v) as (B, H, T, D) views of a local (B, T, 3, H, D) array."""
+    return tuple(qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))

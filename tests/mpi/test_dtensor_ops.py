@@ -253,6 +253,37 @@ def test_flash_attention_equals_matmul_path(mesh, causal, p):
             assert numpy.linalg.norm(got - want) < 0.01 * numpy.linalg.norm(want), placements
 
 
+@pytest.mark.parametrize("p", [0.0, 0.25])
+def test_packed_attention_equals_three_part_attention(mesh, p):
+    """packed_attention of a (B, T, 3, H, D) bf16 tensor (flash node, packed gradient) equals
+    scaled_dot_product_attention of its transposed parts on one rank in float64 (the matmul
+    path), output and gradient, with 5 heads split unevenly or the batch split, dropout
+    included; float64 takes the composed path and matches it to rounding."""
+    packed = rng_array((2, 6, 3, 5, 64), 36)
+    weight = rng_array((2, 6, 5, 64), 37)
+
+    def unpacked(qkv):
+        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+        return ops.scaled_dot_product_attention(q, k, v, causal=True, dropout_p=p).transpose(1, 2)
+
+    def run(fn, mesh_, placements, dtype):
+        qkv = lay_out(packed.astype(dtype), mesh_, placements, requires_grad=True)
+        cupytp.manual_seed(9)
+        out = fn(qkv)
+        (out * lay_out(weight.astype(dtype), mesh_, (R,) * mesh_.ndim)).sum().backward()
+        return [full(out).astype(numpy.float64), full(qkv.grad).astype(numpy.float64)]
+
+    expected = run(unpacked, cupytp.local_mesh(), (R,), numpy.float64)
+    packed_attention = lambda qkv: ops.packed_attention(qkv, causal=True, dropout_p=p)
+    for (placements,) in each(mesh, [R, S(3), S(0)]):
+        for got, want in zip(run(packed_attention, mesh, placements, bfloat16), expected):
+            assert numpy.linalg.norm(got - want) < 0.01 * numpy.linalg.norm(want), placements
+        for got, want in zip(run(packed_attention, mesh, placements, numpy.float64), expected):
+            numpy.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="packed as"):
+        ops.packed_attention(lay_out(packed[:, :, :2], mesh, (R,) * mesh.ndim))
+
+
 def test_attention_rejects_sequence_sharding(mesh1d):
     q = lay_out(rng_array((1, 2, 8, 64), 34).astype(bfloat16), mesh1d, (S(2),))
     with pytest.raises(ShardingError, match="batch \\(0\\) or heads \\(1\\)"):

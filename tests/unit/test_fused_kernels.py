@@ -1,5 +1,5 @@
 """The fused kernels of the GPT-2 step (vocab-parallel cross-entropy, bias + GeLU, embedding
-backward, column sums): each NumPy twin against an independent float64 reference (row-by-row formulas,
+backward, column sums, bias add): each NumPy twin against an independent float64 reference (row-by-row formulas,
 finite differences, a Python loop), and on a GPU each kernel against its twin."""
 import math
 
@@ -8,6 +8,7 @@ import pytest
 
 from cupytp.backend import asnumpy, bfloat16, xp
 from cupytp.kernels import compute_dtype, dtype_suffix
+from cupytp.kernels.bias_add import applies as bias_add_applies, bias_add, bias_add_numpy
 from cupytp.kernels.column_sum import MAX_ROW_BLOCKS as SUM_ROW_BLOCKS, column_sum
 from cupytp.kernels.column_sum import column_sum_numpy
 from cupytp.kernels.cross_entropy import cross_entropy_backward, cross_entropy_backward_numpy
@@ -150,6 +151,27 @@ def test_column_sum_rejects_bad_inputs():
         column_sum(x, random((4, 2), F32))
     with pytest.raises(ValueError, match="dtype"):
         column_sum(numpy.ones((2, 2), numpy.int32))
+
+
+# ---- bias add twin ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [F64, F32, bfloat16, F16], ids=dtype_suffix)
+def test_bias_add_numpy_equals_broadcast_sum(dtype):
+    x, bias = random((3, 4, 9), dtype, seed=24), random((9,), dtype, seed=25)
+    y = bias_add(x, bias)
+    assert y.dtype == dtype and y.shape == x.shape
+    expected = (x.astype(F64) + bias.astype(F64)).astype(dtype)   # one rounding of the sum
+    assert (y.astype(F64) == expected.astype(F64)).all()
+
+
+def test_bias_add_applies_only_to_a_row_bias():
+    x = random((4, 3), F32)
+    assert bias_add_applies(x, random((3,), F32))
+    assert not bias_add_applies(x, random((4,), F32))             # not the last dimension
+    assert not bias_add_applies(x, random((3,), F64))             # other dtype: promotion
+    assert not bias_add_applies(x.T, random((4,), F32))           # not contiguous
+    with pytest.raises(ValueError, match="bias of shape"):
+        bias_add(x, random((2,), F32))
 
 
 # ---- bias + GeLU twin ---------------------------------------------------------------------------
@@ -298,6 +320,18 @@ def test_column_sum_kernel_matches_twin(dtype, shape):
         scale = max(1.0, float(numpy.sqrt(rows)))            # a sum over many rows
         assert_close(asnumpy(actual).astype(F64) / scale,
                      numpy.asarray(expected).astype(F64) / scale, kind)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype", [F32, F64, bfloat16, F16], ids=dtype_suffix)
+@pytest.mark.parametrize("shape", [(1, 1), (5, 7, 33), (8, 1024, 2304)])
+def test_bias_add_kernel_matches_twin_and_cupy(dtype, shape):
+    x, bias = random(shape, dtype, seed=26), random(shape[-1:], dtype, seed=27)
+    with poisoned_allocations():
+        y = bias_add(xp.asarray(x), xp.asarray(bias))
+    assert (asnumpy(y).astype(F64) == bias_add_numpy(x, bias).astype(F64)).all()
+    assert (y == xp.asarray(x) + xp.asarray(bias)).all()          # bit-identical to CuPy's
 
 
 @pytest.mark.gpu
