@@ -195,7 +195,7 @@ class GPT2(nn.Module):
         """Load from Hugging Face keys; `read(key, index)` returns the array `file[key][index]`
         so each rank reads only its block. Missing or mis-shaped keys are errors."""
         c, v = self.config.n_embd, self.config.vocab_size
-        for name, tensor in self.state_dict().items():
+        for name, tensor in self.sharded_state_dict().items():     # this rank's blocks
             layout = Layout(tensor.mesh, tensor.shape, tensor.placements)
             offsets, local_shape = layout.local_block()
             block = tuple(slice(o, o + n) for o, n in zip(offsets, local_shape))
