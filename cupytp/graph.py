@@ -209,6 +209,7 @@ class CudaGraph:
         from cupytp import memory
         xp = backend.xp
         caller = xp.cuda.get_current_stream()
+        memory.empty_cache()    # the warm-up's free blocks: the graph's pool would hold its own
         self._stream = xp.cuda.Stream(non_blocking=True)
         self._stream.wait_event(caller.record())
         self.pool = memory.new_private_pool()
