@@ -5,7 +5,8 @@ the launched ranks:  mpiexec -n N python bench/train_gpt2.py --model 124M --tp N
 Times full steps (forward, backward, clipping, AdamW) after warm-up, with the device synchronized
 around the timed region; on GPU the step is one captured CUDA graph (--no-cuda-graph: eager).
 Prints one RESULT line: tokens/s, ms/step, device time of one step (CUDA events), host time to
-issue a step, peak memory of the framework's pool per GPU and MFU. With --profile it instead
+issue a step, peak memory of the framework's pool per GPU over the whole run (warm-up and
+capture included, as the anchors' peaks are) and MFU. With --profile it instead
 synchronizes around every module call, the loss and each phase, and prints where a step's time
 goes (inclusive per module type).
 """
@@ -116,7 +117,6 @@ def main():
         profile.watch_modules()
     backend.synchronize()
     cupytp.distributed.barrier()
-    memory.reset_peak_memory_stats()
     host = 0.0
     start = time.perf_counter()
     for i in range(args.steps):

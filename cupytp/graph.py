@@ -156,8 +156,10 @@ class CudaGraph:
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
-        if not backend.on_gpu or self.calls <= self.warmup:
+        if not backend.on_gpu:
             return self.fn(*args, **kwargs)
+        if self.calls <= self.warmup:
+            return self._warm_up(args, kwargs)
         signature = _signature((args, kwargs))
         if self.graph is None:
             self._capture(args, kwargs, signature)
@@ -205,14 +207,33 @@ class CudaGraph:
             return backend.xp.empty_like(value)
         return value
 
+    def _side(self):
+        """Enter the side stream (made with the graph's private pool at the first call; it first
+        waits for the caller's stream) and return the caller's stream. Warm-up and capture both
+        run there, so the capture reuses the blocks the warm-up freed instead of holding a
+        second step's worth of memory beside the default pool."""
+        from cupytp import memory
+        xp = backend.xp
+        if self._stream is None:
+            self._stream = xp.cuda.Stream(non_blocking=True)
+            self.pool = memory.new_private_pool()
+        caller = xp.cuda.get_current_stream()
+        self._stream.wait_event(caller.record())
+        return caller
+
+    def _warm_up(self, args, kwargs):
+        from cupytp import memory
+        caller = self._side()
+        with self._stream, memory.use_pool(self.pool):
+            out = self.fn(*args, **kwargs)
+        caller.wait_event(self._stream.record())
+        return out
+
     def _capture(self, args, kwargs, signature):
         from cupytp import memory
         xp = backend.xp
-        caller = xp.cuda.get_current_stream()
-        memory.empty_cache()    # the warm-up's free blocks: the graph's pool would hold its own
-        self._stream = xp.cuda.Stream(non_blocking=True)
-        self._stream.wait_event(caller.record())
-        self.pool = memory.new_private_pool()
+        memory.empty_cache()    # what an earlier eager step left cached in the default pool
+        caller = self._side()
         capture = _Capture()
         with self._stream, memory.use_pool(self.pool):
             static_args, static_kwargs = self._static_copy((args, kwargs))
@@ -252,7 +273,8 @@ def cuda_graph(fn=None, *, warmup=1):
     """Capture `fn` (a training step) into one CUDA graph and replay it on later calls.
 
     The first `warmup` calls run eagerly (they create gradients, optimizer states, cuBLAS handles
-    and compiled kernels at their lasting addresses); the next call captures `fn` on the inputs'
+    and compiled kernels at their lasting addresses), on the graph's side stream and from its
+    private memory pool, whose freed blocks the capture then reuses; the next call captures `fn` on the inputs'
     static copies and replays it; every later call copies its inputs (arrays or DTensors of the
     same shapes, dtypes and layouts) into the static buffers and replays. The return value is the
     captured call's output, overwritten in place by each replay: read or copy it before the next
