@@ -10,8 +10,8 @@ import numbers
 import numpy
 
 from cupytp.ops.base import (
-    Partial, Replicated, Shard, backend, cached, convert, engine, fail, is_tensor, linear_grad,
-    make, same_mesh, scalar_or_tensor)
+    DTensor, Partial, Replicated, Shard, backend, cached, convert, engine, fail, is_tensor,
+    linear_grad, make, same_mesh, scalar_or_tensor)
 from cupytp.kernels import bias_add, is_device_array
 from cupytp.ops.reduction import leading_sum_placements
 
@@ -79,16 +79,18 @@ def _layout_rule(op, operands, linear):
 
 def apply(op, fn, operands, linear, backward_fn=None):
     """Run elementwise `fn` on the local arrays of `operands` (DTensors and numbers)."""
-    tensors = [x for x in operands if is_tensor(x)]
+    tensors = [x for x in operands if isinstance(x, DTensor)]
     if len(tensors) < len(operands):
         operands = [scalar_or_tensor(op, x) for x in operands]
     same_mesh(op, tensors)
-    signature = tuple([(x.shape, x.placements) if is_tensor(x) else None for x in operands])
+    signature = tuple([(x.shape, x.placements) if isinstance(x, DTensor) else None
+                       for x in operands])
     targets, out_shape, out_placements = cached((_layout_rule, linear, signature), _layout_rule,
                                                 op, operands, linear)
-    converted = iter([convert(op, t, p, tensors) for t, p in zip(tensors, targets)])
-    operands = [next(converted) if is_tensor(x) else x for x in operands]
-    local = fn(*[x._local if is_tensor(x) else x for x in operands])
+    if any([t.placements != p for t, p in zip(tensors, targets)]):
+        converted = iter([convert(op, t, p, tensors) for t, p in zip(tensors, targets)])
+        operands = [next(converted) if isinstance(x, DTensor) else x for x in operands]
+    local = fn(*[x._local if isinstance(x, DTensor) else x for x in operands])
     out = make(local, tensors[0].mesh, out_shape, out_placements)
     if backward_fn is None:
         return out

@@ -9,14 +9,14 @@ themselves, so their layouts (a Partial input gradient of a column-parallel laye
 from the same rule.
 """
 import functools
+import math
 import string
-
-import numpy
 
 from cupytp.ops.base import (
     Partial, Replicated, Shard, backend, cached, convert, engine, fail, make, same_mesh)
 from cupytp.ops.amp import autocast_operand
 from cupytp.ops.elementwise import astype
+
 
 def _parse(spec, a, b):
     return _parse_shapes(spec, a.shape, b.shape)
@@ -70,9 +70,9 @@ def _rule(spec, sa, sb, out, a, b):
     return tuple(targets_a), tuple(targets_b), tuple(placements)
 
 
-def _as_matmul(sa, sb, out, x, y):
-    """`x @ y` (each possibly transposed) when the spec is a batched matmul, else None."""
-    xp = backend.xp
+def _matmul_transposes(sa, sb, out):
+    """(transpose x?, transpose y?) when `sa,sb->out` is the batched matmul of x and y (each
+    possibly transposed), else None."""
     if len(out) < 2 or len(sa) != len(out):
         return None
     batch, (m, n) = out[:-2], out[-2:]
@@ -82,9 +82,7 @@ def _as_matmul(sa, sb, out, x, y):
     k = k.pop()
     if {*sa[-2:]} != {m, k} or {*sb[-2:]} != {k, n}:
         return None
-    x = x if sa[-2:] == m + k else xp.swapaxes(x, -1, -2)
-    y = y if sb[-2:] == k + n else xp.swapaxes(y, -1, -2)
-    return _matmul(x, y)
+    return sa[-2:] != m + k, sb[-2:] != k + n
 
 
 def _matmul(x, y):
@@ -111,7 +109,7 @@ def _tensordot(x, y, axes_x, axes_y):
         return backend.xp.tensordot(x, y, axes=(axes_x, axes_y))
     keep_x = [d for d in range(x.ndim) if d not in axes_x]
     keep_y = [d for d in range(y.ndim) if d not in axes_y]
-    inner = int(numpy.prod([x.shape[d] for d in axes_x], dtype=numpy.int64))
+    inner = math.prod(x.shape[d] for d in axes_x)
     out = _matmul(_as_matrix(x, list(axes_x), contracted_last=True, inner=inner),
                   _as_matrix(y, list(axes_y), contracted_last=False, inner=inner))
     return out.reshape([x.shape[d] for d in keep_x] + [y.shape[d] for d in keep_y])
@@ -132,10 +130,11 @@ def _as_matrix(v, axes, contracted_last, inner):
     return matrix.reshape(-1, inner) if contracted_last else matrix.reshape(inner, -1)
 
 
-def _local_einsum(sa, sb, out, x, y):
-    """The local contraction through BLAS: a tensordot when nothing shared is kept, a (batched,
-    possibly transposed or swapped) matmul; einsum only for anything else."""
-    xp = backend.xp
+@functools.lru_cache(maxsize=4096)
+def _contraction(sa, sb, out):
+    """How `sa,sb->out` runs locally: ("tensordot", swap, axes of the first, axes of the second,
+    output permutation or None), ("matmul", swap, transpose first?, transpose second?) or
+    ("einsum",); `swap`: y goes first."""
     shared = [letter for letter in sa if letter in sb]
     if not any(letter in out for letter in shared):
         free = "".join(letter for letter in sa + sb if letter not in shared)
@@ -143,14 +142,29 @@ def _local_einsum(sa, sb, out, x, y):
             axes_x, axes_y = [sa.index(c) for c in shared], [sb.index(c) for c in shared]
             swapped = "".join(letter for letter in sb + sa if letter not in shared)
             if out == swapped and out != free:        # y's kept letters first: yᵀ-side product
-                return _tensordot(y, x, axes_y, axes_x)
-            result = _tensordot(x, y, axes_x, axes_y)
-            return result if out == free else xp.transpose(result, [free.index(c) for c in out])
-    for first, second, a, b in ((sa, sb, x, y), (sb, sa, y, x)):
-        result = _as_matmul(first, second, out, a, b)
-        if result is not None:
-            return result
-    return xp.einsum(f"{sa},{sb}->{out}", x, y)
+                return "tensordot", True, axes_y, axes_x, None
+            return ("tensordot", False, axes_x, axes_y,
+                    None if out == free else [free.index(c) for c in out])
+    for swap, (first, second) in enumerate(((sa, sb), (sb, sa))):
+        transposes = _matmul_transposes(first, second, out)
+        if transposes is not None:
+            return ("matmul", bool(swap)) + transposes
+    return ("einsum",)
+
+
+def _local_einsum(sa, sb, out, x, y):
+    """The local contraction through BLAS: a tensordot when nothing shared is kept, a (batched,
+    possibly transposed or swapped) matmul; einsum only for anything else."""
+    xp = backend.xp
+    plan = _contraction(sa, sb, out)
+    if plan[0] == "einsum":
+        return xp.einsum(f"{sa},{sb}->{out}", x, y)
+    first, second = (y, x) if plan[1] else (x, y)
+    if plan[0] == "matmul":
+        return _matmul(xp.swapaxes(first, -1, -2) if plan[2] else first,
+                       xp.swapaxes(second, -1, -2) if plan[3] else second)
+    result = _tensordot(first, second, plan[2], plan[3])
+    return result if plan[4] is None else xp.transpose(result, plan[4])
 
 
 def einsum(spec, a, b):
@@ -179,8 +193,13 @@ def matmul(a, b):
                          f"{b.shape}")
     if b.ndim > a.ndim or (b.ndim > 2 and b.shape[:-2] != a.shape[a.ndim - b.ndim:-2]):
         raise ValueError(f"matmul: batch dimensions of {b.shape} must match those of {a.shape}")
-    letters = string.ascii_lowercase
-    batch = letters[:a.ndim - 2]
+    return einsum(_matmul_spec(a.ndim, b.ndim), a, b)
+
+
+@functools.lru_cache(maxsize=64)
+def _matmul_spec(ndim_a, ndim_b):
+    """The einsum spec of `a @ b`: 'abxy,byz->abxz' for 4-D a and 3-D b."""
+    batch = string.ascii_lowercase[:ndim_a - 2]
     m, k, n = "x", "y", "z"
-    sb = batch[len(batch) - (b.ndim - 2):] + k + n if b.ndim > 2 else k + n
-    return einsum(f"{batch}{m}{k},{sb}->{batch}{m}{n}", a, b)
+    sb = batch[len(batch) - (ndim_b - 2):] + k + n if ndim_b > 2 else k + n
+    return f"{batch}{m}{k},{sb}->{batch}{m}{n}"
