@@ -176,7 +176,10 @@ def _all_to_all(local, layout, mesh_dim, from_dim, to_dim, group, async_op):
 
 def check_same_mesh(op, tensors):
     first = tensors[0].mesh
-    if all(t.mesh is first for t in tensors):
+    for t in tensors:
+        if t.mesh is not first:
+            break
+    else:
         return
     meshes = [t.mesh for t in tensors]
     if any(m is not first and m != first for m in meshes[1:]):
