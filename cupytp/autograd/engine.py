@@ -4,8 +4,9 @@ Each op that runs while gradients are enabled, on an input that requires them, r
 its output: the inputs and a `backward(grad) -> grads per input` closure. `backward(root)` orders
 the nodes reachable from `root` (iteratively, no recursion), walks them in reverse, and hands
 every gradient to its input: summed into the pending gradient of a non-leaf, given to a leaf's
-`accumulate_grad`. Broadcast dimensions are summed away here, once, for every op. The walked
-nodes are freed, so a second backward through the same graph is an error.
+`accumulate_grad`. Broadcast dimensions are summed away here, once, for every op. A node holds
+its inputs' nodes, not the input tensors, so the tape keeps only what backward closures saved.
+The walked nodes are freed, so a second backward through the same graph is an error.
 
 The engine is generic over the tensor type; what it needs from a tensor is `requires_grad`,
 `_node`, `shape`, `accumulate_grad(grad)`, and from a gradient `sum_to_shape(shape)` and `+`.
@@ -54,18 +55,28 @@ def enable_grad():
 
 
 class Node:
-    """One recorded op: `inputs` (tensors, None where no gradient is needed), `backward`, and
-    the `scope` it ran in (None unless a scope source is set)."""
-    __slots__ = ("inputs", "backward", "name", "scope")
+    """One recorded op: `inputs` (per input of the op: the input's own Node when it was computed
+    by a recorded op, the tensor itself when it is a leaf, None where no gradient is needed),
+    `backward`, the output's `shape`, and the `scope` it ran in (None unless a scope source is
+    set). The tape keeps nodes, not the values of intermediate tensors: an activation that no
+    backward closure saved is freed as soon as the forward pass drops it."""
+    __slots__ = ("inputs", "backward", "name", "shape", "scope")
 
-    def __init__(self, inputs, backward, name, scope=None):
+    def __init__(self, inputs, backward, name, shape, scope=None):
         self.inputs = inputs
         self.backward = backward
         self.name = name
+        self.shape = shape
         self.scope = scope
 
 
-FREED = Node((), None, "freed")
+def is_walked(tensor):
+    """True when `tensor` was computed by a recorded op that a backward pass has already walked
+    (its saved values freed): it cannot be differentiated through again."""
+    node = tensor._node
+    return node is not None and node.backward is None
+
+
 _scope_source = None
 
 
@@ -91,32 +102,34 @@ def record(output, inputs, backward, name):
     """Attach a Node to `output` when gradients are on and some input requires one."""
     if not _state.enabled:
         return output
-    needed = tuple([t if t is not None and t.requires_grad else None for t in inputs])
+    needed = tuple([None if t is None or not t.requires_grad else
+                    (t if t._node is None else t._node) for t in inputs])
     if needed.count(None) < len(needed):
         output.requires_grad = True
-        output._node = Node(needed, backward, name,
+        output._node = Node(needed, backward, name, output.shape,
                             None if _scope_source is None else _scope_source())
     return output
 
 
 def _topological_order(root):
-    """Tensors with a node, every tensor after all tensors computed from it (iterative DFS)."""
+    """The nodes reachable from node `root`, each after every node computed from it (iterative
+    DFS)."""
     order, visited = [], set()
     stack = [(root, False)]
     while stack:
-        tensor, expanded = stack.pop()
+        node, expanded = stack.pop()
         if expanded:
-            order.append(tensor)
+            order.append(node)
             continue
-        if id(tensor) in visited or tensor._node is None:
+        if id(node) in visited:
             continue
-        if tensor._node is FREED:
+        if node.backward is None:
             raise RuntimeError("backward through a graph that an earlier backward already freed:"
                                " run the forward pass again")
-        visited.add(id(tensor))
-        stack.append((tensor, True))
-        for parent in tensor._node.inputs:
-            if parent is not None and parent._node is not None and id(parent) not in visited:
+        visited.add(id(node))
+        stack.append((node, True))
+        for parent in node.inputs:
+            if type(parent) is Node and id(parent) not in visited:
                 stack.append((parent, False))
     return order[::-1]
 
@@ -137,11 +150,11 @@ def backward(root, grad):
     if root._node is None:
         root.accumulate_grad(grad)
         return
-    pending = {id(root): grad}
+    pending = {id(root._node): grad}
     _state.callbacks = []
     with no_grad():
         try:
-            _walk(root, pending)
+            _walk(root._node, pending)
         finally:
             _state.node = None
         while _state.callbacks:
@@ -150,24 +163,24 @@ def backward(root, grad):
 
 def _walk(root, pending):
     """The reverse walk: each node's gradients handed to its inputs (`_state.node` is the node
-    being worked on)."""
-    for tensor in _topological_order(root):
-        node = tensor._node
-        out_grad = pending.pop(id(tensor), None)
-        tensor._node = FREED
+    being worked on). A walked node drops its closure and inputs, freeing what it saved."""
+    for node in _topological_order(root):
+        out_grad = pending.pop(id(node), None)
+        backward, inputs = node.backward, node.inputs
+        node.backward, node.inputs = None, ()
         if out_grad is None:
             continue
         _state.node = node
-        grads = node.backward(out_grad)
-        if len(grads) != len(node.inputs):
+        grads = backward(out_grad)
+        if len(grads) != len(inputs):
             raise RuntimeError(f"backward of {node.name} returned {len(grads)} gradients "
-                               f"for {len(node.inputs)} inputs")
-        for parent, g in zip(node.inputs, grads):
+                               f"for {len(inputs)} inputs")
+        for parent, g in zip(inputs, grads):
             if parent is None or g is None:
                 continue
             if g.shape != parent.shape:
                 g = g.sum_to_shape(parent.shape)
-            if parent._node is None:
+            if type(parent) is not Node:
                 parent.accumulate_grad(g)
             elif id(parent) in pending:
                 pending[id(parent)] = pending[id(parent)] + g

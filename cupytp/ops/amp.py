@@ -54,7 +54,7 @@ def autocast_operand(x):
         return astype(x, dtype)
     key = (id(x), dtype, engine.is_grad_enabled())
     hit = _state.cache.get(key)
-    if hit is not None and hit[0] is x and hit[1] is x._local and hit[2]._node is not engine.FREED:
+    if hit is not None and hit[0] is x and hit[1] is x._local and not engine.is_walked(hit[2]):
         return hit[2]
     cast = astype(x, dtype)
     _state.cache[key] = (x, x._local, cast)

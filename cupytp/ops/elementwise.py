@@ -77,8 +77,11 @@ def _layout_rule(op, operands, linear):
     return [tuple(t) for t in targets], tuple(out_shape), out_placements
 
 
-def apply(op, fn, operands, linear, backward_fn=None):
-    """Run elementwise `fn` on the local arrays of `operands` (DTensors and numbers)."""
+def apply(op, fn, operands, linear, backward_fn=None, saves=True):
+    """Run elementwise `fn` on the local arrays of `operands` (DTensors and numbers);
+    `backward_fn(g, *operands, out)` gives the input gradients. With `saves=False` (ops whose
+    gradient needs no values: add, sub, neg, astype) it gets None for each of them, so the tape
+    keeps neither the inputs nor the output alive."""
     tensors = [x for x in operands if isinstance(x, DTensor)]
     if len(tensors) < len(operands):
         operands = [scalar_or_tensor(op, x) for x in operands]
@@ -95,12 +98,16 @@ def apply(op, fn, operands, linear, backward_fn=None):
     if backward_fn is None:
         return out
     inputs = [x if is_tensor(x) else None for x in operands]
+    if not saves:
+        unsaved = (None,) * (len(operands) + 1)
+        return engine.record(out, inputs, lambda g: backward_fn(g, *unsaved), op)
     return engine.record(out, inputs, lambda g: backward_fn(g, *operands, out), op)
 
 
 # ---- binary -------------------------------------------------------------------------------------
 def add(a, b):
-    return apply("add", _add_local, [a, b], LINEAR_JOINTLY, lambda g, a, b, out: (g, g))
+    return apply("add", _add_local, [a, b], LINEAR_JOINTLY, lambda g, a, b, out: (g, g),
+                 saves=False)
 
 
 def _add_local(x, y):
@@ -114,19 +121,23 @@ def _add_local(x, y):
 
 def sub(a, b):
     return apply("sub", lambda x, y: x - y, [a, b], LINEAR_JOINTLY,
-                 lambda g, a, b, out: (g, neg(g)))
+                 lambda g, a, b, out: (g, neg(g)), saves=False)
+
+
+def _wants_grad(x):
+    return is_tensor(x) and x.requires_grad
 
 
 def mul(a, b):
     return apply("mul", lambda x, y: x * y, [a, b], LINEAR_EACH,
-                 lambda g, a, b, out: (mul(g, b) if is_tensor(a) else None,
-                                       mul(g, a) if is_tensor(b) else None))
+                 lambda g, a, b, out: (mul(g, b) if _wants_grad(a) else None,
+                                       mul(g, a) if _wants_grad(b) else None))
 
 
 def div(a, b):
     def backward(g, a, b, out):
-        grad_a = div(g, b) if is_tensor(a) else None
-        grad_b = neg(div(mul(g, out), b)) if is_tensor(b) else None
+        grad_a = div(g, b) if _wants_grad(a) else None
+        grad_b = neg(div(mul(g, out), b)) if _wants_grad(b) else None
         return grad_a, grad_b
     return apply("div", lambda x, y: x / y, [a, b], LINEAR_FIRST, backward)
 
@@ -204,7 +215,7 @@ def astype(x, dtype):
         return x
     source = x.dtype
     return apply("astype", lambda v: v.astype(dtype), [x], LINEAR_EACH,
-                 lambda g, x, out: (astype(g, source),))
+                 lambda g, x, out: (astype(g, source),), saves=False)
 
 
 def masked_fill(x, mask, value):

@@ -178,9 +178,10 @@ def einsum(spec, a, b):
     b = convert(f"einsum {spec!r}", b, targets_b, [a, b])
     local = _local_einsum(sa, sb, out, a._local, b._local)
     result = make(local, a.mesh, shape, placements)
+    dtype = result.dtype        # not the result itself: the tape would keep its values
 
     def backward(g):
-        g = astype(g, result.dtype)
+        g = astype(g, dtype)
         return (einsum(f"{out},{sb}->{sa}", g, b) if a.requires_grad else None,
                 einsum(f"{sa},{out}->{sb}", a, g) if b.requires_grad else None)
     return engine.record(result, (a, b), backward, "einsum")

@@ -94,11 +94,13 @@ def layer_norm(x, weight, bias, eps=1e-5):
     w_local = weight._local.astype(x.dtype, copy=False) if weight is not None else None
     b_local = bias._local.astype(x.dtype, copy=False) if bias is not None else None
     y, xhat, rstd = layer_norm_forward(xp.ascontiguousarray(x._local), w_local, b_local, eps)
-    out = make(y, x.mesh, x.shape, x.placements)
+    layout = x.layout           # closures keep layouts, not tensors: x's values are not needed
+    out = make(y, layout.mesh, layout.shape, layout.placements)
+
     def backward(g):
-        g = linear_grad(g, out.placements)
+        g = linear_grad(g, layout.placements)
         gl = xp.ascontiguousarray(g._local)
-        grad_x = make(layer_norm_backward(gl, xhat, rstd, w_local), x.mesh, x.shape,
+        grad_x = make(layer_norm_backward(gl, xhat, rstd, w_local), layout.mesh, layout.shape,
                       g.placements)
         grad_w = None
         if weight is not None:
@@ -162,12 +164,13 @@ def embedding(ids, weight):
     valid = (local_ids >= 0) & (local_ids < rows)
     safe = xp.where(valid, local_ids, 0)
     local = xp.where(valid[..., None], weight._local[safe], weight.dtype.type(0))
-    out = make(local, weight.mesh, ids.shape + (weight.shape[1],), tuple(placements))
+    placements = tuple(placements)
+    out = make(local, weight.mesh, ids.shape + (weight.shape[1],), placements)
 
     sharded = {dim for dim, p in enumerate(weight.placements) if isinstance(p, Shard)}
 
     def backward(g):
-        g = linear_grad(g, out.placements, strict=sharded)
+        g = linear_grad(g, placements, strict=sharded)
         grad = embedding_backward(xp.ascontiguousarray(local_ids, dtype=xp.int64),
                                   xp.ascontiguousarray(g._local), rows)
         grad_placements = tuple(pw if isinstance(pw, Shard) else
@@ -306,11 +309,12 @@ def dropout(x, p, training=True, generator=None):
     offsets, local_shape = x.layout.local_block()
     keep = generator.uniform(x.shape, offsets, local_shape) >= p
     scale = (keep / (1.0 - p)).astype(x.dtype)
-    out = make(x._local * scale, x.mesh, x.shape, x.placements)
+    layout = x.layout
+    out = make(x._local * scale, layout.mesh, layout.shape, layout.placements)
 
     def backward(g):
-        g = linear_grad(g, out.placements)
-        return (make(g._local * scale, x.mesh, x.shape, g.placements),)
+        g = linear_grad(g, layout.placements)
+        return (make(g._local * scale, layout.mesh, layout.shape, g.placements),)
     return engine.record(out, (x,), backward, "dropout")
 
 

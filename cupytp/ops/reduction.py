@@ -147,7 +147,8 @@ def sum_to_shape(x, shape):
     """Sum `x` over the dimensions that broadcasting added or expanded to reach x.shape."""
     shape = tuple(shape)
     lead = x.ndim - len(shape)
-    dims = tuple(range(lead)) + tuple(lead + d for d, n in enumerate(shape)
-                                      if n == 1 and x.shape[lead + d] != 1)
-    out = sum(x, dims, keepdim=True) if dims else x
-    return out.reshape(shape) if out.shape != shape else out
+    expanded = tuple(lead + d for d, n in enumerate(shape) if n == 1 and x.shape[lead + d] != 1)
+    if not lead and not expanded:
+        return x
+    out = sum(x, tuple(range(lead)) + expanded, keepdim=bool(expanded))   # leading dims alone:
+    return out.reshape(shape) if out.shape != shape else out              # the shape, no reshape

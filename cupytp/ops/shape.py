@@ -183,14 +183,15 @@ def getitem(x, index):
     placements = tuple(Shard(out_dim_of[p.dim]) if isinstance(p, Shard) else p
                        for p in x.placements)
     out = make(x._local[index], x.mesh, shape, placements)
+    layout = x.layout           # not x: the tape would keep its values
 
     def backward(g):
         g = linear_grad(g, placements)
         placements_in = tuple(p if isinstance(p, Shard) else gp
-                              for p, gp in zip(x.placements, g.placements))
-        local = backend.xp.zeros(x.local_shape, dtype=g.dtype)
+                              for p, gp in zip(layout.placements, g.placements))
+        local = backend.xp.zeros(layout.local_shape, dtype=g.dtype)
         local[index] = g._local
-        return (make(local, x.mesh, x.shape, placements_in),)
+        return (make(local, layout.mesh, layout.shape, placements_in),)
     return engine.record(out, (x,), backward, "getitem")
 
 

@@ -10,6 +10,7 @@ import pytest
 
 import cupytp
 from cupytp import backend, ops
+from cupytp.autograd import engine
 from cupytp.ops import amp
 from cupytp.optim import SGD
 from cupytp.tensor import Partial, Replicated, Shard
@@ -81,15 +82,15 @@ def test_one_rank_mesh_converts_any_layout():
 
 def casts_of(root, leaf):
     """The astype nodes in `root`'s graph whose input is `leaf`."""
-    found, stack, seen = [], [root], set()
+    found, stack, seen = [], [root._node], set()
     while stack:
-        t = stack.pop()
-        if t is None or id(t) in seen or t._node is None:
+        node = stack.pop()
+        if not isinstance(node, engine.Node) or id(node) in seen:
             continue
-        seen.add(id(t))
-        if t._node.name == "astype" and t._node.inputs[0] is leaf:
-            found.append(t)
-        stack.extend(t._node.inputs)
+        seen.add(id(node))
+        if node.name == "astype" and node.inputs[0] is leaf:
+            found.append(node)
+        stack.extend(node.inputs)
     return found
 
 

@@ -281,3 +281,32 @@ def test_bf16_contractions_read_operands_in_place(spec):
     assert out.dtype == backend.bfloat16 and out.shape == expected.shape
     numpy.testing.assert_allclose(value(out).astype(numpy.float64), expected, rtol=1e-2,
                                   atol=1e-2)
+
+
+def test_tape_keeps_only_what_backward_closures_save():
+    """Intermediates that no backward needs die with the forward pass (the tape holds nodes,
+    not tensors): a matmul's output before its bias, a cast's input, a LayerNorm's input; the
+    gradients are still those of the whole chain."""
+    import gc
+    import weakref
+    a, w, bias = r(2, 3, 4), r(4, 5), r(5)
+    x, wt, b = dt(a), dt(w), dt(bias)
+    product = ops.matmul(x, wt)                   # einsum saves x and w, not its output
+    shifted = product + b                         # add saves nothing
+    widened = ops.astype(shifted, "fp32")         # astype saves nothing
+    normed = ops.layer_norm(widened, None, None)  # saves xhat and rstd, not its input
+    refs = [weakref.ref(t) for t in (product, shifted, widened)]
+    del product, shifted, widened
+    gc.collect()
+    assert [ref() for ref in refs] == [None, None, None]
+    weights = r(2, 3, 5)
+    (ops.astype(normed, "fp64") * dt(weights, grad=False)).sum().backward()
+    h = a @ w + bias
+    mu, var = h.mean(-1, keepdims=True), h.var(-1, keepdims=True)
+    xhat = (h - mu) / numpy.sqrt(var + 1e-5)
+    d = weights.astype(numpy.float32).astype(numpy.float64)
+    dh = (d - d.mean(-1, keepdims=True) - xhat * (d * xhat).mean(-1, keepdims=True)) / \
+        numpy.sqrt(var + 1e-5)
+    numpy.testing.assert_allclose(value(b.grad), dh.sum((0, 1)), rtol=1e-4, atol=1e-5)
+    numpy.testing.assert_allclose(value(wt.grad), numpy.einsum("btc,btd->cd", a, dh),
+                                  rtol=1e-4, atol=1e-5)
