@@ -4,8 +4,10 @@
 
 Each log holds the output of one program; the last RESULT (cupytp) or ANCHOR (PyTorch) line of
 each is read. Ratios are cupytp over the anchor (tokens/s: > 1 is faster; memory: < 1 is less).
-cupytp's memory is the peak its pool reserved (a captured graph's working memory is reserved in
-its private pool, not counted as allocated between replays); PyTorch's is its peak allocated.
+Memory is compared like with like: the peak bytes allocated over the whole run, warm-up and
+graph capture included (PyTorch's max_memory_allocated; the framework pool's
+allocated_bytes_peak). The pool's peak reserved bytes (what the device gave it, fragmentation
+included) are shown beside them.
 """
 import re
 import sys
@@ -24,8 +26,8 @@ def last_line(path, tag):
 
 def main(pairs):
     header = (f"{'config':28} {'cupytp tok/s':>13} {'step ms':>8} {'dev ms':>7} {'host ms':>8} "
-              f"{'GiB':>6} {'torch tok/s':>12} {'step ms':>8} {'GiB':>6} {'speed x':>8} "
-              f"{'mem x':>6}")
+              f"{'GiB':>6} {'(resv)':>6} {'torch tok/s':>12} {'step ms':>8} {'GiB':>6} "
+              f"{'speed x':>8} {'mem x':>6}")
     rows = [header]
     for pair in pairs:
         label, logs = pair.split("=", 1)
@@ -36,9 +38,10 @@ def main(pairs):
             rows.append(f"{label:28} no result in {missing}")
             continue
         speed = ours["tok/s"] / anchor["tok/s"]
-        memory = ours["peak_reserved_GiB"] / anchor["peak_mem_GiB"]
+        memory = ours["peak_alloc_GiB"] / anchor["peak_mem_GiB"]
         rows.append(f"{label:28} {ours['tok/s']:13,.0f} {ours['step_ms']:8.2f} "
-                    f"{ours['device_ms']:7.2f} {ours['host_ms']:8.2f} {ours['peak_reserved_GiB']:6.2f} "
+                    f"{ours['device_ms']:7.2f} {ours['host_ms']:8.2f} "
+                    f"{ours['peak_alloc_GiB']:6.2f} {ours['peak_reserved_GiB']:6.2f} "
                     f"{anchor['tok/s']:12,.0f} {anchor['step_ms']:8.2f} "
                     f"{anchor['peak_mem_GiB']:6.2f} {speed:8.2f} {memory:6.2f}")
     print("\n".join(rows))
