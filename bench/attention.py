@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy
 
 from cupytp.backend import asnumpy, bfloat16, xp
-from cupytp.kernels import cudnn_attention
-from cupytp.kernels import flash_attention
-from cupytp.kernels.flash_attention import (
+from cupytp.launchers import cudnn_attention
+from cupytp.launchers import flash_attention
+from cupytp.launchers.flash_attention import (
     AttentionDropout, attention_backward, attention_backward_numpy, attention_forward,
     attention_forward_numpy)
 

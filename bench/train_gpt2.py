@@ -21,7 +21,7 @@ import numpy  # noqa: E402
 
 import cupytp  # noqa: E402
 from cupytp import backend, memory, nn, ops  # noqa: E402
-from cupytp.kernels import cudnn_attention  # noqa: E402
+from cupytp.launchers import cudnn_attention  # noqa: E402
 from cupytp.models.gpt2 import GPT2, preset  # noqa: E402
 from cupytp.optim import AdamW, clip_grad_norm_, decay_groups  # noqa: E402
 from cupytp.parallel import fully_shard  # noqa: E402

@@ -21,7 +21,7 @@ PACKAGES = [
     ("cupytp.debug", None),
     ("cupytp.models", None),
     ("cupytp.data", None),
-    ("cupytp.utils", None),
+    ("cupytp.train_log", None),
 ]
 OUT = Path(__file__).resolve().parent / "api.md"
 

@@ -30,7 +30,7 @@ from cupytp.optim import (AdamW, clip_grad_norm_, constant, cosine_with_warmup, 
                           decay_groups, linear)
 from cupytp.parallel import fully_shard  # noqa: E402
 from cupytp.tensor import Replicated, Shard, default_generator, from_local  # noqa: E402
-from cupytp.utils import TrainLog, estimate_mfu, plot_loss  # noqa: E402
+from cupytp.train_log import TrainLog, estimate_mfu, plot_loss  # noqa: E402
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 LOG_RANKS = os.environ.get("CUPYTP_LOG_RANKS", "0") not in ("", "0")

@@ -9,7 +9,7 @@ from cupytp import checkpoint
 from cupytp.models.gpt2 import GPT2, GPT2Config
 from cupytp.optim import AdamW, clip_grad_norm_, decay_groups
 from cupytp.tensor import Replicated
-from sharding import full, lay_out
+from dense_reference import full, lay_out
 
 CONFIG = GPT2Config(vocab_size=37, block_size=8, n_layer=2, n_head=4, n_embd=8)
 IDS = numpy.random.default_rng(0).integers(0, CONFIG.vocab_size, size=(3, 9))

@@ -22,7 +22,7 @@ from cupytp import backend, graph
 from cupytp.autograd import engine
 from cupytp.distributed import process_group, runtime
 from cupytp.nn import module
-from cupytp.utils.train_log import format_bytes
+from cupytp.train_log import format_bytes
 
 
 @dataclass

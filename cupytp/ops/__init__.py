@@ -5,12 +5,12 @@ a Replicated one by itself; anything needing a gather is a ShardingError that sa
 redistribute to call.
 """
 from cupytp.ops import methods  # noqa: F401  (DTensor's operators and math methods)
-from cupytp.ops.base import ShardingError
+from cupytp.ops.conversion import ShardingError
 from cupytp.ops.elementwise import (
     add, astype, bias_gelu, div, exp, gelu, log, masked_fill, mul, neg, pow, sqrt, sub, tanh)
 from cupytp.ops.amp import autocast
 from cupytp.ops.linalg import einsum, matmul
-from cupytp.ops.nn import (
+from cupytp.ops.functional import (
     causal_softmax, cross_entropy, dropout, embedding, layer_norm, log_softmax,
     packed_attention, scaled_dot_product_attention, softmax, take_along_last)
 from cupytp.ops.reduction import broadcast_to, max, mean, sum, sum_to_shape

@@ -9,10 +9,10 @@ import numbers
 
 import numpy
 
-from cupytp.ops.base import (
+from cupytp.ops.conversion import (
     DTensor, Partial, Replicated, Shard, backend, cached, convert, engine, fail, is_tensor,
     linear_grad, make, same_mesh, scalar_or_tensor)
-from cupytp.kernels import bias_add, is_device_array
+from cupytp.launchers import bias_add, is_device_array
 from cupytp.ops.reduction import leading_sum_placements
 
 LINEAR_JOINTLY = "jointly"      # add, sub: P op P is P, nothing else
@@ -174,7 +174,7 @@ def tanh(x):
 
 def gelu(x):
     """GeLU, tanh form (GPT-2), through the fused kernel on GPU."""
-    from cupytp.kernels.gelu import gelu as gelu_local, gelu_backward
+    from cupytp.launchers.gelu import gelu as gelu_local, gelu_backward
 
     def backward(g, x, out):
         g = linear_grad(g, out.placements)
@@ -189,7 +189,7 @@ def bias_gelu(x, bias):
     """gelu(x + bias), bias (H,) along x's last dimension, laid out like it (column-parallel:
     x (..., H/tp) Shard(-1), bias Shard(0)); one fused kernel each way on GPU. The bias gradient
     is the kernel's column sum: Partial where x's leading dims are sharded."""
-    from cupytp.kernels.gelu import bias_gelu as forward, bias_gelu_backward
+    from cupytp.launchers.gelu import bias_gelu as forward, bias_gelu_backward
     if bias.ndim != 1 or bias.shape[0] != x.shape[-1]:
         raise ValueError(f"bias_gelu: bias must have shape ({x.shape[-1]},) (x's last "
                          f"dimension), got {bias.shape}")

@@ -12,7 +12,7 @@ import functools
 import math
 import string
 
-from cupytp.ops.base import (
+from cupytp.ops.conversion import (
     Partial, Replicated, Shard, backend, cached, convert, engine, fail, make, same_mesh)
 from cupytp.ops.amp import autocast_operand
 from cupytp.ops.elementwise import astype
@@ -86,16 +86,16 @@ def _matmul_transposes(sa, sb, out):
 
 
 def _matmul(x, y):
-    """Local matmul: on the GPU through cuBLAS called directly (kernels.gemm: bf16 with fp32
+    """Local matmul: on the GPU through cuBLAS called directly (launchers.gemm: bf16 with fp32
     accumulation, and legal inside a CUDA-graph capture); NumPy's otherwise."""
     if x.dtype != y.dtype:          # NumPy's promotion, as numpy.matmul would do
         dtype = backend.xp.result_type(x.dtype, y.dtype)
         x, y = x.astype(dtype, copy=False), y.astype(dtype, copy=False)
     if backend.on_gpu:
-        from cupytp.kernels.gemm import matmul
+        from cupytp.launchers.gemm import matmul
         return matmul(x, y)
     if x.dtype == backend.bfloat16:
-        from cupytp.kernels.gemm import matmul_numpy
+        from cupytp.launchers.gemm import matmul_numpy
         return matmul_numpy(x, y)
     return backend.xp.matmul(x, y)
 

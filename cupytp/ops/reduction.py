@@ -7,9 +7,9 @@ is reduced first under max.
 """
 import math
 
-from cupytp.kernels import is_device_array
-from cupytp.kernels.column_sum import column_sum
-from cupytp.ops.base import (
+from cupytp.launchers import is_device_array
+from cupytp.launchers.column_sum import column_sum
+from cupytp.ops.conversion import (
     Partial, Replicated, Shard, backend, convert, engine, fail, make)
 
 

@@ -9,7 +9,7 @@ import math
 
 import numpy
 
-from cupytp.ops.base import (
+from cupytp.ops.conversion import (
     Partial, Replicated, Shard, backend, cached, convert, engine, fail, linear_grad, make,
     same_mesh)
 

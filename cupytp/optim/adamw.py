@@ -1,6 +1,6 @@
 """AdamW with torch.optim.AdamW semantics (no amsgrad, no maximize), fused: one `adamw_step`
 kernel call per (group, dtypes). Each rank updates its own shards; nothing is communicated."""
-from cupytp.kernels.adamw import adamw_scalars, adamw_step
+from cupytp.launchers.adamw import adamw_scalars, adamw_step
 from cupytp.optim.optimizer import Optimizer, check_non_negative
 
 

@@ -4,8 +4,8 @@ import math
 import numpy
 
 from cupytp import backend
-from cupytp.kernels import compute_dtype
-from cupytp.kernels.multi_tensor import scale_, sum_of_squares
+from cupytp.launchers import compute_dtype
+from cupytp.launchers.multi_tensor import scale_, sum_of_squares
 from cupytp.optim.optimizer import check_non_negative, contiguous_grad
 from cupytp.tensor import Partial, Replicated, from_local
 

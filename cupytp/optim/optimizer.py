@@ -14,7 +14,7 @@ instead, so a replayed step uses the current "lr" of each group and advances its
 import dataclasses
 
 from cupytp import backend, graph
-from cupytp.kernels.values import MAX_VALUES, write_values
+from cupytp.launchers.values import MAX_VALUES, write_values
 from cupytp.nn.module import assign
 from cupytp.ops import amp
 from cupytp.tensor import DTensor

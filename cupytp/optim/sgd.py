@@ -1,6 +1,6 @@
 """SGD with torch.optim.SGD semantics (no maximize), fused: one `sgd_step` kernel call per
 (group, dtypes). Each rank updates its own shards; nothing is communicated."""
-from cupytp.kernels.sgd import sgd_scalars, sgd_step
+from cupytp.launchers.sgd import sgd_scalars, sgd_step
 from cupytp.optim.optimizer import Optimizer, check_non_negative
 
 

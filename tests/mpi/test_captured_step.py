@@ -10,7 +10,7 @@ from cupytp import backend, memory, nn
 from cupytp.models.gpt2 import GPT2, GPT2Config
 from cupytp.optim import AdamW, LRScheduler, clip_grad_norm_, cosine_with_warmup, decay_groups
 from cupytp.tensor import Replicated, Shard
-from sharding import full, lay_out
+from dense_reference import full, lay_out
 
 pytestmark = pytest.mark.skipif(not backend.on_gpu, reason="CUDA graphs need a GPU")
 

@@ -14,7 +14,7 @@ from cupytp.checkpoint import CheckpointError
 from cupytp.distributed.runtime import barrier
 from cupytp.tensor import Partial, Replicated, Shard, local_mesh
 from small_gpt2 import assert_same, check_continues, gpt2, reference, snapshot, train
-from sharding import full, lay_out, rng_array
+from dense_reference import full, lay_out, rng_array
 
 ARRAYS = {"a": rng_array((5, 7), 1), "b": rng_array((3,), 2, numpy.float32),
           "c": rng_array((2, 3, 5), 3), "ids": numpy.arange(22).reshape(11, 2)}

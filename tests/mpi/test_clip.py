@@ -11,7 +11,7 @@ import cupytp
 from cupytp import backend
 from cupytp.optim import SGD, AdamW, clip_grad_norm_, decay_groups
 from cupytp.tensor import Replicated, Shard
-from sharding import full, lay_out, rng_array
+from dense_reference import full, lay_out, rng_array
 
 S0, S1, R = Shard(0), Shard(1), Replicated()
 

@@ -9,7 +9,7 @@ import cupytp
 from cupytp import nn
 from cupytp.debug import CommTracer, visualize_sharding
 from cupytp.tensor import Partial, Replicated, Shard
-from sharding import lay_out, rng_array
+from dense_reference import lay_out, rng_array
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from cupytp import ops
 from cupytp.ops import ShardingError
 from cupytp.backend import bfloat16
 from cupytp.tensor import Partial, Replicated, Shard
-from sharding import check_against_dense, full, lay_out, rng_array
+from dense_reference import check_against_dense, full, lay_out, rng_array
 
 R, P = Replicated(), Partial()
 S = Shard

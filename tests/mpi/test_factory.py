@@ -6,7 +6,7 @@ import pytest
 
 from cupytp import backend
 from cupytp.tensor import Layout, Partial, Replicated, Shard, from_local
-from sharding import full, placements_for, rng_array
+from dense_reference import full, placements_for, rng_array
 
 
 def block(array, mesh, placements):

@@ -19,7 +19,7 @@ from cupytp.models.gpt2 import GPT2, GPT2Config
 from cupytp.optim import AdamW, clip_grad_norm_, decay_groups
 from cupytp.parallel import FSDPModule, fully_shard
 from cupytp.tensor import Replicated, Shard
-from sharding import full, lay_out
+from dense_reference import full, lay_out
 
 # n_embd 9: every parameter splits unevenly over 2 and 4 ranks somewhere; 6 batch rows
 CONFIG = GPT2Config(vocab_size=37, block_size=8, n_layer=2, n_head=3, n_embd=9)

@@ -12,7 +12,7 @@ import cupytp
 from cupytp import backend
 from cupytp.models.gpt2 import GPT2, GPT2Config, preset
 from cupytp.tensor import Replicated, local_mesh
-from sharding import full, lay_out
+from dense_reference import full, lay_out
 
 CONFIG = GPT2Config(vocab_size=61, block_size=16, n_layer=2, n_head=4, n_embd=16)
 

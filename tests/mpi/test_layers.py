@@ -10,7 +10,7 @@ import cupytp
 from cupytp import backend, nn
 from cupytp.parallel import apply_tensor_parallel, parallelize_module
 from cupytp.tensor import Replicated, Shard, local_mesh
-from sharding import full, lay_out, rng_array
+from dense_reference import full, lay_out, rng_array
 
 
 def skip_unless_heads_split(mesh, heads=4):

@@ -4,7 +4,7 @@ import numpy
 import cupytp
 from cupytp.tensor import Generator, Replicated, Shard
 from cupytp.tensor.random import philox4x32
-from sharding import full, placements_for
+from dense_reference import full, placements_for
 
 # Philox-4x32-10 known answers (Random123): counter 0, key 0
 KNOWN = [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]

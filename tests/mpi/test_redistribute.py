@@ -4,7 +4,7 @@ import pytest
 
 from cupytp import backend
 from cupytp.tensor import Partial, Replicated, Shard
-from sharding import full, lay_out, placements_for, rng_array
+from dense_reference import full, lay_out, placements_for, rng_array
 
 
 @pytest.mark.parametrize("shape", [(7, 5), (3, 2, 5)])

@@ -10,7 +10,7 @@ import pytest
 import cupytp
 from cupytp.ops import ShardingError
 from cupytp.tensor import Layout, Replicated, Shard
-from sharding import check_against_dense, lay_out, placements_for, rng_array
+from dense_reference import check_against_dense, lay_out, placements_for, rng_array
 
 PAIRS = [
     ((1, 4, 3, 8), (1, 4, 3, 2, 4)),       # attention's q|k|v split with a batch of one

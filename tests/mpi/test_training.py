@@ -9,7 +9,7 @@ from cupytp import backend, nn
 from cupytp.models.gpt2 import GPT2
 from cupytp.optim import AdamW, decay_groups
 from cupytp.tensor import Replicated, local_mesh
-from sharding import full, lay_out
+from dense_reference import full, lay_out
 from small_gpt2 import CONFIG, train as train_steps
 
 def train(model, steps):

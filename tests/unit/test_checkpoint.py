@@ -24,7 +24,7 @@ from cupytp.tensor import Replicated, default_generator, local_mesh
 from small_gpt2 import (CONFIG, assert_same, check_continues, gpt2, reference, snapshot,
                            train)
 from launch import REPO, mpiexec, under_mpiexec
-from sharding import full, lay_out, rng_array
+from dense_reference import full, lay_out, rng_array
 from test_train_example import run
 
 pytestmark = pytest.mark.skipif(under_mpiexec(), reason="one rank; launches its own jobs")

@@ -9,8 +9,8 @@ import pytest
 import cupytp
 from cupytp import ops
 from cupytp.backend import asnumpy, bfloat16, xp
-from cupytp.kernels import cudnn_attention
-from cupytp.kernels.flash_attention import (
+from cupytp.launchers import cudnn_attention
+from cupytp.launchers.flash_attention import (
     AttentionDropout, attention_backward, attention_backward_numpy, attention_forward,
     attention_forward_numpy, dropout_keep, keep_threshold)
 from cupytp.tensor import Generator, Replicated, from_local, local_mesh

@@ -7,15 +7,15 @@ import numpy
 import pytest
 
 from cupytp.backend import asnumpy, bfloat16, xp
-from cupytp.kernels import compute_dtype, dtype_suffix
-from cupytp.kernels.bias_add import applies as bias_add_applies, bias_add, bias_add_numpy
-from cupytp.kernels.column_sum import MAX_ROW_BLOCKS as SUM_ROW_BLOCKS, column_sum
-from cupytp.kernels.column_sum import column_sum_numpy
-from cupytp.kernels.cross_entropy import cross_entropy_backward, cross_entropy_backward_numpy
-from cupytp.kernels.cross_entropy import cross_entropy_forward, cross_entropy_forward_numpy
-from cupytp.kernels.embedding import embedding_backward, embedding_backward_numpy
-from cupytp.kernels.gelu import MAX_ROW_BLOCKS, ROW_CHUNK, bias_gelu, bias_gelu_backward
-from cupytp.kernels.gelu import bias_gelu_backward_numpy, bias_gelu_numpy
+from cupytp.launchers import compute_dtype, dtype_suffix
+from cupytp.launchers.bias_add import applies as bias_add_applies, bias_add, bias_add_numpy
+from cupytp.launchers.column_sum import MAX_ROW_BLOCKS as SUM_ROW_BLOCKS, column_sum
+from cupytp.launchers.column_sum import column_sum_numpy
+from cupytp.launchers.cross_entropy import cross_entropy_backward, cross_entropy_backward_numpy
+from cupytp.launchers.cross_entropy import cross_entropy_forward, cross_entropy_forward_numpy
+from cupytp.launchers.embedding import embedding_backward, embedding_backward_numpy
+from cupytp.launchers.gelu import MAX_ROW_BLOCKS, ROW_CHUNK, bias_gelu, bias_gelu_backward
+from cupytp.launchers.gelu import bias_gelu_backward_numpy, bias_gelu_numpy
 from test_kernels import (
     F16, F32, F64, assert_close, gelu_reference, poisoned_allocations, random, requires_gpu)
 

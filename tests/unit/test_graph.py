@@ -7,7 +7,7 @@ import pytest
 
 import cupytp
 from cupytp import backend, graph, nn
-from cupytp.kernels.adamw import adamw_scalars
+from cupytp.launchers.adamw import adamw_scalars
 from cupytp.optim import AdamW, LRScheduler, clip_grad_norm_, constant
 from cupytp.tensor import Generator, Replicated, from_local
 

@@ -8,13 +8,13 @@ import numpy
 import pytest
 
 from cupytp.backend import asnumpy, bfloat16, on_gpu, xp
-from cupytp.kernels import ceil_div, compute_dtype, dtype_suffix, get_kernel
-from cupytp.kernels.adamw import adamw_scalars, adamw_step, adamw_step_numpy
-from cupytp.kernels.gelu import gelu, gelu_backward, gelu_backward_numpy, gelu_numpy
-from cupytp.kernels.multi_tensor import CHUNK, chunk_blocks, scale_, scale_numpy
-from cupytp.kernels.multi_tensor import sum_of_squares, sum_of_squares_numpy, tensor_table
-from cupytp.kernels.sgd import sgd_scalars, sgd_step, sgd_step_numpy
-from cupytp.kernels.values import write_values
+from cupytp.launchers import ceil_div, compute_dtype, dtype_suffix, get_kernel, sources
+from cupytp.launchers.adamw import adamw_scalars, adamw_step, adamw_step_numpy
+from cupytp.launchers.gelu import gelu, gelu_backward, gelu_backward_numpy, gelu_numpy
+from cupytp.launchers.multi_tensor import CHUNK, chunk_blocks, scale_, scale_numpy
+from cupytp.launchers.multi_tensor import sum_of_squares, sum_of_squares_numpy, tensor_table
+from cupytp.launchers.sgd import sgd_scalars, sgd_step, sgd_step_numpy
+from cupytp.launchers.values import write_values
 
 F16 = numpy.dtype(numpy.float16)
 F32 = numpy.dtype(numpy.float32)
@@ -43,6 +43,20 @@ def test_loader_helpers():
     assert [compute_dtype(d) for d in (F32, F64, bfloat16, F16)] == [F32, F64, F32, F32]
     with pytest.raises(ValueError, match="no kernel for dtype int32"):
         dtype_suffix(numpy.int32)
+
+
+def test_every_launched_source_is_in_the_kernels_folder():
+    """The CUDA sources sit in the top-level kernels/ folder (a checkout); every .cu file a
+    launcher names is there, and no CUDA source is left beside the launchers."""
+    import re
+    from pathlib import Path
+    import cupytp.launchers as launchers
+    folder = sources()
+    assert folder == Path(__file__).resolve().parents[2] / "kernels"
+    here = Path(launchers.__file__).parent
+    named = {m for py in here.glob("*.py") for m in re.findall(r'"(\w+\.cu)"', py.read_text())}
+    assert named and all((folder / name).is_file() for name in named), named
+    assert not list(here.glob("*.cu")) and not list(here.glob("*.cuh"))
 
 
 @pytest.mark.skipif(on_gpu, reason="the NumPy backend's error")
@@ -404,7 +418,7 @@ def _bf16(shape, seed):
 
 
 def test_gemm_twin_accumulates_in_float32():
-    from cupytp.kernels.gemm import matmul_numpy
+    from cupytp.launchers.gemm import matmul_numpy
     a, b = _bf16((3, 5, 7), 1), _bf16((7, 4), 2)
     exact = a.astype(numpy.float64) @ b.astype(numpy.float64)
     out = matmul_numpy(a, b)
@@ -421,7 +435,7 @@ def test_gemm_twin_accumulates_in_float32():
 ])
 @pytest.mark.parametrize("dtype", [bfloat16, F16, F32, F64], ids=dtype_suffix)
 def test_gemm_matches_twin(a_shape, b_shape, transpose_a, transpose_b, dtype):
-    from cupytp.kernels.gemm import matmul, matmul_numpy
+    from cupytp.launchers.gemm import matmul, matmul_numpy
     a, b = _bf16(a_shape, 3).astype(dtype), _bf16(b_shape, 4).astype(dtype)
     da = xp.swapaxes(xp.ascontiguousarray(xp.swapaxes(xp.asarray(a), -1, -2)), -1, -2) \
         if transpose_a else xp.asarray(a)
@@ -451,7 +465,7 @@ def _masked_softmax_reference(x, scale):
 
 @pytest.mark.parametrize("shape", [(2, 3, 5, 5), (4, 7), (2, 3, 6)])
 def test_causal_softmax_twin(shape):
-    from cupytp.kernels.softmax import causal_softmax_backward_numpy, causal_softmax_numpy
+    from cupytp.launchers.softmax import causal_softmax_backward_numpy, causal_softmax_numpy
     x = numpy.random.default_rng(5).standard_normal(shape)
     y = causal_softmax_numpy(x, 0.7)
     numpy.testing.assert_allclose(y, _masked_softmax_reference(x, 0.7), rtol=1e-12, atol=1e-15)
@@ -474,7 +488,7 @@ def test_causal_softmax_twin(shape):
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-6), ("float64", 1e-12), ("bf16", 2e-2)])
 @pytest.mark.parametrize("shape", [(3, 2, 37, 37), (5, 300, 300), (2, 9, 1030)])
 def test_causal_softmax_kernel_matches_twin(dtype, tol, shape):
-    from cupytp.kernels.softmax import (causal_softmax, causal_softmax_backward,
+    from cupytp.launchers.softmax import (causal_softmax, causal_softmax_backward,
                                         causal_softmax_backward_numpy, causal_softmax_numpy)
     dtype = bfloat16 if dtype == "bf16" else numpy.dtype(dtype)
     rng = numpy.random.default_rng(7)
@@ -493,7 +507,7 @@ def test_causal_softmax_kernel_matches_twin(dtype, tol, shape):
 
 # ---- layer norm -------------------------------------------------------------------------------
 def test_layer_norm_twin_against_float64_formula():
-    from cupytp.kernels.layernorm import layer_norm_backward_numpy, layer_norm_forward_numpy
+    from cupytp.launchers.layernorm import layer_norm_backward_numpy, layer_norm_forward_numpy
     rng = numpy.random.default_rng(8)
     x, w, b, g = (rng.standard_normal(s) for s in ((3, 4, 10), (10,), (10,), (3, 4, 10)))
     y, xhat, rstd = layer_norm_forward_numpy(x, w, b, 1e-5)
@@ -515,7 +529,7 @@ def test_layer_norm_twin_against_float64_formula():
 @pytest.mark.parametrize("dtype,tol", [("float32", 2e-5), ("float64", 1e-12), ("bf16", 3e-2)])
 @pytest.mark.parametrize("shape,affine", [((7, 5, 768), True), ((3, 1030), False), ((1, 33), True)])
 def test_layer_norm_kernel_matches_twin(dtype, tol, shape, affine):
-    from cupytp.kernels.layernorm import (layer_norm_backward, layer_norm_backward_numpy,
+    from cupytp.launchers.layernorm import (layer_norm_backward, layer_norm_backward_numpy,
                                           layer_norm_forward, layer_norm_forward_numpy)
     dtype = bfloat16 if dtype == "bf16" else numpy.dtype(dtype)
     rng = numpy.random.default_rng(9)

@@ -10,7 +10,7 @@ import cupytp
 from cupytp import backend
 from cupytp.optim import (
     SGD, AdamW, LRScheduler, clip_grad_norm_, constant, cosine_with_warmup, decay_groups, linear)
-from sharding import lay_out, rng_array
+from dense_reference import lay_out, rng_array
 
 SHAPES = [(3, 4), (5,), (1,), (2, 3, 2)]
 STEPS = 4

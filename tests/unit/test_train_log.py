@@ -1,4 +1,4 @@
-"""cupytp.utils.train_log: CSV and JSONL rows, the loss plot, byte and MFU formatting."""
+"""cupytp.train_log: CSV and JSONL rows, the loss plot, byte and MFU formatting."""
 import csv
 import json
 import sys
@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from cupytp.utils import TrainLog, estimate_mfu, format_bytes, plot_loss, read_log
+from cupytp.train_log import TrainLog, estimate_mfu, format_bytes, plot_loss, read_log
 
 
 def read_csv(path):

@@ -16,8 +16,8 @@ import math
 import numpy
 
 from cupytp.backend import xp
-from cupytp.kernels import dtype_suffix, get_kernel, is_device_array
-from cupytp.kernels.multi_tensor import THREADS, check_optimizer_lists, tensor_table
+from cupytp.launchers import dtype_suffix, get_kernel, is_device_array
+from cupytp.launchers.multi_tensor import THREADS, check_optimizer_lists, tensor_table
 
 
 def adamw_scalars(*, lr, beta1, beta2, eps, weight_decay, step):

@@ -4,8 +4,8 @@ first; a row with no visible key is all zeros. Computed in float32 (float64 for 
 import numpy
 
 from cupytp.backend import xp
-from cupytp.kernels import BLOCK_THREADS, check_lists, compute_dtype, dtype_suffix, get_kernel
-from cupytp.kernels import is_device_array
+from cupytp.launchers import BLOCK_THREADS, check_lists, compute_dtype, dtype_suffix, get_kernel
+from cupytp.launchers import is_device_array
 
 
 

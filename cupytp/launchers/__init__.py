@@ -1,7 +1,8 @@
-"""Hand-written CUDA kernels, each with a NumPy twin of the same math.
+"""Launchers of the hand-written CUDA kernels, each with a NumPy twin of the same math.
 
-One op per `.cu` file (kernels first) and a thin launcher `.py` beside it: CuPy arrays go to the
-kernel, NumPy arrays to the twin. A kernel is instantiated per dtype by a macro, named with the
+The CUDA sources live in the repository's top-level `kernels/` folder (shipped inside wheels as
+`cupytp/_kernels/`), one op per `.cu` file; each has a thin launcher module here: CuPy arrays go
+to the kernel, NumPy arrays to the twin. `gemm` and `cudnn_attention` launch cuBLAS and cuDNN. A kernel is instantiated per dtype by a macro, named with the
 dtype's suffix (`gelu_forward_bf16`). CuPy is touched only when a kernel is compiled, so the package
 imports on machines without a GPU. Block reductions (`block_reduce.cuh`) are CUB's, from the CCCL
 headers CuPy bundles; kernels that use them run with BLOCK_THREADS threads per block.
@@ -89,9 +90,20 @@ def _cccl_includes():
     return tuple(f"-I{root / name}" for name in ("cub", "thrust", "libcudacxx"))
 
 
+def sources():
+    """The folder of the CUDA sources: `kernels/` of a source checkout or editable install, else
+    the copy a wheel installs as `cupytp/_kernels/`."""
+    package = Path(__file__).resolve().parent.parent
+    for folder in (package.parent / "kernels", package / "_kernels"):
+        if (folder / "common.cuh").is_file():
+            return folder
+    raise RuntimeError(f"the CUDA sources of cupytp are missing: neither {package.parent} / "
+                       f"kernels nor {package} / _kernels holds them; reinstall cupytp")
+
+
 @functools.cache
 def _module(cu_file, options):
-    folder = Path(__file__).parent
+    folder = sources()
     options += (f"-I{folder}", f"-DCUPYTP_BLOCK_THREADS={BLOCK_THREADS}") + _cccl_includes()
     return xp.RawModule(code=(folder / cu_file).read_text(), options=options)
 
@@ -102,7 +114,7 @@ def _function(cu_file, name, options):
 
 
 def get_kernel(cu_file, name, options=()):
-    """The kernel `name` of `cupytp/kernels/<cu_file>`; each (file, options) compiles once."""
+    """The kernel `name` of `kernels/<cu_file>`; each (file, options) compiles once."""
     if not on_gpu:
         raise RuntimeError(f"kernel {name} of {cu_file} needs the CuPy backend, but it is NumPy")
     return _function(cu_file, name, tuple(options))

@@ -13,9 +13,9 @@ import functools
 import os
 
 from cupytp.backend import bfloat16, xp
-from cupytp.kernels import is_device_array
-from cupytp.kernels.flash_attention import DTYPES, HEAD_DIMS, check_grads, check_lse
-from cupytp.kernels.flash_attention import like_output
+from cupytp.launchers import is_device_array
+from cupytp.launchers.flash_attention import DTYPES, HEAD_DIMS, check_grads, check_lse
+from cupytp.launchers.flash_attention import like_output
 
 CHOICES = ("auto", "flash", "cudnn", "matmul")
 

@@ -11,8 +11,8 @@ different order from run to run (the last bits of a float32 sum).
 import numpy
 
 from cupytp.backend import xp
-from cupytp.kernels import check_lists, compute_dtype, dtype_suffix, get_kernel
-from cupytp.kernels import is_device_array
+from cupytp.launchers import check_lists, compute_dtype, dtype_suffix, get_kernel
+from cupytp.launchers import is_device_array
 
 THREADS = 256
 

@@ -15,7 +15,7 @@ import os
 import numpy
 
 from cupytp import backend
-from cupytp.kernels import is_device_array
+from cupytp.launchers import is_device_array
 
 # cudaDataType, cublasComputeType_t, cublasOperation_t, cublasGemmAlgo_t
 _CUDA_R_32F, _CUDA_R_64F, _CUDA_R_16F, _CUDA_R_16BF = 0, 1, 2, 14

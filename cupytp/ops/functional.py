@@ -10,7 +10,7 @@ way (`kernels/cross_entropy.cu`).
 """
 import math
 
-from cupytp.ops.base import (
+from cupytp.ops.conversion import (
     Partial, Replicated, Shard, backend, convert, engine, fail, is_tensor, linear_grad, make,
     reduce_all, same_mesh)
 from cupytp.ops.elementwise import mul
@@ -67,7 +67,7 @@ def log_softmax(x, dim=-1):
 def causal_softmax(scores, scale=1.0):
     """softmax(scale · scores) over the last dimension, query t seeing keys s <= t + S - T of
     (..., T, S) scores; one fused kernel on GPU. The last two dimensions are unsharded."""
-    from cupytp.kernels.softmax import causal_softmax as forward, causal_softmax_backward
+    from cupytp.launchers.softmax import causal_softmax as forward, causal_softmax_backward
     x, _ = _unsharded("causal_softmax", scores, -1)
     x, _ = _unsharded("causal_softmax", x, -2)
     xp = backend.xp
@@ -85,7 +85,7 @@ def layer_norm(x, weight, bias, eps=1e-5):
     """Normalize over the last dimension (unsharded), then scale by `weight` and shift by `bias`
     (both Replicated, shape (C,); either may be None). One fused kernel per direction on GPU;
     the weight and bias gradients are column sums over the leading (maybe sharded) dims."""
-    from cupytp.kernels.layernorm import layer_norm_backward, layer_norm_forward
+    from cupytp.launchers.layernorm import layer_norm_backward, layer_norm_forward
     x, _ = _unsharded("layer_norm", x, -1)
     replicated = (Replicated(),) * x.mesh.ndim
     weight = convert("layer_norm", weight, replicated, [x, weight]) if weight is not None else None
@@ -113,7 +113,7 @@ def layer_norm(x, weight, bias, eps=1e-5):
 def _column_grad(g, xhat, param, placements):
     """The gradient of a LayerNorm weight (xhat given) or bias: the column sum of g (times
     xhat), Partial over the ranks that split the summed dimensions."""
-    from cupytp.kernels.column_sum import column_sum
+    from cupytp.launchers.column_sum import column_sum
     return make(column_sum(g, xhat, dtype=param.dtype), param.mesh, param.shape,
                 leading_sum_placements(placements, g.ndim))
 
@@ -140,7 +140,7 @@ def embedding(ids, weight):
     give zeros); weight Shard(1): output sharded on its last dim; weight Replicated: the output
     follows the ids' sharding.
     """
-    from cupytp.kernels.embedding import embedding_backward
+    from cupytp.launchers.embedding import embedding_backward
     ids = _as_index("embedding", ids, weight)
     targets_w, targets_ids, placements = [], [], []
     for dim in range(weight.mesh.ndim):
@@ -251,7 +251,7 @@ def cross_entropy(logits, targets, ignore_index=-100, reduction="mean", vocab_si
     equal to `ignore_index` count for nothing ("mean" divides by the number of the others); any
     other target outside [0, vocab_size) makes the loss NaN (checked on the device: no sync).
     """
-    from cupytp.kernels.cross_entropy import cross_entropy_backward, cross_entropy_forward
+    from cupytp.launchers.cross_entropy import cross_entropy_backward, cross_entropy_forward
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"cross_entropy: reduction {reduction!r} is not mean, sum or none")
     vocab_size = logits.shape[-1] if vocab_size is None else vocab_size
@@ -326,11 +326,11 @@ def scaled_dot_product_attention(q, k, v, causal=True, dropout_p=0.0, generator=
 
     Inside `autocast` q, k and v are cast to its dtype first, as contractions are. bf16/fp16
     with head dim 64 or 128: flash attention, one node whose kernels never store the (T, S)
-    scores (`kernels/flash_attention.cu`, or cuDNN's where `kernels/cudnn_attention.py` says; the
+    scores (`kernels/flash_attention.cu`, or cuDNN's where `launchers/cudnn_attention.py` says; the
     NumPy twin on CPU). Otherwise, or with CUPYTP_ATTENTION=matmul, the scores are materialized:
     einsum, fused causal softmax, `dropout`, einsum."""
-    from cupytp.kernels import cudnn_attention
-    from cupytp.kernels.flash_attention import supported
+    from cupytp.launchers import cudnn_attention
+    from cupytp.launchers.flash_attention import supported
     if not 0 <= dropout_p < 1:
         raise ValueError(f"attention dropout probability must be in [0, 1), got {dropout_p}")
     q, k, v = (autocast_operand(x) for x in (q, k, v))
@@ -360,7 +360,7 @@ def _attention_placements(q, k, v):
 
 def _flash_attention(q, k, v, causal, dropout_p, generator):
     """One node: flash forward (o and the row log-sum-exp kept), flash backward; cuDNN's fused
-    attention instead where it applies (`kernels/cudnn_attention.py`, CUPYTP_ATTENTION)."""
+    attention instead where it applies (`launchers/cudnn_attention.py`, CUPYTP_ATTENTION)."""
     inputs = [q, k, v]
     same_mesh("scaled_dot_product_attention", inputs)
     placements = _attention_placements(q, k, v)
@@ -384,7 +384,7 @@ def _attention_setup(q, k, dropout_p, generator, shape, offsets):
     """(kernels, scale, dropout) for flash attention on local (B, H, T, D) arrays of a global
     (B, H, T, S) problem at (batch, head) `offsets`: cuDNN's kernels where they apply, else the
     RawKernel's; the dropout draws counters of the global problem."""
-    from cupytp.kernels import cudnn_attention, flash_attention
+    from cupytp.launchers import cudnn_attention, flash_attention
     b, h, t, s = shape
     drop = None
     if dropout_p > 0:
@@ -400,8 +400,8 @@ def packed_attention(qkv, causal=True, dropout_p=0.0, generator=None):
     transposed to (B, H, T, D). Batch Shard(0) and heads Shard(3) need no communication. On the
     flash path the kernels read the three parts in place and the backward writes their gradients
     straight into one packed gradient (no scatter of three)."""
-    from cupytp.kernels import cudnn_attention
-    from cupytp.kernels.flash_attention import supported
+    from cupytp.launchers import cudnn_attention
+    from cupytp.launchers.flash_attention import supported
     if qkv.ndim != 5 or qkv.shape[2] != 3:
         raise ValueError(f"packed_attention takes q|k|v packed as (B, T, 3, H, D), got shape "
                          f"{qkv.shape}")

@@ -23,7 +23,7 @@ import numpy
 
 from cupytp import backend
 from cupytp.backend import bfloat16, xp
-from cupytp.kernels import ceil_div, dtype_suffix, get_kernel, is_device_array
+from cupytp.launchers import ceil_div, dtype_suffix, get_kernel, is_device_array
 from cupytp.tensor.random import global_indices, uniform_at
 
 HEAD_DIMS = (64, 128)

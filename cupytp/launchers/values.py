@@ -2,7 +2,7 @@
 (one launch, values as kernel arguments), the NumPy twin assigns them."""
 import numpy
 
-from cupytp.kernels import get_kernel, is_device_array
+from cupytp.launchers import get_kernel, is_device_array
 
 MAX_VALUES = 8
 

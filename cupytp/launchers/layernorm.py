@@ -8,8 +8,8 @@ they have x's dtype and shape (C,).
 import numpy
 
 from cupytp.backend import xp
-from cupytp.kernels import BLOCK_THREADS, check_lists, compute_dtype, dtype_suffix, get_kernel
-from cupytp.kernels import is_device_array
+from cupytp.launchers import BLOCK_THREADS, check_lists, compute_dtype, dtype_suffix, get_kernel
+from cupytp.launchers import is_device_array
 
 NULL = numpy.uint64(0)
 

@@ -8,7 +8,7 @@ the kernel takes these arrays.
 import numpy
 
 from cupytp.backend import xp
-from cupytp.kernels import ceil_div, compute_dtype, dtype_suffix, get_kernel, is_device_array
+from cupytp.launchers import ceil_div, compute_dtype, dtype_suffix, get_kernel, is_device_array
 
 THREADS = 256
 MAX_BLOCKS = 32768     # the grid-stride loop covers larger arrays

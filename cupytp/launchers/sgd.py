@@ -12,8 +12,8 @@ reads them from device memory, so a CUDA graph replays each step with that step'
 import numpy
 
 from cupytp.backend import xp
-from cupytp.kernels import dtype_suffix, get_kernel, is_device_array
-from cupytp.kernels.multi_tensor import THREADS, check_optimizer_lists, tensor_table
+from cupytp.launchers import dtype_suffix, get_kernel, is_device_array
+from cupytp.launchers.multi_tensor import THREADS, check_optimizer_lists, tensor_table
 
 
 def sgd_scalars(*, lr, momentum, dampening, weight_decay, nesterov=False):

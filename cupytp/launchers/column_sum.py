@@ -9,8 +9,8 @@ fixed grid of partial sums, then one pass over them.
 import numpy
 
 from cupytp.backend import xp
-from cupytp.kernels import ceil_div, check_lists, compute_dtype, dtype_suffix, get_kernel
-from cupytp.kernels import is_device_array
+from cupytp.launchers import ceil_div, check_lists, compute_dtype, dtype_suffix, get_kernel
+from cupytp.launchers import is_device_array
 
 ROW_LANES = 8            # blockDim.y of the kernel (blockDim.x is 32 columns)
 MAX_ROW_BLOCKS = 64      # row strides (partial sums per column)

@@ -12,9 +12,9 @@ import math
 import numpy
 
 from cupytp.backend import xp
-from cupytp.kernels import ceil_div, check_lists, compute_dtype, dtype_suffix, get_kernel
-from cupytp.kernels import is_device_array
-from cupytp.kernels.column_sum import column_sum
+from cupytp.launchers import ceil_div, check_lists, compute_dtype, dtype_suffix, get_kernel
+from cupytp.launchers import is_device_array
+from cupytp.launchers.column_sum import column_sum
 
 THREADS = 256
 MAX_BLOCKS = 32768  # the kernels' grid-stride loops cover larger arrays

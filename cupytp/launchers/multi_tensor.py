@@ -15,8 +15,8 @@ import numpy
 
 from cupytp import graph
 from cupytp.backend import bfloat16, xp
-from cupytp.kernels import BLOCK_THREADS, ceil_div, check_lists, compute_dtype, dtype_suffix
-from cupytp.kernels import get_kernel, is_device_array
+from cupytp.launchers import BLOCK_THREADS, ceil_div, check_lists, compute_dtype, dtype_suffix
+from cupytp.launchers import get_kernel, is_device_array
 
 CHUNK = 65536  # elements per block
 THREADS = 512  # multi-tensor apply; the reductions run with BLOCK_THREADS

@@ -8,6 +8,8 @@ import os
 
 import numpy as np
 
+__all__ = ["TrainLog", "estimate_mfu", "format_bytes", "plot_loss", "read_log"]
+
 COLUMNS = ("step", "loss", "val_loss", "lr", "tokens_per_s", "mfu", "mem_gib")
 CSV_NAME = "log.csv"
 JSONL_NAME = "log.jsonl"
