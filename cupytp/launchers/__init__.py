@@ -1,11 +1,12 @@
 """Launchers of the hand-written CUDA kernels, each with a NumPy twin of the same math.
 
 The CUDA sources live in the repository's top-level `kernels/` folder (shipped inside wheels as
-`cupytp/_kernels/`), one op per `.cu` file; each has a thin launcher module here: CuPy arrays go
-to the kernel, NumPy arrays to the twin. `gemm` and `cudnn_attention` launch cuBLAS and cuDNN. A kernel is instantiated per dtype by a macro, named with the
-dtype's suffix (`gelu_forward_bf16`). CuPy is touched only when a kernel is compiled, so the package
-imports on machines without a GPU. Block reductions (`block_reduce.cuh`) are CUB's, from the CCCL
-headers CuPy bundles; kernels that use them run with BLOCK_THREADS threads per block.
+`cupytp/_kernels/`), one op per `.cu` file; each has a thin launcher module here: CuPy arrays go to
+the kernel, NumPy arrays to the twin. `gemm` and `cudnn_attention` launch cuBLAS and cuDNN. A
+kernel is instantiated per dtype by a macro, named with the dtype's suffix (`gelu_forward_bf16`).
+CuPy is touched only when a kernel is compiled, so the package imports on machines without a GPU.
+Block reductions (`block_reduce.cuh`) are CUB's, from the CCCL headers CuPy bundles; kernels that
+use them run with BLOCK_THREADS threads per block.
 """
 import functools
 from pathlib import Path

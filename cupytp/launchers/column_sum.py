@@ -1,9 +1,9 @@
 """Sums over every dimension but the last (bias and LayerNorm-weight gradients):
 `column_sum.cu` for CuPy arrays, a NumPy twin otherwise.
 
-`column_sum(x, y=None, dtype=None)` → (cols,): sum over the leading dimensions of x (of x * y
-when y is given: x's shape, in the compute dtype), accumulated in the compute dtype (float32 for 16-bit and
-float32 inputs, float64 for float64) and returned in `dtype` (x's by default). Deterministic: a
+`column_sum(x, y=None, dtype=None)` → (cols,): sum over the leading dimensions of x (of x * y when
+y is given: x's shape, in the compute dtype), accumulated in the compute dtype (float32 for 16-bit
+and float32 inputs, float64 for float64) and returned in `dtype` (x's by default). Deterministic: a
 fixed grid of partial sums, then one pass over them.
 """
 import numpy

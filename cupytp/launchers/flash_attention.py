@@ -2,13 +2,13 @@
 for CuPy arrays, a NumPy twin of the same math otherwise (the twin stores the scores; the kernel
 never does).
 
-`attention_forward(q, k, v, causal, scale, dropout)` → (o, lse): o = softmax(scale q kᵀ) v in
-q's dtype, returned as a (B, H, T, D) view of (B, T, H, D) memory (so o.transpose(1, 2) is
-contiguous); lse (B, H, T) float32, the log-sum-exp of each row of scaled scores (-inf for a query
-that sees no key). `attention_backward(q, k, v, o, lse, do, causal, scale, dropout, grads=None)` →
-(dq, dk, dv), laid out like o, or written into `grads` (three arrays shaped like q, k and v with
-contiguous rows: views into one packed gradient, say). Causal: query t sees keys s <= t + S - T. Inputs may be strided
-views; bf16 or fp16, head dim 64 or 128 (`supported`); fp32 accumulation.
+`attention_forward(q, k, v, causal, scale, dropout)` → (o, lse): o = softmax(scale q kᵀ) v in q's
+dtype, returned as a (B, H, T, D) view of (B, T, H, D) memory (so o.transpose(1, 2) is contiguous);
+lse (B, H, T) float32, the log-sum-exp of each row of scaled scores (-inf for a query that sees no
+key). `attention_backward(q, k, v, o, lse, do, causal, scale, dropout, grads=None)` → (dq, dk, dv),
+laid out like o, or written into `grads` (three arrays shaped like q, k and v with contiguous rows:
+views into one packed gradient, say). Causal: query t sees keys s <= t + S - T. Inputs may be
+strided views; bf16 or fp16, head dim 64 or 128 (`supported`); fp32 accumulation.
 
 Dropout (an `AttentionDropout`, or None) zeroes the probability (b, h, t, s) unless the Philox
 uniform of counter base + add + row-major index of (b + batch_offset, h + head_offset, t, s) in
