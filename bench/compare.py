@@ -12,7 +12,7 @@ included) are shown beside them.
 import re
 import sys
 
-FIELD = re.compile(r"([\w/]+)=([-\d.,]+)")
+FIELD = re.compile(r"([\w/()]+)=([-\d.,]+)")
 
 
 def last_line(path, tag):
@@ -21,7 +21,12 @@ def last_line(path, tag):
             lines = [line for line in f if line.startswith(tag)]
     except OSError:
         return None
-    return {k: float(v.replace(",", "")) for k, v in FIELD.findall(lines[-1])} if lines else None
+    if not lines:
+        return None
+    fields = {k: float(v.replace(",", "")) for k, v in FIELD.findall(lines[-1])}
+    if "tok/s(total)" in fields:                      # the FSDP2 anchor's name for it
+        fields["tok/s"] = fields.pop("tok/s(total)")
+    return fields
 
 
 def main(pairs):

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call on a 2-GPU machine: cupytp's training step beside the PyTorch anchors (copied
 # from the shared anchors folder into .carry/anchors, named in the device tool's carry), in the
-# same call. Usage: bench/gpu_bench.sh [check] [comm] [train1] [train2] [train] [host] [profile]
-# (default: train host; train = train1 train2, the 1-GPU and the TP=2 pairs). A cuDNN frontend
+# same call. Usage: bench/gpu_bench.sh [check] [comm] [train1] [train2] [train] [host] [fsdp]
+# [profile] (default: train host; train = train1 train2, the 1-GPU and the TP=2 pairs; fsdp:
+# fully_shard beside PyTorch FSDP2 with bf16 parameters and fp32 reduction, untied models). A cuDNN frontend
 # wheel carried in .carry/wheels is installed first (the machines have no internet), so that
 # attention can run through cuDNN. Logs under $OUT; the last thing printed is the table of
 # bench/compare.py.
@@ -44,6 +45,16 @@ for part in $what; do
           --embd 2048 --heads 16 --B 4 --steps 10
       pairs+=("124M-tp2-B8=$out/ours_tp2.log,$out/torch_tp2.log"
               "24x2048-tp2-B4=$out/ours_big.log,$out/torch_big.log") ;;
+    fsdp)
+      fsdp="python3 bench/train_gpt2.py --fsdp --untied --dtype bf16 --grad-clip 0 --tp 1"
+      run torch_fsdp_big env L=24 C=2048 B=4 torchrun --nproc_per_node=2 $anchors/torch_fsdp2.py
+      run ours_fsdp_big mpiexec -n 2 $fsdp --layers 24 --embd 2048 --heads 16 --B 4 \
+          --label fsdp-1.4B
+      run torch_fsdp_small env L=12 C=768 B=8 torchrun --nproc_per_node=2 \
+          $anchors/torch_fsdp2.py
+      run ours_fsdp_small mpiexec -n 2 $fsdp --model 124M --B 8 --label fsdp-163M
+      pairs+=("fsdp-1.4B-B4=$out/ours_fsdp_big.log,$out/torch_fsdp_big.log"
+              "fsdp-163M-B8=$out/ours_fsdp_small.log,$out/torch_fsdp_small.log") ;;
     profile)   # device time per kind of kernel, ours (eager: 2 + 5 + 5 steps) and PyTorch's
       run profile_ours python3 bench/kernel_profile.py --per 12 -- bench/train_gpt2.py --tp 1 \
           --dtype bf16 --no-cuda-graph --steps 5 --warmup 2
