@@ -3,12 +3,13 @@
 //     y = xhat w + b                                       (w, b optional)
 //     dx = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat)),  dxhat = g w
 // The forward also writes xhat and rstd in the compute dtype C for the backward (and for the
-// weight and bias gradients, which are column sums the caller takes). Storage dtype T.
+// weight and bias gradients, which are column sums the caller takes). x, w, b and dx have the
+// storage dtype T; y and g have O, which is T or (under autocast) a 16-bit dtype for an fp32 x.
 #include "common.cuh"
 #include "block_reduce.cuh"
 
-template <typename T, typename C>
-__device__ void layer_norm_forward(const T* x, const T* w, const T* b, T* y, C* xhat, C* rstd,
+template <typename T, typename O, typename C>
+__device__ void layer_norm_forward(const T* x, const T* w, const T* b, O* y, C* xhat, C* rstd,
                                    int cols, C eps)
 {
     const long long row = blockIdx.x;
@@ -27,18 +28,18 @@ __device__ void layer_norm_forward(const T* x, const T* w, const T* b, T* y, C* 
         const C h = (widen<C>(xr[i]) - mean) * r;
         xhat[row * cols + i] = h;
         C out = w ? h * widen<C>(w[i]) : h;
-        y[row * cols + i] = static_cast<T>(b ? out + widen<C>(b[i]) : out);
+        y[row * cols + i] = static_cast<O>(b ? out + widen<C>(b[i]) : out);
     }
     if (threadIdx.x == 0)
         rstd[row] = r;
 }
 
-template <typename T, typename C>
-__device__ void layer_norm_backward(const T* g, const C* xhat, const C* rstd, const T* w, T* dx,
+template <typename T, typename O, typename C>
+__device__ void layer_norm_backward(const O* g, const C* xhat, const C* rstd, const T* w, T* dx,
                                     int cols)
 {
     const long long row = blockIdx.x;
-    const T* gr = g + row * cols;
+    const O* gr = g + row * cols;
     const C* hr = xhat + row * cols;
     C sum = 0, dot = 0;
     for (int i = threadIdx.x; i < cols; i += blockDim.x) {
@@ -55,21 +56,23 @@ __device__ void layer_norm_backward(const T* g, const C* xhat, const C* rstd, co
     }
 }
 
-#define LAYER_NORM_KERNELS(T, C, SUFFIX)                                                         \
+#define LAYER_NORM_KERNELS(T, O, C, SUFFIX)                                                      \
     extern "C" __global__ void layer_norm_forward_##SUFFIX(const T* x, const T* w, const T* b,  \
-                                                           T* y, C* xhat, C* rstd, int cols,     \
+                                                           O* y, C* xhat, C* rstd, int cols,     \
                                                            C eps)                                \
     {                                                                                            \
-        layer_norm_forward<T, C>(x, w, b, y, xhat, rstd, cols, eps);                             \
+        layer_norm_forward<T, O, C>(x, w, b, y, xhat, rstd, cols, eps);                          \
     }                                                                                            \
-    extern "C" __global__ void layer_norm_backward_##SUFFIX(const T* g, const C* xhat,          \
+    extern "C" __global__ void layer_norm_backward_##SUFFIX(const O* g, const C* xhat,          \
                                                             const C* rstd, const T* w, T* dx,    \
                                                             int cols)                            \
     {                                                                                            \
-        layer_norm_backward<T, C>(g, xhat, rstd, w, dx, cols);                                   \
+        layer_norm_backward<T, O, C>(g, xhat, rstd, w, dx, cols);                                \
     }
 
-LAYER_NORM_KERNELS(float, float, f32)
-LAYER_NORM_KERNELS(double, double, f64)
-LAYER_NORM_KERNELS(__nv_bfloat16, float, bf16)
-LAYER_NORM_KERNELS(__half, float, f16)
+LAYER_NORM_KERNELS(float, float, float, f32)
+LAYER_NORM_KERNELS(double, double, double, f64)
+LAYER_NORM_KERNELS(__nv_bfloat16, __nv_bfloat16, float, bf16)
+LAYER_NORM_KERNELS(__half, __half, float, f16)
+LAYER_NORM_KERNELS(float, __nv_bfloat16, float, f32_bf16)
+LAYER_NORM_KERNELS(float, __half, float, f32_f16)

@@ -1,9 +1,11 @@
 """LayerNorm over the last dimension: `layernorm.cu` for CuPy arrays, a NumPy twin otherwise.
 
-`layer_norm_forward(x, weight, bias, eps)` → (y, xhat, rstd): y in x's dtype; xhat (the
-normalized input) and rstd (per row) in the compute dtype (float32, float64 for float64), kept
-for `layer_norm_backward(g, xhat, rstd, weight)` → dx. weight and bias may be None; when given
-they have x's dtype and shape (C,).
+`layer_norm_forward(x, weight, bias, eps, out_dtype=None)` → (y, xhat, rstd): y in `out_dtype`
+(x's by default; a 16-bit dtype for a float32 x under autocast, rounded once from the float32
+result); xhat (the normalized input) and rstd (per row) in the compute dtype (float32, float64
+for float64), kept for `layer_norm_backward(g, xhat, rstd, weight, dx_dtype=None)` → dx in
+`dx_dtype` (g's by default: x's, when g has y's 16-bit dtype). weight and bias may be None; when
+given they have x's dtype and shape (C,).
 """
 import numpy
 
@@ -14,52 +16,67 @@ from cupytp.launchers import is_device_array
 NULL = numpy.uint64(0)
 
 
-def _check(x, weight, bias):
-    """Each array on its own (check_lists compares shapes across lists, position by position)."""
+def _check(x, weight, bias, dtype=None):
+    """Each array on its own (check_lists compares shapes across lists, position by position);
+    weight and bias must have `dtype` (x's by default) and shape (C,)."""
+    dtype = dtype or x.dtype
     dtype_suffix(check_lists(x=[x])["x"])
     for name, array in (("weight", weight), ("bias", bias)):
         if array is not None:
             check_lists(**{name: [array]})
-        if array is not None and (array.dtype != x.dtype or array.shape != x.shape[-1:]):
-            raise ValueError(f"layer_norm: {name} must have dtype {x.dtype} and shape "
+        if array is not None and (array.dtype != dtype or array.shape != x.shape[-1:]):
+            raise ValueError(f"layer_norm: {name} must have dtype {dtype} and shape "
                              f"{x.shape[-1:]}, got {array.dtype} {array.shape}")
 
 
-def layer_norm_forward(x, weight, bias, eps):
+def layer_norm_forward(x, weight, bias, eps, out_dtype=None):
+    out_dtype = numpy.dtype(out_dtype or x.dtype)
     if not is_device_array(x):
-        return layer_norm_forward_numpy(x, weight, bias, eps)
+        return layer_norm_forward_numpy(x, weight, bias, eps, out_dtype)
     _check(x, weight, bias)
     compute = compute_dtype(x.dtype)
     cols = x.shape[-1]
     rows = x.size // cols if cols else 0
-    y = xp.empty_like(x)
+    y = xp.empty(x.shape, dtype=out_dtype)
     xhat = xp.empty(x.shape, dtype=compute)
     rstd = xp.empty(x.shape[:-1] + (1,), dtype=compute)
     if rows:
-        kernel = get_kernel("layernorm.cu", f"layer_norm_forward_{dtype_suffix(x.dtype)}")
+        kernel = get_kernel("layernorm.cu", f"layer_norm_forward_{_suffix(x.dtype, out_dtype)}")
         kernel((rows,), (BLOCK_THREADS,), (x, NULL if weight is None else weight,
                                            NULL if bias is None else bias, y, xhat, rstd,
                                            numpy.int32(cols), compute.type(eps)))
     return y, xhat, rstd
 
 
-def layer_norm_backward(g, xhat, rstd, weight):
+def layer_norm_backward(g, xhat, rstd, weight, dx_dtype=None):
+    dx_dtype = numpy.dtype(dx_dtype or g.dtype)
     if not is_device_array(g):
-        return layer_norm_backward_numpy(g, xhat, rstd, weight)
-    _check(g, weight, None)
+        return layer_norm_backward_numpy(g, xhat, rstd, weight, dx_dtype)
+    _check(g, weight, None, dx_dtype)
     check_lists(xhat=[xhat])
     check_lists(rstd=[rstd])
     cols = g.shape[-1]
     rows = g.size // cols if cols else 0
-    dx = xp.empty_like(g)
+    dx = xp.empty(g.shape, dtype=dx_dtype)
     if rows:
-        kernel = get_kernel("layernorm.cu", f"layer_norm_backward_{dtype_suffix(g.dtype)}")
+        kernel = get_kernel("layernorm.cu", f"layer_norm_backward_{_suffix(dx_dtype, g.dtype)}")
         kernel((rows,), (BLOCK_THREADS,), (g, xhat, rstd, NULL if weight is None else weight,
                                            dx, numpy.int32(cols)))
     return dx
 
 
-def layer_norm_forward_numpy(x, weight, bias, eps):
+def _suffix(dtype, out_dtype):
+    """The instantiation for storage `dtype` with y and g in `out_dtype`: the same dtype, or a
+    float32 x with bf16/fp16 y."""
+    if out_dtype == dtype:
+        return dtype_suffix(dtype)
+    if dtype != numpy.float32 or dtype_suffix(out_dtype) not in ("bf16", "f16"):
+        raise ValueError(f"layer_norm: no kernel for input {dtype} with output {out_dtype}: the "
+                         "output has the input's dtype, or bf16/fp16 for a float32 input")
+    return f"f32_{dtype_suffix(out_dtype)}"
+
+
+def layer_norm_forward_numpy(x, weight, bias, eps, out_dtype=None):
     compute = compute_dtype(x.dtype)
     v = x.astype(compute)
     centered = v - v.mean(axis=-1, keepdims=True)
@@ -67,12 +84,12 @@ def layer_norm_forward_numpy(x, weight, bias, eps):
     xhat = centered * rstd
     y = xhat * weight.astype(compute) if weight is not None else xhat
     y = y + bias.astype(compute) if bias is not None else y
-    return y.astype(x.dtype), xhat, rstd.astype(compute)
+    return y.astype(out_dtype or x.dtype), xhat, rstd.astype(compute)
 
 
-def layer_norm_backward_numpy(g, xhat, rstd, weight):
+def layer_norm_backward_numpy(g, xhat, rstd, weight, dx_dtype=None):
     compute = xhat.dtype
     d = g.astype(compute) * weight.astype(compute) if weight is not None else g.astype(compute)
     dx = rstd * (d - d.mean(axis=-1, keepdims=True)
                  - xhat * (d * xhat).mean(axis=-1, keepdims=True))
-    return dx.astype(g.dtype)
+    return dx.astype(dx_dtype or g.dtype)

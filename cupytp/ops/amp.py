@@ -1,7 +1,9 @@
 """Automatic mixed precision: contractions in a 16-bit dtype, parameters kept as fp32 masters.
 
 Inside `autocast("bf16")` contractions (einsum, matmul, attention) and the bias of a linear layer
-cast their floating operands through the differentiable `astype`, so fp32 parameters get fp32
+cast their floating operands through the differentiable `astype`, and layer_norm of a wider input
+computes in float32 and returns the autocast dtype (its output feeds a contraction; one kernel
+instead of a norm and a cast), so fp32 parameters get fp32
 gradients. As in PyTorch's autocast, a parameter (a leaf that requires a gradient) is cast once
 per autocast region: a weight used twice in a forward pass is one cast node, whose backward
 casts the summed gradient once. The cache is dropped when the outermost region exits and when an
@@ -36,6 +38,11 @@ def autocast(dtype="bf16"):
         yield
     finally:
         _state.dtype, _state.cache = previous, previous_cache
+
+
+def autocast_dtype():
+    """The dtype of the enclosing autocast region (None outside one)."""
+    return _state.dtype
 
 
 def clear_cache():

@@ -14,6 +14,7 @@ from cupytp.ops.conversion import (
     Partial, Replicated, Shard, backend, convert, engine, fail, is_tensor, linear_grad, make,
     reduce_all, same_mesh)
 from cupytp.ops.elementwise import mul
+from cupytp.ops.amp import autocast_dtype
 from cupytp.ops.linalg import autocast_operand, einsum
 from cupytp.ops.reduction import leading_sum_placements, sum as reduce_sum
 from cupytp.tensor.random import default_generator
@@ -84,7 +85,8 @@ def causal_softmax(scores, scale=1.0):
 def layer_norm(x, weight, bias, eps=1e-5):
     """Normalize over the last dimension (unsharded), then scale by `weight` and shift by `bias`
     (both Replicated, shape (C,); either may be None). One fused kernel per direction on GPU;
-    the weight and bias gradients are column sums over the leading (maybe sharded) dims."""
+    the weight and bias gradients are column sums over the leading (maybe sharded) dims. Inside
+    `autocast`, a float32 input gives the autocast dtype (computed in float32, rounded once)."""
     from cupytp.launchers.layernorm import layer_norm_backward, layer_norm_forward
     x, _ = _unsharded("layer_norm", x, -1)
     replicated = (Replicated(),) * x.mesh.ndim
@@ -93,15 +95,18 @@ def layer_norm(x, weight, bias, eps=1e-5):
     xp = backend.xp
     w_local = weight._local.astype(x.dtype, copy=False) if weight is not None else None
     b_local = bias._local.astype(x.dtype, copy=False) if bias is not None else None
-    y, xhat, rstd = layer_norm_forward(xp.ascontiguousarray(x._local), w_local, b_local, eps)
-    layout = x.layout           # closures keep layouts, not tensors: x's values are not needed
+    wanted = autocast_dtype()
+    out_dtype = wanted if wanted is not None and x.dtype == xp.float32 else x.dtype
+    y, xhat, rstd = layer_norm_forward(xp.ascontiguousarray(x._local), w_local, b_local, eps,
+                                       out_dtype)
+    layout, x_dtype = x.layout, x.dtype     # closures keep layouts, not tensors
     out = make(y, layout.mesh, layout.shape, layout.placements)
 
     def backward(g):
         g = linear_grad(g, layout.placements)
-        gl = xp.ascontiguousarray(g._local)
-        grad_x = make(layer_norm_backward(gl, xhat, rstd, w_local), layout.mesh, layout.shape,
-                      g.placements)
+        gl = xp.ascontiguousarray(g._local).astype(out_dtype, copy=False)
+        grad_x = make(layer_norm_backward(gl, xhat, rstd, w_local, x_dtype), layout.mesh,
+                      layout.shape, g.placements)
         grad_w = None
         if weight is not None:
             grad_w = _column_grad(gl, xhat, weight, g.placements)

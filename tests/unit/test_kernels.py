@@ -524,25 +524,45 @@ def test_layer_norm_twin_against_float64_formula():
                                   rtol=1e-6, atol=1e-8)
 
 
+def test_layer_norm_twin_with_a_16_bit_output():
+    """float32 x with bf16 y (autocast): y is the float32 result rounded once; the backward takes
+    a bf16 g and gives a float32 dx, the float32 formula on g's values."""
+    from cupytp.launchers.layernorm import layer_norm_backward_numpy, layer_norm_forward_numpy
+    rng = numpy.random.default_rng(10)
+    x, w, b = (rng.standard_normal(s).astype(numpy.float32) for s in ((4, 16), (16,), (16,)))
+    g = rng.standard_normal((4, 16)).astype(bfloat16)
+    y, xhat, rstd = layer_norm_forward_numpy(x, w, b, 1e-5, bfloat16)
+    y32, xhat32, _ = layer_norm_forward_numpy(x, w, b, 1e-5)
+    assert y.dtype == bfloat16 and (y == y32.astype(bfloat16)).all() and (xhat == xhat32).all()
+    dx = layer_norm_backward_numpy(g, xhat, rstd, w, numpy.float32)
+    assert dx.dtype == numpy.float32
+    assert (dx == layer_norm_backward_numpy(g.astype(numpy.float32), xhat, rstd, w)).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not on_gpu, reason="needs a GPU")
-@pytest.mark.parametrize("dtype,tol", [("float32", 2e-5), ("float64", 1e-12), ("bf16", 3e-2)])
+@pytest.mark.parametrize("dtype,out,tol", [("float32", None, 2e-5), ("float64", None, 1e-12),
+                                           ("bf16", None, 3e-2), ("float32", "bf16", 3e-2)])
 @pytest.mark.parametrize("shape,affine", [((7, 5, 768), True), ((3, 1030), False), ((1, 33), True)])
-def test_layer_norm_kernel_matches_twin(dtype, tol, shape, affine):
+def test_layer_norm_kernel_matches_twin(dtype, out, tol, shape, affine):
     from cupytp.launchers.layernorm import (layer_norm_backward, layer_norm_backward_numpy,
                                           layer_norm_forward, layer_norm_forward_numpy)
     dtype = bfloat16 if dtype == "bf16" else numpy.dtype(dtype)
+    out = bfloat16 if out == "bf16" else dtype
     rng = numpy.random.default_rng(9)
-    x, g = (rng.standard_normal(shape).astype(dtype) for _ in range(2))
+    x, g = rng.standard_normal(shape).astype(dtype), rng.standard_normal(shape).astype(out)
     w, b = ((rng.standard_normal(shape[-1:]).astype(dtype) if affine else None)
             for _ in range(2))
     on = lambda a: None if a is None else xp.asarray(a)
-    y, xhat, rstd = layer_norm_forward(on(x), on(w), on(b), 1e-5)
-    y_twin, xhat_twin, rstd_twin = layer_norm_forward_numpy(x, w, b, 1e-5)
+    y, xhat, rstd = layer_norm_forward(on(x), on(w), on(b), 1e-5, out)
+    y_twin, xhat_twin, rstd_twin = layer_norm_forward_numpy(x, w, b, 1e-5, out)
+    assert y.dtype == out
     for got, want in ((y, y_twin), (xhat, xhat_twin), (rstd, rstd_twin)):
         numpy.testing.assert_allclose(asnumpy(got).astype(numpy.float64),
                                       want.astype(numpy.float64), rtol=tol, atol=tol)
-    dx = layer_norm_backward(on(g), xp.asarray(xhat_twin), xp.asarray(rstd_twin), on(w))
+    dx = layer_norm_backward(on(g), xp.asarray(xhat_twin), xp.asarray(rstd_twin), on(w), dtype)
+    assert dx.dtype == dtype
     numpy.testing.assert_allclose(asnumpy(dx).astype(numpy.float64),
-                                  layer_norm_backward_numpy(g, xhat_twin, rstd_twin, w).astype(
-                                      numpy.float64), rtol=tol, atol=tol)
+                                  layer_norm_backward_numpy(g, xhat_twin, rstd_twin, w,
+                                                            dtype).astype(numpy.float64),
+                                  rtol=tol, atol=tol)

@@ -310,3 +310,25 @@ def test_tape_keeps_only_what_backward_closures_save():
     numpy.testing.assert_allclose(value(b.grad), dh.sum((0, 1)), rtol=1e-4, atol=1e-5)
     numpy.testing.assert_allclose(value(wt.grad), numpy.einsum("btc,btd->cd", a, dh),
                                   rtol=1e-4, atol=1e-5)
+
+
+def test_autocast_layer_norm_gives_the_autocast_dtype():
+    """Inside autocast("bf16") a float32 layer_norm returns bf16 (the float32 result rounded
+    once) and its input still gets a float32 gradient, that of the float32 op on the bf16
+    incoming gradient."""
+    a, w, bias, g = r(2, 3, 8), r(8), r(8), r(2, 3, 8)
+    results = {}
+    for dtype in (None, "bf16"):
+        x, wt, b = (dt(v.astype(numpy.float32)) for v in (a, w, bias))
+        with ops.autocast(dtype):
+            out = ops.layer_norm(x, wt, b)
+        assert out.dtype == (backend.bfloat16 if dtype else numpy.float32)
+        weight = g.astype(backend.bfloat16).astype(numpy.float32)
+        (ops.astype(out, "fp32") * dt(weight, grad=False)).sum().backward()
+        assert x.grad.dtype == wt.grad.dtype == numpy.float32
+        results[dtype] = [value(out).astype(numpy.float64), value(x.grad), value(wt.grad),
+                          value(b.grad)]
+    exact = results[None][0].astype(numpy.float32).astype(backend.bfloat16)
+    assert (results["bf16"][0] == exact.astype(numpy.float64)).all()
+    for got, want in zip(results["bf16"][1:], results[None][1:]):
+        numpy.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
