@@ -459,7 +459,9 @@ def gpu_name():
 
 def _progress(total):
     from tqdm import tqdm
-    return tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stdout)
+    # drawn at every logged step (updates come only then), however fast the steps run
+    return tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stdout, mininterval=0,
+                miniters=1)
 
 
 def _postfix(row, norm, memory):

@@ -147,8 +147,8 @@ def test_bad_input_one_line_nonzero_exit(tmp_path, args, message):
     (tmp_path / "file").write_text("")
     named = {"EMPTY": empty, "BAD": bad, "BADCONFIG": config, "UNWRITABLE": tmp_path / "file/x"}
     args = [str(named.get(a, a)) for a in args]
-    result = run(["--model", "tiny"] + args + ["--steps", "1", "--out", str(tmp_path / "out")],
-                 ranks=2, timeout=120)
+    result = run(["--model", "tiny", "--seq-len", "32"] + args +      # the GPU default is 1024
+                 ["--steps", "1", "--out", str(tmp_path / "out")], ranks=2, timeout=120)
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
     assert result.returncode != 0
     assert len(errors) == 1 and message in errors[0], result.stderr[-3000:]
