@@ -68,6 +68,8 @@ def main():
                    "FSDP anchor's model)")
     p.add_argument("--grad-clip", type=float, default=1.0, help="0: no clipping (as the anchors)")
     p.add_argument("--no-cuda-graph", action="store_true", help="run every step eagerly")
+    p.add_argument("--recompute", action="store_true", help="recompute each block's activations "
+                   "in backward (less memory)")
     p.add_argument("--profile", action="store_true", help="eager, synchronized per module")
     p.add_argument("--label", default="", help="a name for this run in the RESULT line")
     args = p.parse_args()
@@ -81,7 +83,9 @@ def main():
     overrides = {k: v for k, v in (("n_layer", args.layers), ("n_embd", args.embd),
                                    ("n_head", args.heads)) if v is not None}
     config = preset(args.model, tie_word_embeddings=not args.untied, **overrides)
-    model = GPT2(config, mesh)
+    if args.recompute and args.fsdp:
+        p.error("--recompute with --fsdp is not supported yet: use one of them")
+    model = GPT2(config, mesh, recompute=args.recompute)
     if args.fsdp:
         fully_shard(model, mesh, param_dtype=args.dtype)
         if info.rank == 0:

@@ -112,9 +112,14 @@ def parse_args(argv):
                    help="for MFU (default: by GPU)")
     p.add_argument("--no-cuda-graph", action="store_true", help="on GPU, run each step eagerly "
                    "instead of replaying it as one captured CUDA graph")
+    p.add_argument("--recompute", action="store_true", help="keep only each block's input for "
+                   "backward and run the block again there: less memory, about a third more "
+                   "compute")
     args = p.parse_args(argv)
     if not args.checkpoint_dir and (args.resume or args.checkpoint_interval or args.keep_last):
         p.error("--resume, --checkpoint-interval and --keep-last need --checkpoint-dir")
+    if args.recompute and args.fsdp:
+        p.error("--recompute with --fsdp is not supported yet: use one of them")
     if args.checkpoint_interval < 0 or (args.keep_last is not None and args.keep_last < 1):
         p.error("--checkpoint-interval must be >= 0 and --keep-last >= 1")
     if args.min_lr_frac > 1:
@@ -328,6 +333,7 @@ def train(args):
         model = GPT2.from_pretrained(args.init_from, mesh)
     else:
         model = GPT2(config, mesh)
+    model.transformer.recompute = args.recompute
     if args.fsdp:
         fully_shard(model, mesh, param_dtype=args.dtype)
         say(info.rank, model.fsdp_summary())

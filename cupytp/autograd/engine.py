@@ -161,6 +161,20 @@ def backward(root, grad):
             _state.callbacks.pop(0)()
 
 
+def backward_within(root, grad):
+    """backward() from inside a node's backward (a recomputed piece of the graph): the same walk
+    from `root`, leaving the pass in progress (its callbacks, its current node) as it was."""
+    if root._node is None:
+        if root.requires_grad:
+            root.accumulate_grad(grad)
+        return
+    outer = _state.node
+    try:
+        _walk(root._node, {id(root._node): grad})
+    finally:
+        _state.node = outer
+
+
 def _walk(root, pending):
     """The reverse walk: each node's gradients handed to its inputs (`_state.node` is the node
     being worked on). A walked node drops its closure and inputs, freeing what it saved."""

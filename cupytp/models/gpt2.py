@@ -65,10 +65,12 @@ def preset(name, **overrides):
 
 
 class GPT2Transformer(nn.Module):
-    """Token and position embeddings, the blocks, the final LayerNorm."""
+    """Token and position embeddings, the blocks, the final LayerNorm. With `recompute`, each
+    block keeps only its input and is run again in backward (`nn.recompute`)."""
 
-    def __init__(self, config, vocab, mesh):
+    def __init__(self, config, vocab, mesh, recompute=False):
         super().__init__()
+        self.recompute = recompute
         std = config.initializer_range
         proj_std = nn.scaled_init(std, config.n_layer)
         self.wte = _padded(nn.DEmbedding(config.vocab_size, config.n_embd, mesh, init_std=std),
@@ -86,7 +88,7 @@ class GPT2Transformer(nn.Module):
         b, t = ids.shape
         x = self.drop(self.wte(ids) + self.wpe(self.positions(t, ids.mesh)))    # (B, T, C)
         for block in self.h:
-            x = block(x)
+            x = nn.recompute(block, x) if self.recompute else block(x)
         return self.ln_f(x)
 
     def positions(self, t, mesh):
@@ -121,14 +123,15 @@ def _mask_padding(logits, vocab_size):
 
 class GPT2(nn.Module):
     """GPT-2 language model; `forward(ids, targets=None)` returns (logits, loss or None), the
-    logits vocab-sharded (Shard(-1)) when tensor-parallel."""
+    logits vocab-sharded (Shard(-1)) when tensor-parallel. `recompute=True` keeps only each
+    block's input for backward and runs the block again there (less memory, one more forward)."""
 
-    def __init__(self, config, mesh=None, tp=None):
+    def __init__(self, config, mesh=None, tp=None, recompute=False):
         super().__init__()
         self.config = config
         tp = tp or (mesh.shape[nn.tp_dim(mesh)] if mesh is not None else 1)
         self.vocab = config.padded_vocab(tp)
-        self.transformer = GPT2Transformer(config, self.vocab, local_mesh())
+        self.transformer = GPT2Transformer(config, self.vocab, local_mesh(), recompute)
         head = self.transformer.wte
         if not config.tie_word_embeddings:
             head = self.lm_head_embedding = _padded(nn.DEmbedding(
