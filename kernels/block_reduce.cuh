@@ -1,12 +1,12 @@
 // Block-wide reductions through CUB's BlockReduce (CuPy's bundled CCCL headers; the loader puts
 // them on the include path). CUB needs the block size at compile time: the loader defines
-// CUPYTP_BLOCK_THREADS from `cupytp.kernels.BLOCK_THREADS`, and every kernel that calls
+// CUPYTP_BLOCK_THREADS from `cupytp.launchers.BLOCK_THREADS`, and every kernel that calls
 // block_reduce is launched with exactly that many threads per block.
 #pragma once
 #include <cub/block/block_reduce.cuh>
 
 #ifndef CUPYTP_BLOCK_THREADS
-#error "CUPYTP_BLOCK_THREADS is undefined: compile through cupytp.kernels.get_kernel"
+#error "CUPYTP_BLOCK_THREADS is undefined: compile through cupytp.launchers.get_kernel"
 #endif
 
 template <typename C>
