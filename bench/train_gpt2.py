@@ -83,8 +83,6 @@ def main():
     overrides = {k: v for k, v in (("n_layer", args.layers), ("n_embd", args.embd),
                                    ("n_head", args.heads)) if v is not None}
     config = preset(args.model, tie_word_embeddings=not args.untied, **overrides)
-    if args.recompute and args.fsdp:
-        p.error("--recompute with --fsdp is not supported yet: use one of them")
     model = GPT2(config, mesh, recompute=args.recompute)
     if args.fsdp:
         fully_shard(model, mesh, param_dtype=args.dtype)

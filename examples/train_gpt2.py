@@ -118,8 +118,6 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if not args.checkpoint_dir and (args.resume or args.checkpoint_interval or args.keep_last):
         p.error("--resume, --checkpoint-interval and --keep-last need --checkpoint-dir")
-    if args.recompute and args.fsdp:
-        p.error("--recompute with --fsdp is not supported yet: use one of them")
     if args.checkpoint_interval < 0 or (args.keep_last is not None and args.keep_last < 1):
         p.error("--checkpoint-interval must be >= 0 and --keep-last >= 1")
     if args.min_lr_frac > 1:

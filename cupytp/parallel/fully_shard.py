@@ -359,7 +359,8 @@ class FSDPState:
         its attributes pointed at the gathered views."""
         if module is group.modules[0] and group is self.groups[0]:
             for g in self.groups:       # a new forward: nothing gathered before is reused
-                g.reshard()
+                g.reshard()             # (a recomputation in backward may have left views)
+                g.forward_views = None
         if group.forward_views is None:
             anchor = next((a for a in list(args) + list(kwargs.values())
                            if isinstance(a, DTensor) and a.requires_grad), None)

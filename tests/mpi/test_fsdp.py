@@ -80,6 +80,19 @@ def test_fsdp_training_ends_like_one_rank(world, group_bytes, accum, dtype, tole
         assert all(s.placements == p.placements for s in optimizer.state[p].values())
 
 
+@pytest.mark.parametrize("group_bytes,accum", [(0, 1), (1 << 20, 1), (1 << 20, 2)])
+def test_fsdp_with_recomputed_blocks_ends_like_one_rank(world, group_bytes, accum):
+    """Blocks recomputed in backward (GPT2 recompute) inside groups of one or several layers:
+    the recomputation gathers its group again, and training still ends where one rank's does."""
+    dense, _ = train(gpt2(), accum=accum)
+    mesh = cupytp.DeviceMesh((world.world_size,), ("dp",))
+    recomputing = gpt2()
+    recomputing.transformer.recompute = True
+    model = fully_shard(recomputing, mesh, group_bytes=group_bytes)
+    got, _ = train(model, accum=accum, dp_placements=(Shard(0),))
+    assert_params_close(got, dense)
+
+
 def test_fsdp_on_a_dp_tp_mesh_ends_like_one_rank(world, mesh2d):
     config = dataclasses.replace(CONFIG, n_head=2, n_embd=10)
     tp = mesh2d.shape[1]
