@@ -37,6 +37,11 @@ def dtype_suffix(dtype):
     return _SUFFIXES[dtype]
 
 
+def has_kernel(dtype):
+    """True for the dtypes kernels are instantiated for (float32, float64, bfloat16, float16)."""
+    return numpy.dtype(dtype) in _SUFFIXES
+
+
 def compute_dtype(dtype):
     """The dtype a kernel computes in: float64 for float64, float32 for float32/bfloat16/float16."""
     wide = dtype_suffix(dtype) == "f64"

@@ -8,7 +8,8 @@ the kernel takes these arrays.
 import numpy
 
 from cupytp.backend import xp
-from cupytp.launchers import ceil_div, compute_dtype, dtype_suffix, get_kernel, is_device_array
+from cupytp.launchers import (
+    ceil_div, compute_dtype, dtype_suffix, get_kernel, has_kernel, is_device_array)
 
 THREADS = 256
 MAX_BLOCKS = 32768     # the grid-stride loop covers larger arrays
@@ -17,16 +18,8 @@ MAX_BLOCKS = 32768     # the grid-stride loop covers larger arrays
 def applies(x, bias):
     """True for a contiguous x of 2 or more dimensions and a bias (x.shape[-1],) of its dtype."""
     return (bias.ndim == 1 and x.ndim >= 2 and bias.shape[0] == x.shape[-1]
-            and x.dtype == bias.dtype and _has_kernel(x.dtype)
+            and x.dtype == bias.dtype and has_kernel(x.dtype)
             and x.flags.c_contiguous and bias.flags.c_contiguous)
-
-
-def _has_kernel(dtype):
-    try:
-        dtype_suffix(dtype)
-    except ValueError:
-        return False
-    return True
 
 
 def bias_add(x, bias):

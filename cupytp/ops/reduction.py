@@ -7,7 +7,7 @@ is reduced first under max.
 """
 import math
 
-from cupytp.launchers import is_device_array
+from cupytp.launchers import has_kernel, is_device_array
 from cupytp.launchers.column_sum import column_sum
 from cupytp.ops.conversion import (
     Partial, Replicated, Shard, backend, convert, engine, fail, make)
@@ -56,7 +56,7 @@ def _local_sum(v, dims, keepdim):
     gradient) runs as the column-sum kernel, many times faster than CuPy's strided reduction."""
     lead = len(dims)
     if not (is_device_array(v) and 0 < lead < v.ndim and dims == tuple(range(lead))
-            and (v.dtype.kind == "f" or v.dtype == backend.bfloat16) and v.flags.c_contiguous):
+            and has_kernel(v.dtype) and v.flags.c_contiguous):
         return backend.xp.sum(v, axis=dims, keepdims=keepdim)
     rest = v.shape[lead:]
     out = column_sum(v.reshape(-1, math.prod(rest)))
