@@ -2,7 +2,7 @@
 # One device call on a 2-GPU machine: cupytp's training step beside the PyTorch anchors (copied
 # from the shared anchors folder into .carry/anchors, named in the device tool's carry), in the
 # same call. Usage: bench/gpu_bench.sh [check] [comm] [train1] [train2] [train] [host] [fsdp]
-# [profile] (default: train host; train = train1 train2, the 1-GPU and the TP=2 pairs; fsdp:
+# [profile] [profile2] (default: train host; train = train1 train2, the 1-GPU and the TP=2 pairs; fsdp:
 # fully_shard beside PyTorch FSDP2 with bf16 parameters and fp32 reduction, untied models). A cuDNN frontend
 # wheel carried in .carry/wheels is installed first (the machines have no internet), so that
 # attention can run through cuDNN. Logs under $OUT; the last thing printed is the table of
@@ -41,10 +41,13 @@ for part in $what; do
       run torch_tp2 torchrun --nproc_per_node=2 $anchors/torch_megatron_tp.py --steps 10
       run ours_big mpiexec -n 2 python3 bench/train_gpt2.py --tp 2 --dtype bf16 --layers 24 \
           --embd 2048 --heads 16 --B 4 --label 24x2048-tp2
+      run ours_big_rc mpiexec -n 2 python3 bench/train_gpt2.py --tp 2 --dtype bf16 --layers 24 \
+          --embd 2048 --heads 16 --B 4 --recompute --label 24x2048-tp2-recompute
       run torch_big torchrun --nproc_per_node=2 $anchors/torch_megatron_tp.py --layers 24 \
           --embd 2048 --heads 16 --B 4 --steps 10
       pairs+=("124M-tp2-B8=$out/ours_tp2.log,$out/torch_tp2.log"
-              "24x2048-tp2-B4=$out/ours_big.log,$out/torch_big.log") ;;
+              "24x2048-tp2-B4=$out/ours_big.log,$out/torch_big.log"
+              "24x2048-tp2-B4-recompute=$out/ours_big_rc.log,$out/torch_big.log") ;;
     fsdp)
       fsdp="python3 bench/train_gpt2.py --fsdp --untied --dtype bf16 --grad-clip 0 --tp 1"
       run torch_fsdp_big env L=24 C=2048 B=4 torchrun --nproc_per_node=2 $anchors/torch_fsdp2.py
@@ -61,6 +64,13 @@ for part in $what; do
       run profile_torch python3 bench/kernel_profile.py --per 13 -- $anchors/torch_tp_gpt2.py \
           --dtype bf16 --sdpa 1 --steps 10
       for side in ours torch; do grep -B2 -A16 "ms of kernels" "$out/profile_$side.log"; done ;;
+    profile2)  # the same for 24 layers x 2048 at TP=2 (rank 0), ours and Megatron-style
+      big="--layers 24 --embd 2048 --heads 16 --B 4"
+      run profile_ours_big mpiexec -n 2 python3 bench/kernel_profile.py --per 12 -- \
+          bench/train_gpt2.py --tp 2 --dtype bf16 --no-cuda-graph --steps 5 --warmup 2 $big
+      run profile_torch_big torchrun --nproc_per_node=2 bench/kernel_profile.py --per 13 -- \
+          $anchors/torch_megatron_tp.py --steps 10 $big
+      for side in ours_big torch_big; do grep -A22 "ms of kernels" "$out/profile_$side.log"; done ;;
     host)
       run ours_tiny python3 bench/train_gpt2.py --tp 1 --dtype bf16 --B 2 --T 64 --label tiny-eager \
           --no-cuda-graph

@@ -6,10 +6,12 @@ too, also inside CUDA graphs) and prints device time per kernel and per kind of 
     python bench/kernel_profile.py --per 13 -- .carry/anchors/torch_tp_gpt2.py --sdpa 1
 
 `--per` divides the totals (the number of steps the script runs, warm-up included), so the
-figures read as ms per step. Needs torch with CUDA; one GPU, one process.
+figures read as ms per step. Needs torch with CUDA. Under mpiexec or torchrun every rank is
+profiled and the first prints.
 """
 import argparse
 import collections
+import os
 import re
 import runpy
 import sys
@@ -55,6 +57,9 @@ def main():
         entry[0] += event.device_time_total if hasattr(event, "device_time_total") \
             else event.cuda_time_total
         entry[1] += 1
+    rank = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("RANK", "0"))
+    if rank != "0":
+        return
     total = sum(t for t, _ in per_name.values())
     per_kind = collections.defaultdict(lambda: [0.0, 0])
     for name, (t, n) in per_name.items():
