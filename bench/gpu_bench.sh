@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # One device call on a 2-GPU machine: cupytp's training step beside the PyTorch anchors (copied
 # from the shared anchors folder into .carry/anchors, named in the device tool's carry), in the
-# same call. Usage: bench/gpu_bench.sh [check] [comm] [train1] [train2] [train] [host] [fsdp]
-# [profile] [profile2] (default: train host; train = train1 train2, the 1-GPU and the TP=2 pairs; fsdp:
-# fully_shard beside PyTorch FSDP2 with bf16 parameters and fp32 reduction, untied models). A cuDNN frontend
-# wheel carried in .carry/wheels is installed first (the machines have no internet), so that
-# attention can run through cuDNN. Logs under $OUT; the last thing printed is the table of
-# bench/compare.py.
+# same call; the anchors do not clip gradients, so neither do these runs.
+# Usage: bench/gpu_bench.sh [check] [comm] [train1] [train2] [train] [host] [fsdp] [profile]
+# [profile2] (default: train host; train = train1 train2, the 1-GPU and the TP=2 pairs; fsdp:
+# fully_shard beside PyTorch FSDP2 with bf16 parameters and fp32 reduction, untied models;
+# profile, profile2: device time per kind of kernel at 124M on one GPU, at 24x2048 at TP=2). A
+# cuDNN frontend wheel carried in .carry/wheels is installed first (the machines have no
+# internet), so that attention can run through cuDNN. Logs under $OUT; the last thing printed is
+# the table of bench/compare.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -33,15 +35,15 @@ for part in $what; do
     comm) mpiexec -n 2 python3 bench/collectives.py --out "$out" > "$out/collectives.txt" 2>&1
           tail -4 "$out/collectives.txt" ;;
     one)
-      run ours_1gpu python3 bench/train_gpt2.py --tp 1 --dtype bf16 --label 124M-1gpu
+      run ours_1gpu python3 bench/train_gpt2.py --tp 1 --dtype bf16 --grad-clip 0 --label 124M-1gpu
       run torch_1gpu python3 $anchors/torch_tp_gpt2.py --dtype bf16 --sdpa 1 --steps 10
       pairs+=("124M-1gpu-B8=$out/ours_1gpu.log,$out/torch_1gpu.log") ;;
     two)
-      run ours_tp2 mpiexec -n 2 python3 bench/train_gpt2.py --tp 2 --dtype bf16 --label 124M-tp2
+      run ours_tp2 mpiexec -n 2 python3 bench/train_gpt2.py --tp 2 --dtype bf16 --grad-clip 0 --label 124M-tp2
       run torch_tp2 torchrun --nproc_per_node=2 $anchors/torch_megatron_tp.py --steps 10
-      run ours_big mpiexec -n 2 python3 bench/train_gpt2.py --tp 2 --dtype bf16 --layers 24 \
+      run ours_big mpiexec -n 2 python3 bench/train_gpt2.py --tp 2 --dtype bf16 --grad-clip 0 --layers 24 \
           --embd 2048 --heads 16 --B 4 --label 24x2048-tp2
-      run ours_big_rc mpiexec -n 2 python3 bench/train_gpt2.py --tp 2 --dtype bf16 --layers 24 \
+      run ours_big_rc mpiexec -n 2 python3 bench/train_gpt2.py --tp 2 --dtype bf16 --grad-clip 0 --layers 24 \
           --embd 2048 --heads 16 --B 4 --recompute --label 24x2048-tp2-recompute
       run torch_big torchrun --nproc_per_node=2 $anchors/torch_megatron_tp.py --layers 24 \
           --embd 2048 --heads 16 --B 4 --steps 10

@@ -106,7 +106,7 @@ def main():
         if args.grad_clip:
             profile("clip_grad_norm_", clip_grad_norm_, model.parameters(), args.grad_clip)
         profile("optimizer", optimizer.step)
-        optimizer.zero_grad(set_to_none=False)   # keep the buffers: no reallocation
+        optimizer.zero_grad()   # the next forward pass reuses the gradients' memory
         return loss
 
     eager = args.no_cuda_graph or args.profile

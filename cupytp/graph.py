@@ -54,6 +54,7 @@ class _Capture:
         self.states = []
         self.groups = []
         self.kept = []
+        self.memo = {}
 
     def end(self):
         for state, record in self.states:
@@ -97,6 +98,14 @@ def keep_alive(obj):
     capture = getattr(_state, "capture", None)
     if capture is not None:
         capture.kept.append(obj)
+
+
+def capture_memo():
+    """A dict that lives as long as the capture in progress (None outside one): for what is
+    made while capturing and valid only in its replays, such as a table the graph copies to the
+    device itself."""
+    capture = getattr(_state, "capture", None)
+    return None if capture is None else capture.memo
 
 
 def forbid_in_capture(what, advice):

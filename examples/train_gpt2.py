@@ -302,7 +302,7 @@ def make_train_step(model, optimizer, args):
                 (loss * (1.0 / len(batches))).backward()
         norm = clip_grad_norm_(model.parameters(), args.grad_clip) if args.grad_clip else None
         optimizer.step()
-        optimizer.zero_grad(set_to_none=False)   # keep the buffers: no reallocation
+        optimizer.zero_grad()   # the next forward pass reuses the gradients' memory
         return loss, norm
     return train_step if args.no_cuda_graph else cupytp.cuda_graph(train_step)
 

@@ -185,11 +185,12 @@ def _walk(root, pending):
         if out_grad is None:
             continue
         _state.node = node
-        grads = backward(out_grad)
+        grads = list(backward(out_grad))
         if len(grads) != len(inputs):
             raise RuntimeError(f"backward of {node.name} returned {len(grads)} gradients "
                                f"for {len(inputs)} inputs")
-        for parent, g in zip(inputs, grads):
+        for i, parent in enumerate(inputs):
+            g, grads[i] = grads[i], None    # only `g` holds it: a leaf may keep it uncopied
             if parent is None or g is None:
                 continue
             if g.shape != parent.shape:

@@ -27,11 +27,25 @@ _TYPES = {numpy.dtype(numpy.float32): _CUDA_R_32F, numpy.dtype(numpy.float64): _
           numpy.dtype(numpy.float16): _CUDA_R_16F, backend.bfloat16: _CUDA_R_16BF}
 
 
-def matmul_numpy(a, b):
-    """NumPy twin: float32 math for 16-bit inputs (one rounding at the end), else numpy.matmul."""
+def matmul_numpy(a, b, out_dtype=None):
+    """NumPy twin: float32 math for 16-bit inputs (one rounding at the end, to `out_dtype`,
+    default the inputs' dtype), else numpy.matmul."""
+    out_dtype = _out_dtype(a.dtype, b.dtype, out_dtype)
     if a.dtype.itemsize < 4:
-        return numpy.matmul(a.astype(numpy.float32), b.astype(numpy.float32)).astype(a.dtype)
+        return numpy.matmul(a.astype(numpy.float32), b.astype(numpy.float32)).astype(out_dtype)
     return numpy.matmul(a, b)
+
+
+def _out_dtype(a_dtype, b_dtype, out_dtype):
+    """The output dtype of a product: the operands' one float dtype, or float32 from 16-bit ones."""
+    if a_dtype != b_dtype or a_dtype not in _TYPES:
+        raise ValueError(f"gemm.matmul takes two operands of one float dtype, got {a_dtype} and "
+                         f"{b_dtype}")
+    out_dtype = a_dtype if out_dtype is None else numpy.dtype(out_dtype)
+    if out_dtype != a_dtype and not (out_dtype == numpy.float32 and a_dtype.itemsize == 2):
+        raise ValueError(f"gemm.matmul writes {a_dtype} operands' product as {a_dtype}"
+                         f"{' or float32' if a_dtype.itemsize == 2 else ''}, not {out_dtype}")
+    return out_dtype
 
 
 @functools.cache
@@ -78,20 +92,18 @@ def _operand(x):
     return xp.ascontiguousarray(x), False
 
 
-def matmul(a, b):
-    """a @ b (see the module docstring)."""
-    if a.dtype != b.dtype or a.dtype not in _TYPES:
-        raise ValueError(f"gemm.matmul takes two operands of one float dtype, got {a.dtype} and "
-                         f"{b.dtype}")
+def matmul(a, b, out_dtype=None):
+    """a @ b, written as `out_dtype` (see the module docstring)."""
+    out_dtype = _out_dtype(a.dtype, b.dtype, out_dtype)
     if a.shape[-1] != b.shape[-2] or (b.ndim > 2 and b.shape[:-2] != a.shape[:-2]):
         raise ValueError(f"gemm.matmul: shapes {a.shape} and {b.shape} do not multiply")
     if not is_device_array(a):
-        return matmul_numpy(a, b)
+        return matmul_numpy(a, b, out_dtype)
     xp = backend.xp
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
     batch = a.shape[:-2]
     count = int(numpy.prod(batch, dtype=numpy.int64))
-    out = xp.empty(batch + (m, n), dtype=a.dtype)
+    out = xp.empty(batch + (m, n), dtype=out_dtype)
     if out.size == 0:
         return out
     if k == 0:
@@ -113,7 +125,8 @@ def matmul(a, b):
         handle, _OP_T if b_t else _OP_N, _OP_T if a_t else _OP_N, n, m, k,
         alpha.ctypes.data, b_mem.data.ptr, kind, lda, 0 if b.ndim == 2 else k * n,
         a_mem.data.ptr, kind, ldb, m * k,
-        beta.ctypes.data, out.data.ptr, kind, n, m * n, count, compute, _GEMM_DEFAULT))
+        beta.ctypes.data, out.data.ptr, _TYPES[out_dtype], n, m * n, count, compute,
+        _GEMM_DEFAULT))
     return out
 
 

@@ -3,7 +3,9 @@
 A `TensorTable` is the device-side description of parallel lists of arrays (params, grads, ...):
 a row of data pointers per list, and per block the (tensor, start, end) of the chunk it works on.
 Tables are cached by the arrays' data pointers and sizes, so a training loop that updates the same
-arrays every step copies nothing from the host after its first step.
+arrays every step copies nothing from the host after its first step. A table first needed while a
+CUDA graph is being captured (gradients made inside the step) is copied by the graph itself, from
+pinned host memory, at the start of every replay.
 
 `sum_of_squares` (for gradient norms) and `scale_` (for clipping) run `multi_tensor.cu` on CuPy
 arrays and NumPy twins otherwise; the optimizers (`adamw.py`, `sgd.py`) use the tables too.
@@ -39,21 +41,24 @@ class TensorTable:
 
 def tensor_table(lists):
     """The cached TensorTable of parallel lists of CuPy arrays: one host->device copy the first
-    time a set of (pointer, size) is seen, none after."""
+    time a set of (pointer, size) is seen, none after. Inside a capture a new table is the
+    graph's own (see the module docstring)."""
     sizes = tuple(array.size for array in lists[0])
     key = (tuple(tuple(array.data.ptr for array in arrays) for arrays in lists), sizes)
     table = _TABLES.get(key)
-    if table is None:
-        graph.forbid_in_capture("a new multi-tensor pointer table (a host-to-device copy)",
-                                "run the step eagerly at least once first (cuda_graph's warmup) "
-                                "and keep gradient buffers between steps")
-        table = _build_table(lists, sizes)
-        _TABLES[key] = table
+    if table is not None:
+        _TABLES.move_to_end(key)
+        graph.keep_alive(table)     # a graph replays the table's addresses: it must outlive the cache
+        return table
+    memo = graph.capture_memo()
+    if memo is None:
+        table = _TABLES[key] = _build_table(lists, sizes)
         if len(_TABLES) > MAX_TABLES:
             _TABLES.popitem(last=False)
-    else:
-        _TABLES.move_to_end(key)
-    graph.keep_alive(table)     # a graph replays the table's addresses: it must outlive the cache
+        return table
+    table = memo.get((tensor_table, key))
+    if table is None:               # its values reach the device only when the graph runs
+        table = memo[(tensor_table, key)] = _build_table(lists, sizes, in_capture=True)
     return table
 
 
@@ -69,11 +74,20 @@ def chunk_blocks(sizes, chunk=CHUNK):
     return numpy.stack([tensor, start, end], axis=1)
 
 
-def _build_table(lists, sizes):
+def _build_table(lists, sizes, in_capture=False):
     pointers = numpy.array([[array.data.ptr for array in arrays] for arrays in lists],
                            dtype=numpy.int64)  # (num_lists, num_tensors)
     blocks = chunk_blocks(sizes)
-    device = xp.asarray(numpy.concatenate([pointers.ravel(), blocks.ravel()]))
+    host = numpy.concatenate([pointers.ravel(), blocks.ravel()])
+    if in_capture:                  # a copy node of the graph, from memory that lives with it
+        import cupyx
+        pinned = cupyx.empty_pinned(host.shape, host.dtype)
+        pinned[...] = host
+        device = xp.empty(host.shape, host.dtype)
+        device.set(pinned, stream=xp.cuda.get_current_stream())
+        graph.keep_alive((pinned, device))
+    else:
+        device = xp.asarray(host)
     rows = tuple(device[k * len(sizes):(k + 1) * len(sizes)] for k in range(len(lists)))
     return TensorTable(rows, device[pointers.size:].reshape(-1, 3), len(blocks))
 

@@ -6,7 +6,9 @@ computes in float32 and returns the autocast dtype (its output feeds a contracti
 instead of a norm and a cast), so fp32 parameters get fp32
 gradients. As in PyTorch's autocast, a parameter (a leaf that requires a gradient) is cast once
 per autocast region: a weight used twice in a forward pass is one cast node, whose backward
-casts the summed gradient once. The cache is dropped when the outermost region exits and when an
+casts the summed gradient once. A contraction takes a parameter's cast without a node
+(`master_cast`) and writes its gradient in the parameter's dtype itself (cuBLAS's fp32 output
+of 16-bit operands), so no cast pass runs over weight gradients. The cache is dropped when the outermost region exits and when an
 optimizer steps (`clear_cache`), so a cast never outlives the values it was made from.
 """
 import threading
@@ -51,11 +53,32 @@ def clear_cache():
         _state.cache.clear()
 
 
+def _wants_cast(x, dtype):
+    return dtype is not None and x.dtype != dtype and x.dtype.kind in "fV"
+
+
+def master_cast(x):
+    """A parameter's cast to the autocast dtype made without recording (None when `x` is not a
+    parameter, a leaf that requires a gradient, needing a cast): the op that uses it records `x`
+    itself and gives its gradient in x's dtype. Made once per autocast region."""
+    dtype = _state.dtype
+    if not _wants_cast(x, dtype) or not x.requires_grad or x._node is not None:
+        return None
+    key = (id(x), dtype, "master")
+    hit = _state.cache.get(key)
+    if hit is not None and hit[0] is x and hit[1] is x._local:
+        return hit[2]
+    with engine.no_grad():
+        cast = astype(x, dtype)
+    _state.cache[key] = (x, x._local, cast)
+    return cast
+
+
 def autocast_operand(x):
     """`x` cast to the autocast dtype inside `autocast` (differentiably), else `x` itself; a
     parameter's cast is made once per autocast region."""
     dtype = _state.dtype
-    if dtype is None or x.dtype == dtype or x.dtype.kind not in "fV":
+    if not _wants_cast(x, dtype):
         return x
     if not (x.requires_grad and x._node is None):
         return astype(x, dtype)

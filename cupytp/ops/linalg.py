@@ -14,7 +14,7 @@ import string
 
 from cupytp.ops.conversion import (
     Partial, Replicated, Shard, backend, cached, convert, engine, fail, make, same_mesh)
-from cupytp.ops.amp import autocast_operand
+from cupytp.ops.amp import autocast_operand, master_cast
 from cupytp.ops.elementwise import astype
 
 
@@ -85,33 +85,34 @@ def _matmul_transposes(sa, sb, out):
     return sa[-2:] != m + k, sb[-2:] != k + n
 
 
-def _matmul(x, y):
+def _matmul(x, y, out_dtype=None):
     """Local matmul: on the GPU through cuBLAS called directly (launchers.gemm: bf16 with fp32
-    accumulation, and legal inside a CUDA-graph capture); NumPy's otherwise."""
+    accumulation, and legal inside a CUDA-graph capture); NumPy's otherwise. `out_dtype`:
+    float32 for 16-bit operands (the sums unrounded), else None."""
     if x.dtype != y.dtype:          # NumPy's promotion, as numpy.matmul would do
         dtype = backend.xp.result_type(x.dtype, y.dtype)
         x, y = x.astype(dtype, copy=False), y.astype(dtype, copy=False)
     if backend.on_gpu:
         from cupytp.launchers.gemm import matmul
-        return matmul(x, y)
-    if x.dtype == backend.bfloat16:
+        return matmul(x, y, out_dtype)
+    if x.dtype.itemsize == 2:
         from cupytp.launchers.gemm import matmul_numpy
-        return matmul_numpy(x, y)
+        return matmul_numpy(x, y, out_dtype)
     return backend.xp.matmul(x, y)
 
 
-def _tensordot(x, y, axes_x, axes_y):
+def _tensordot(x, y, axes_x, axes_y, out_dtype=None):
     """tensordot; on the GPU and for bfloat16, as one matmul of x as (kept, contracted) and y as
     (contracted, kept). Contracted axes that lead or trail in order on a contiguous operand are
     a reshape (a transposed view where needed, which cuBLAS reads in place); only other axis
     orders are copied."""
-    if not backend.on_gpu and x.dtype != backend.bfloat16:
+    if not backend.on_gpu and x.dtype.itemsize != 2:
         return backend.xp.tensordot(x, y, axes=(axes_x, axes_y))
     keep_x = [d for d in range(x.ndim) if d not in axes_x]
     keep_y = [d for d in range(y.ndim) if d not in axes_y]
     inner = math.prod(x.shape[d] for d in axes_x)
     out = _matmul(_as_matrix(x, list(axes_x), contracted_last=True, inner=inner),
-                  _as_matrix(y, list(axes_y), contracted_last=False, inner=inner))
+                  _as_matrix(y, list(axes_y), contracted_last=False, inner=inner), out_dtype)
     return out.reshape([x.shape[d] for d in keep_x] + [y.shape[d] for d in keep_y])
 
 
@@ -152,39 +153,56 @@ def _contraction(sa, sb, out):
     return ("einsum",)
 
 
-def _local_einsum(sa, sb, out, x, y):
+def _local_einsum(sa, sb, out, x, y, out_dtype=None):
     """The local contraction through BLAS: a tensordot when nothing shared is kept, a (batched,
-    possibly transposed or swapped) matmul; einsum only for anything else."""
+    possibly transposed or swapped) matmul; einsum only for anything else. `out_dtype`: a wider
+    float dtype to write the result in (float32 sums of 16-bit operands unrounded)."""
     xp = backend.xp
     plan = _contraction(sa, sb, out)
-    if plan[0] == "einsum":
-        return xp.einsum(f"{sa},{sb}->{out}", x, y)
+    wide = out_dtype if out_dtype is not None and out_dtype != x.dtype else None
+    if plan[0] == "einsum" or (wide is not None and (wide != xp.float32 or x.dtype.itemsize != 2)):
+        result = xp.einsum(f"{sa},{sb}->{out}", x, y) if plan[0] == "einsum" else \
+            _local_einsum(sa, sb, out, x, y)
+        return result if wide is None else result.astype(wide)
     first, second = (y, x) if plan[1] else (x, y)
     if plan[0] == "matmul":
         return _matmul(xp.swapaxes(first, -1, -2) if plan[2] else first,
-                       xp.swapaxes(second, -1, -2) if plan[3] else second)
-    result = _tensordot(first, second, plan[2], plan[3])
+                       xp.swapaxes(second, -1, -2) if plan[3] else second, wide)
+    result = _tensordot(first, second, plan[2], plan[3], wide)
     return result if plan[4] is None else xp.transpose(result, plan[4])
 
 
-def einsum(spec, a, b):
-    """Two-operand einsum with explicit letters, e.g. 'btc,cd->btd' or 'bhtd,bhsd->bhts'."""
+def _operand(spec, x, targets, operands):
+    """(the operand the contraction reads, the input it records): a parameter inside autocast is
+    read through its unrecorded cast and recorded itself (its gradient comes in its own dtype)
+    when it needs no redistribution; anything else is cast (recorded) and converted."""
+    if targets == x.placements:
+        cast = master_cast(x)
+        if cast is not None:
+            return cast, x
+    x = convert(f"einsum {spec!r}", autocast_operand(x), targets, operands)
+    return x, x
+
+
+def einsum(spec, a, b, out_dtype=None):
+    """Two-operand einsum with explicit letters, e.g. 'btc,cd->btd' or 'bhtd,bhsd->bhts'.
+    `out_dtype`: a wider float dtype for the result (the fp32 sums of 16-bit operands)."""
     same_mesh("einsum", [a, b])
-    a, b = autocast_operand(a), autocast_operand(b)
     sa, sb, out, shape = _parse(spec, a, b)
     targets_a, targets_b, placements = cached(
         (_rule, spec, a.shape, a.placements, b.shape, b.placements), _rule, spec, sa, sb, out, a, b)
-    a = convert(f"einsum {spec!r}", a, targets_a, [a, b])
-    b = convert(f"einsum {spec!r}", b, targets_b, [a, b])
-    local = _local_einsum(sa, sb, out, a._local, b._local)
+    a, input_a = _operand(spec, a, targets_a, [a, b])
+    b, input_b = _operand(spec, b, targets_b, [a, b])
+    local = _local_einsum(sa, sb, out, a._local, b._local, out_dtype)
     result = make(local, a.mesh, shape, placements)
-    dtype = result.dtype        # not the result itself: the tape would keep its values
+    dtype = result.dtype if out_dtype is None else a.dtype   # a dtype: the tape keeps no values
+    a_dtype, b_dtype = input_a.dtype, input_b.dtype
 
     def backward(g):
         g = astype(g, dtype)
-        return (einsum(f"{out},{sb}->{sa}", g, b) if a.requires_grad else None,
-                einsum(f"{sa},{out}->{sb}", a, g) if b.requires_grad else None)
-    return engine.record(result, (a, b), backward, "einsum")
+        return (einsum(f"{out},{sb}->{sa}", g, b, a_dtype) if input_a.requires_grad else None,
+                einsum(f"{sa},{out}->{sb}", a, g, b_dtype) if input_b.requires_grad else None)
+    return engine.record(result, (input_a, input_b), backward, "einsum")
 
 
 def matmul(a, b):

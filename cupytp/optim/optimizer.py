@@ -158,10 +158,9 @@ class Optimizer(graph.GraphState):
         return buckets
 
     def zero_grad(self, set_to_none=True):
-        """Drop every gradient (or, with set_to_none=False, fill it with zeros in place). Inside a
-        captured CUDA graph gradients are always zero-filled: their buffers must stay where the
-        graph reads them (the values are the same)."""
-        set_to_none = set_to_none and not graph.is_capturing()
+        """Drop every gradient (or, with set_to_none=False, fill it with zeros in place). Dropped
+        at the end of a captured step, the gradients' memory serves the next replay's forward
+        pass (the graph writes them again in its backward, at the same addresses)."""
         for group in self.param_groups:
             for p in group["params"]:
                 if set_to_none:

@@ -6,6 +6,7 @@ operators and math methods (`+`, `@`, `[...]`, `sum`, `reshape`, ...) to this cl
 imported (`cupytp/ops/methods.py`): the tensor layer does not know the ops above it.
 """
 import math
+import sys
 
 from cupytp import backend
 from cupytp.autograd import engine
@@ -141,19 +142,44 @@ class DTensor:
         """Add a gradient contribution into `.grad`, laid out like this tensor (Partial
         contributions are reduced here: the gradient sync of replicated parameters).
 
-        The first contribution is copied into a buffer of its own and later ones are added into
-        it in place, so a gradient kept between steps (zero_grad(set_to_none=False)) keeps its
-        address: the fused optimizer's pointer tables stay valid, with no copy to the device."""
+        The first contribution becomes `.grad` itself when nothing else holds it or its buffer
+        (a backward pass hands over the fresh gradients its ops made, as PyTorch's AccumulateGrad
+        steals an unshared one), else it is copied into a buffer of its own; later contributions
+        are added into that buffer in place, so a gradient kept between steps
+        (zero_grad(set_to_none=False)) keeps its address."""
+        handed_over = (sys.getrefcount(grad) <= _SOLE_ARGUMENT
+                       and sys.getrefcount(grad._local) <= _SOLE_ATTRIBUTE
+                       and getattr(grad._local, "base", None) is None)
         target = grad_placements(self.placements)
         if grad.placements != target:
             local, _ = redistribute_local(grad._local, grad.layout, target)
+            handed_over = handed_over and local.base is None
             grad = DTensor._make(local, self.layout.with_placements(target))
-        local = grad._local if grad.dtype == self.dtype else grad._local.astype(self.dtype)
-        if self.grad is None:
+        local = grad._local
+        if grad.dtype != self.dtype:
+            local, handed_over = local.astype(self.dtype), True
+        if self.grad is not None:
+            self.grad._local += local
+        elif handed_over and local.flags.c_contiguous:
+            self.grad = DTensor._make(local, grad.layout)
+        else:
             self.grad = DTensor._make(backend.xp.array(local, copy=True, order="C"),
                                       grad.layout)
-        else:
-            self.grad._local += local
 
     def zero_grad(self):
         self.grad = None
+
+
+def _sole_reference_counts():
+    """sys.getrefcount inside a method of (an argument that only the caller's variable holds, an
+    attribute value that only its object holds): what `accumulate_grad` sees of a gradient that
+    nothing else holds, measured on this interpreter."""
+    class Holder:
+        def counts(self, other):
+            return sys.getrefcount(other), sys.getrefcount(other._local)
+    other = Holder()
+    other._local = Holder()
+    return Holder().counts(other)
+
+
+_SOLE_ARGUMENT, _SOLE_ATTRIBUTE = _sole_reference_counts()

@@ -1,6 +1,7 @@
 """A training step captured as a CUDA graph against the same step run eagerly (GPU only): a small
 GPT-2 on the mesh with dropout, a cosine schedule with warm-up, clipping that triggers and
-gradient accumulation gives bit for bit the same losses, norms and parameters for 20 steps;
+gradient accumulation gives bit for bit the same losses, norms and parameters for 20 steps, with
+the gradients kept between steps or dropped at the end of each (made inside the graph);
 replays allocate nothing; the capture refuses a host synchronization and other input shapes with a clear error."""
 import numpy
 import pytest
@@ -34,7 +35,7 @@ def batches(step, mesh):
     return out
 
 
-def train(mesh, captured, dtype=None):
+def train(mesh, captured, dtype=None, set_to_none=False):
     cupytp.manual_seed(3)
     model = GPT2(CONFIG, mesh)
     optimizer = AdamW(decay_groups(model.parameters(), 0.1), lr=1e-3)
@@ -47,7 +48,7 @@ def train(mesh, captured, dtype=None):
             (loss * (1.0 / len(micro_batches))).backward()
         norm = clip_grad_norm_(model.parameters(), 0.05)     # small: clipping triggers
         optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
+        optimizer.zero_grad(set_to_none=set_to_none)
         return loss, norm
 
     run = cupytp.cuda_graph(step, warmup=2) if captured else step
@@ -61,12 +62,12 @@ def train(mesh, captured, dtype=None):
     return losses, norms, [full(p) for p in model.parameters()], allocated
 
 
-@pytest.mark.parametrize("dtype", [None, "bf16"])
-def test_captured_training_equals_eager(mesh, dtype):
+@pytest.mark.parametrize("dtype,set_to_none", [(None, False), ("bf16", False), ("bf16", True)])
+def test_captured_training_equals_eager(mesh, dtype, set_to_none):
     if CONFIG.n_head % mesh.shape[nn.tp_dim(mesh)]:
         pytest.skip("heads do not split")
-    eager = train(mesh, False, dtype)
-    captured = train(mesh, True, dtype)
+    eager = train(mesh, False, dtype, set_to_none)
+    captured = train(mesh, True, dtype, set_to_none)
     assert max(eager[1]) > 0.05, "clipping never triggered"
     assert eager[0][-1] < eager[0][0]
     numpy.testing.assert_array_equal(captured[0], eager[0])

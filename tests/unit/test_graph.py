@@ -135,12 +135,22 @@ def test_capture_errors_name_what_cannot_be_recorded():
 
 
 @cpu_only
-def test_zero_grad_in_a_capture_keeps_the_buffers():
+def test_zero_grad_in_a_capture_drops_or_keeps_the_buffers_as_asked():
+    """A captured step may drop its gradients (their memory then serves the next replay's
+    forward pass) or zero them in place (they keep their addresses)."""
     model = small_model()
     optimizer = AdamW(model.parameters(), lr=1e-2)
     make_step(model, optimizer)(batch(0))
     buffers = [p.grad._local for p in model.parameters()]
     with FakeCapture():
-        optimizer.zero_grad()                        # set_to_none=True is not honoured here
+        optimizer.zero_grad(set_to_none=False)
     assert all(p.grad._local is b for p, b in zip(model.parameters(), buffers))
     assert all(not b.any() for b in buffers)
+    with FakeCapture():
+        optimizer.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    assert graph.capture_memo() is None
+    with FakeCapture() as capture:
+        assert graph.capture_memo() is capture.memo == {}
+
+

@@ -95,15 +95,17 @@ def casts_of(root, leaf):
 
 
 def test_autocast_casts_a_parameter_once_per_region():
-    """A weight used twice under autocast is cast once; its gradient is the sum over both uses,
-    cast back to fp32 (small integers: every bf16 step is exact)."""
+    """A weight used twice in contractions under autocast is cast once, without a cast node:
+    both products record the fp32 weight itself and give its gradient in fp32, summed over both
+    uses (small integers: every bf16 step is exact)."""
     rng = numpy.random.default_rng(0)
     x1, x2 = (rng.integers(-2, 3, size=(3, 4)).astype(numpy.float32) for _ in range(2))
     w = dt(rng.integers(-2, 3, size=(4, 5)).astype(numpy.float32))
     a, b = dt(x1, grad=False), dt(x2, grad=False)
     with ops.autocast("bf16"):
         y = a @ w + b @ w
-    assert y.dtype == backend.bfloat16 and len(casts_of(y, w)) == 1
+        assert amp.master_cast(w) is amp.master_cast(w)
+    assert y.dtype == backend.bfloat16 and casts_of(y, w) == []
     y.astype("fp32").sum().backward()
     assert w.grad.dtype == numpy.float32
     numpy.testing.assert_array_equal(backend.asnumpy(w.grad.to_local()),
@@ -114,19 +116,22 @@ def test_autocast_cache_lives_one_region_and_one_optimizer_step():
     w = dt(numpy.ones((4, 4), numpy.float32))
     x = dt(numpy.ones((4, 4), numpy.float32), grad=False)
     with ops.autocast("bf16"):
-        first = amp.autocast_operand(w)
-        assert amp.autocast_operand(w) is first
+        first, first_master = amp.autocast_operand(w), amp.master_cast(w)
+        assert amp.autocast_operand(w) is first and amp.master_cast(w) is first_master
         assert amp.autocast_operand(x) is not amp.autocast_operand(x)     # not a parameter
+        assert amp.master_cast(x) is None
         (x @ w).astype("fp32").sum().backward()
         SGD([w], lr=0.5).step()                                          # new values
-        second = amp.autocast_operand(w)
-        assert second is not first
-        numpy.testing.assert_array_equal(backend.asnumpy(second.to_local()).astype(numpy.float32),
-                                         backend.asnumpy(w.to_local()))
-        (x @ w).astype("fp32").sum().backward()                          # frees second's node
+        second, second_master = amp.autocast_operand(w), amp.master_cast(w)
+        assert second is not first and second_master is not first_master
+        for cast in (second, second_master):
+            numpy.testing.assert_array_equal(
+                backend.asnumpy(cast.to_local()).astype(numpy.float32), backend.asnumpy(w.to_local()))
+        (second * 2.0).astype("fp32").sum().backward()                   # frees second's node
         assert amp.autocast_operand(w) is not second
     with ops.autocast("bf16"):
         assert amp.autocast_operand(w) is not second
+        assert amp.master_cast(w) is not second_master
 
 
 LAYERS = {"nn": "nn+parallel", "parallel": "nn+parallel"}   # one layer in docs/design.md

@@ -424,6 +424,11 @@ def test_gemm_twin_accumulates_in_float32():
     out = matmul_numpy(a, b)
     assert out.dtype == bfloat16
     numpy.testing.assert_allclose(out.astype(numpy.float64), exact, rtol=1e-2, atol=1e-2)
+    wide = matmul_numpy(a, b, out_dtype=numpy.float32)      # the float32 sums, unrounded
+    assert wide.dtype == numpy.float32
+    numpy.testing.assert_allclose(wide, exact, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="not float16"):
+        matmul_numpy(a, b, out_dtype=numpy.float16)
 
 
 @pytest.mark.gpu
@@ -445,6 +450,10 @@ def test_gemm_matches_twin(a_shape, b_shape, transpose_a, transpose_b, dtype):
     got = asnumpy(matmul(da, db))
     assert got.dtype == dtype
     assert_close(got, matmul_numpy(a, b), dtype)
+    if dtype in (bfloat16, F16):       # the float32 sums of 16-bit operands, unrounded
+        wide = asnumpy(matmul(da, db, out_dtype=F32))
+        assert wide.dtype == F32
+        assert_close(wide, matmul_numpy(a, b, out_dtype=F32), F32)
 
 
 # ---- causal softmax ---------------------------------------------------------------------------

@@ -250,6 +250,52 @@ def test_gradient_accumulates_and_graph_is_freed():
         assert not (x * 2.0).requires_grad
 
 
+@pytest.mark.parametrize("case", ["fresh", "twice", "passed_through", "saved", "view"])
+def test_leaf_keeps_only_an_unshared_gradient_uncopied(case):
+    """A gradient that only the backward pass holds becomes the leaf's .grad as it is; one that
+    anything else holds (another input, the incoming gradient, a closure, an array it is a view
+    of) is copied, so changing one .grad in place (clipping, accumulation) changes nothing
+    else."""
+    from cupytp.autograd import engine
+    a, b = dt(r(4)), dt(r(4))
+    saved = dt(r(4), grad=False)
+    made = {}
+
+    def backward(g):
+        if case == "fresh":
+            ga, gb = g * 2.0, g * 3.0
+            made.update(a=id(ga._local), b=id(gb._local))
+            return ga, gb
+        if case == "twice":
+            shared = g * 2.0
+            return shared, shared
+        if case == "passed_through":
+            return g, None
+        if case == "saved":
+            return saved, None
+        whole = backend.xp.zeros(8)
+        return cupytp.from_local(whole[:4]), None
+    out = engine.record(dt(numpy.zeros(4), grad=False), (a, b), backward, "test")
+    incoming = dt(numpy.ones(4), grad=False)
+    out.backward(incoming)
+    if case == "fresh":
+        assert id(a.grad._local) == made["a"] and id(b.grad._local) == made["b"]
+        return
+    if case == "twice":
+        assert a.grad._local is not b.grad._local
+        numpy.testing.assert_array_equal(value(a.grad), value(b.grad))
+    held = {"passed_through": incoming, "saved": saved}.get(case)
+    before = None if held is None else value(held).copy()
+    a.grad._local *= 0.0
+    assert value(a.grad).sum() == 0
+    if case == "twice":
+        numpy.testing.assert_array_equal(value(b.grad), numpy.full(4, 2.0))
+    if held is not None:
+        numpy.testing.assert_array_equal(value(held), before)
+    if case == "view":
+        assert a.grad._local.base is None
+
+
 def test_autocast_bf16_contractions():
     """Inside autocast("bf16") contractions run in bfloat16 (fp32 accumulation) and the fp32
     leaves still get fp32 gradients, within bf16 accuracy of the fp32 result."""
