@@ -84,7 +84,9 @@ def _build_table(lists, sizes, in_capture=False):
         pinned = cupyx.empty_pinned(host.shape, host.dtype)
         pinned[...] = host
         device = xp.empty(host.shape, host.dtype)
-        device.set(pinned, stream=xp.cuda.get_current_stream())
+        runtime = xp.cuda.runtime       # CuPy's own copies refuse to run while capturing
+        runtime.memcpyAsync(device.data.ptr, pinned.ctypes.data, host.nbytes,
+                            runtime.memcpyHostToDevice, xp.cuda.get_current_stream().ptr)
         graph.keep_alive((pinned, device))
     else:
         device = xp.asarray(host)
