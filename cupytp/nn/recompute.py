@@ -7,9 +7,11 @@ gradients on, from the random generator's state of the first run (so dropout dra
 masks), and walks that small graph at once: parameters get their gradients there, the inputs'
 are handed on. The memory of a transformer block's activations becomes that of its input,
 for about one more forward pass of compute. Collectives inside `fn` run again in the
-recomputation, in the same order on every rank.
+recomputation, in the same order on every rank. The rerun is in the autocast region of the first
+run (a backward pass usually runs outside any).
 """
 from cupytp.autograd import engine
+from cupytp.ops.amp import autocast, autocast_dtype
 from cupytp.tensor import DTensor
 from cupytp.tensor.random import default_generator
 
@@ -20,7 +22,7 @@ def recompute(fn, *inputs, generator=None):
     if not engine.is_grad_enabled() or not any(x.requires_grad for x in tensors):
         return fn(*inputs)
     generator = generator or default_generator
-    state = generator.get_state()
+    state, dtype = generator.get_state(), autocast_dtype()
     with engine.no_grad():
         out = fn(*inputs)
     if not isinstance(out, DTensor):
@@ -32,7 +34,7 @@ def recompute(fn, *inputs, generator=None):
         now = generator.get_state()
         generator.set_state(state)
         try:
-            with engine.enable_grad():
+            with engine.enable_grad(), autocast(dtype):
                 again = fn(*detached)
         finally:
             generator.set_state(now)

@@ -18,15 +18,18 @@ CONFIG = GPT2Config(vocab_size=37, block_size=8, n_layer=3, n_head=4, n_embd=16,
 IDS = numpy.random.default_rng(3).integers(0, CONFIG.vocab_size, size=(4, 9))
 
 
-def run(mesh, recompute, steps=2):
-    """Two forward/backward passes of a float64 GPT-2 with dropout: losses and gradients."""
+def run(mesh, recompute, steps=2, dtype=None):
+    """Two forward/backward passes of a GPT-2 with dropout (float64, or float32 masters under
+    autocast(dtype)): losses and gradients."""
     cupytp.manual_seed(11)
-    model = GPT2(CONFIG, mesh, tp=mesh.shape[-1], recompute=recompute).to("fp64")
+    model = GPT2(CONFIG, mesh, tp=mesh.shape[-1], recompute=recompute)
+    model = model.to("fp64") if dtype is None else model
     replicated = (Replicated(),) * mesh.ndim
     losses, grads = [], None
     for _ in range(steps):
-        _, loss = model(lay_out(IDS[:, :-1], mesh, replicated),
-                        lay_out(IDS[:, 1:], mesh, replicated))
+        with ops.autocast(dtype):
+            _, loss = model(lay_out(IDS[:, :-1], mesh, replicated),
+                            lay_out(IDS[:, 1:], mesh, replicated))
         loss.backward()
         losses.append(float(full(loss)))
     grads = {name: full(p.grad) for name, p in model.named_parameters()}
@@ -44,6 +47,15 @@ def test_recomputed_blocks_equal_kept_activations(world, mesh1d, mesh2d, shape):
     for name, want in kept[1].items():
         numpy.testing.assert_allclose(recomputed[1][name], want, rtol=1e-10, atol=1e-13,
                                       err_msg=name)
+
+
+def test_recomputation_runs_in_the_first_runs_autocast_region(world, mesh1d):
+    """Under autocast("bf16") the rerun in backward (outside the region) computes in bf16 too:
+    the gradients are those of keeping the activations, bit for bit."""
+    kept, recomputed = run(mesh1d, False, dtype="bf16"), run(mesh1d, True, dtype="bf16")
+    numpy.testing.assert_array_equal(recomputed[0], kept[0])
+    for name, want in kept[1].items():
+        numpy.testing.assert_array_equal(recomputed[1][name], want, err_msg=name)
 
 
 def test_recompute_keeps_only_the_input_and_replays_the_dropout(world, mesh1d):
