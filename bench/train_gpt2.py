@@ -29,20 +29,32 @@ from cupytp.tensor import Replicated, Shard, from_local  # noqa: E402
 
 
 class Profile:
-    """Synchronized wall time per name (a no-op unless enabled)."""
+    """Synchronized wall time per name, and for the outermost calls (the phases of a step) the
+    pool's peak and final allocated bytes (a no-op unless enabled)."""
 
     def __init__(self, enabled):
         self.enabled = enabled
         self.totals = collections.defaultdict(float)
+        self.memory = {}        # phase -> (peak, allocated at its end), bytes, the last step's
+        self.depth = 0
 
     def __call__(self, name, fn, *args, **kwargs):
         if not self.enabled:
             return fn(*args, **kwargs)
         backend.synchronize()
+        if self.depth == 0:
+            memory.reset_peak_memory_stats()
+        self.depth += 1
         start = time.perf_counter()
-        out = fn(*args, **kwargs)
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            self.depth -= 1
         backend.synchronize()
         self.totals[name] += time.perf_counter() - start
+        if self.depth == 0:
+            stats = memory.memory_stats()
+            self.memory[name] = (stats["allocated_bytes_peak"], stats["allocated_bytes"])
         return out
 
     def watch_modules(self):
@@ -135,6 +147,9 @@ def main():
         print(f"per step, tp={tp}, device synchronized around each entry (ms, inclusive):")
         for name, total in sorted(profile.totals.items(), key=lambda kv: -kv[1]):
             print(f"  {name:20} {1e3 * total / args.steps:8.1f}")
+        print("pool memory per phase of the last step (GiB): peak, allocated at its end")
+        for name, (peak, end) in profile.memory.items():
+            print(f"  {name:20} {peak / 2 ** 30:8.2f} {end / 2 ** 30:8.2f}")
         return
     tokens_per_s = args.B * dp * args.T * args.steps / elapsed
     mfu = config.flops_per_token(args.T) * tokens_per_s / info.world_size / BF16_PEAK_FLOPS

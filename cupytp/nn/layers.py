@@ -41,6 +41,8 @@ class DLinear(Module):
     weight Shard(0) (row-parallel): weight `[in/tp, out]`, input Shard(-1) (a Replicated input is
     sliced), output Partial; the bias (Replicated) is added once, after the all-reduce that the
     addition itself triggers. Without a bias the output stays Partial until something needs it.
+    In backward a column-parallel layer all-reduces its input's (Partial) gradient itself, while
+    it computes its weight's gradient.
     """
 
     def __init__(self, in_features, out_features, mesh=None, weight=Replicated(), bias=True,
@@ -60,7 +62,7 @@ class DLinear(Module):
             self.bias = None
 
     def forward(self, x):
-        y = ops.matmul(x, self.weight)
+        y = ops.matmul(x, self.weight, reduce_input_grad=True)
         return y + autocast_operand(self.bias) if self.bias is not None else y
 
     def parallel_layout(self, style):
@@ -176,7 +178,7 @@ class DMLP(Module):
         self.dropout = Dropout(dropout)
 
     def forward(self, x):
-        h = ops.matmul(x, self.c_fc.weight)                          # (B, T, 4C/tp)
+        h = ops.matmul(x, self.c_fc.weight, reduce_input_grad=True)  # (B, T, 4C/tp)
         h = ops.gelu(h) if self.c_fc.bias is None else ops.bias_gelu(h, self.c_fc.bias)
         return self.dropout(self.c_proj(h))
 
@@ -231,7 +233,8 @@ def check_heads(attention):
 
 class DQKV(Module):
     """The fused q|k|v projection: weight `[C, 3, C]` and bias `[3, C]`, heads on the last axis
-    (Shard(2) / Shard(1) when tensor-parallel); output `[B, T, 3, C]`."""
+    (Shard(2) / Shard(1) when tensor-parallel); output `[B, T, 3, C]`. Its input's gradient is
+    all-reduced in backward as a column-parallel DLinear's is."""
 
     def __init__(self, embed_dim, mesh, bias, dtype, init_std):
         super().__init__()
@@ -241,7 +244,7 @@ class DQKV(Module):
                           requires_grad=True) if bias else None
 
     def forward(self, x):
-        y = ops.einsum("btc,cjd->btjd", x, self.weight)
+        y = ops.einsum("btc,cjd->btjd", x, self.weight, reduce_input_grad=True)
         return y + autocast_operand(self.bias) if self.bias is not None else y
 
     def parallel_layout(self, style):
@@ -268,14 +271,15 @@ class DBlock(Module):
 
 class DLMHead(Module):
     """Logits `x @ weightᵀ` with the weight tied to an embedding `[vocab, C]`: vocab-parallel
-    embedding → vocab-sharded logits (Shard(-1)), fed to cross_entropy without gathering."""
+    embedding → vocab-sharded logits (Shard(-1)), fed to cross_entropy without gathering; the
+    input's gradient is all-reduced in backward while the weight's is computed."""
 
     def __init__(self, embedding):
         super().__init__()
         object.__setattr__(self, "_embedding", embedding)
 
     def forward(self, x):
-        return ops.einsum("btc,vc->btv", x, self._embedding.weight)
+        return ops.einsum("btc,vc->btv", x, self._embedding.weight, reduce_input_grad=True)
 
 
 def scaled_init(init_std, n_layer):

@@ -13,7 +13,9 @@ import math
 import string
 
 from cupytp.ops.conversion import (
-    Partial, Replicated, Shard, backend, cached, convert, engine, fail, make, same_mesh)
+    Partial, Replicated, Shard, backend, cached, convert, engine, fail, make, redistribute,
+    same_mesh)
+from cupytp.tensor.redistribute import grad_placements
 from cupytp.ops.amp import autocast_operand, master_cast
 from cupytp.ops.elementwise import astype
 
@@ -184,9 +186,12 @@ def _operand(spec, x, targets, operands):
     return x, x
 
 
-def einsum(spec, a, b, out_dtype=None):
+def einsum(spec, a, b, out_dtype=None, reduce_input_grad=False):
     """Two-operand einsum with explicit letters, e.g. 'btc,cd->btd' or 'bhtd,bhsd->bhts'.
-    `out_dtype`: a wider float dtype for the result (the fp32 sums of 16-bit operands)."""
+    `out_dtype`: a wider float dtype for the result (the fp32 sums of 16-bit operands).
+    `reduce_input_grad`: in backward, a Partial gradient of `a` (a column-parallel layer's
+    Replicated input) is all-reduced here, on the communication stream while b's gradient (the
+    weight's) is computed, instead of by whatever op consumes it later."""
     same_mesh("einsum", [a, b])
     sa, sb, out, shape = _parse(spec, a, b)
     targets_a, targets_b, placements = cached(
@@ -197,22 +202,32 @@ def einsum(spec, a, b, out_dtype=None):
     result = make(local, a.mesh, shape, placements)
     dtype = result.dtype if out_dtype is None else a.dtype   # a dtype: the tape keeps no values
     a_dtype, b_dtype = input_a.dtype, input_b.dtype
+    a_grad_placements = grad_placements(input_a.placements) if reduce_input_grad else None
 
     def backward(g):
         g = astype(g, dtype)
-        return (einsum(f"{out},{sb}->{sa}", g, b, a_dtype) if input_a.requires_grad else None,
-                einsum(f"{sa},{out}->{sb}", a, g, b_dtype) if input_b.requires_grad else None)
+        grad_a = grad_b = reducing = None
+        if input_a.requires_grad:
+            grad_a = einsum(f"{out},{sb}->{sa}", g, b, a_dtype)
+            if a_grad_placements is not None and grad_a.placements != a_grad_placements:
+                reducing = redistribute(grad_a, a_grad_placements, async_op=True)
+        if input_b.requires_grad:
+            grad_b = einsum(f"{sa},{out}->{sb}", a, g, b_dtype)
+        if reducing is not None:
+            grad_a = reducing.wait()
+        return grad_a, grad_b
     return engine.record(result, (input_a, input_b), backward, "einsum")
 
 
-def matmul(a, b):
-    """`a @ b` for a of shape (..., m, k) and b of shape (k, n) or (..., k, n)."""
+def matmul(a, b, reduce_input_grad=False):
+    """`a @ b` for a of shape (..., m, k) and b of shape (k, n) or (..., k, n);
+    `reduce_input_grad` as in `einsum`."""
     if a.ndim < 2 or b.ndim < 2:
         raise ValueError(f"matmul needs operands of 2 or more dimensions, got {a.shape} and "
                          f"{b.shape}")
     if b.ndim > a.ndim or (b.ndim > 2 and b.shape[:-2] != a.shape[a.ndim - b.ndim:-2]):
         raise ValueError(f"matmul: batch dimensions of {b.shape} must match those of {a.shape}")
-    return einsum(_matmul_spec(a.ndim, b.ndim), a, b)
+    return einsum(_matmul_spec(a.ndim, b.ndim), a, b, reduce_input_grad=reduce_input_grad)
 
 
 @functools.lru_cache(maxsize=64)
