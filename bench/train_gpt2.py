@@ -86,6 +86,8 @@ def main():
     p.add_argument("--label", default="", help="a name for this run in the RESULT line")
     args = p.parse_args()
     info = cupytp.init()
+    if args.profile and backend.on_gpu:
+        memory.record_origins()     # to say below what stays allocated between steps
     if info.rank == 0:
         print(cudnn_attention.describe())
     tp = args.tp or info.world_size
@@ -150,6 +152,8 @@ def main():
         print("pool memory per phase of the last step (GiB): peak, allocated at its end")
         for name, (peak, end) in profile.memory.items():
             print(f"  {name:20} {peak / 2 ** 30:8.2f} {end / 2 ** 30:8.2f}")
+        if backend.on_gpu:
+            print_resident(model, optimizer, stats["allocated_bytes"])
         return
     tokens_per_s = args.B * dp * args.T * args.steps / elapsed
     mfu = config.flops_per_token(args.T) * tokens_per_s / info.world_size / BF16_PEAK_FLOPS
@@ -161,6 +165,19 @@ def main():
           f"peak_alloc_GiB={stats['allocated_bytes_peak'] / 2 ** 30:.2f} "
           f"peak_reserved_GiB={stats['reserved_bytes_peak'] / 2 ** 30:.2f} "
           f"mfu={100 * mfu:.1f}% loss={loss.item():.3f}", flush=True)
+
+
+def print_resident(model, optimizer, allocated):
+    """What stays allocated between steps: parameters, optimizer states, and the rest by the
+    place that allocated it."""
+    params = sum(p.to_local().nbytes for p in model.parameters())
+    states = sum(t.to_local().nbytes for state in optimizer.state.values()
+                 for t in state.values() if hasattr(t, "to_local"))
+    print(f"between steps: {allocated / 2 ** 30:.2f} GiB allocated = parameters "
+          f"{params / 2 ** 30:.2f} + optimizer states {states / 2 ** 30:.2f} + other "
+          f"{(allocated - params - states) / 2 ** 30:.2f}; live blocks by origin:")
+    for size, count, where in memory.live_by_origin():
+        print(f"  {size / 2 ** 20:10.1f} MiB {count:5}x  {where}")
 
 
 BF16_PEAK_FLOPS = 989e12     # H100/H200 SXM dense bf16, the usual MFU denominator

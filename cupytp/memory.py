@@ -26,11 +26,15 @@ Private pools (`new_private_pool()`, `use_pool(pool)`) serve CUDA graphs, whose 
 addresses must stay valid: a private pool shares the backing allocator, keeps its own blocks and
 statistics, and returns its segments only on `empty_cache()` or when it is dropped. A block
 always goes back to the pool that gave it out, whichever pool is in use when it is freed.
+
+Where memory goes: after `record_origins()` every allocation remembers the code that asked for
+it, and `live_by_origin()` sums the live blocks per place (what holds memory between steps).
 """
 import contextlib
 import numbers
 import os
 import threading
+import traceback
 import weakref
 from bisect import bisect_left, insort
 
@@ -461,6 +465,8 @@ _routing = _Routing()
 _default = None                          # the default pool: install() or set_default_pool()
 _limit = None                            # set_memory_limit() before a pool exists
 _cupy_previous = None                    # CuPy's allocator before install()
+_origins = None                          # block address -> (size, where), after record_origins()
+_HERE = os.path.abspath(__file__)
 
 
 class Allocation:
@@ -471,7 +477,40 @@ class Allocation:
         self.pool, self.block = pool, block
 
     def __del__(self):
+        if _origins is not None:
+            _origins.pop(self.block.address, None)
         self.pool.free(self.block)
+
+
+def record_origins(enabled=True):
+    """From now on (until called with False) each allocation remembers where it was asked for:
+    the innermost frames outside this module and CuPy. Costs a stack walk per allocation."""
+    global _origins
+    _origins = {} if enabled else None
+
+
+def _where(depth=3):
+    frames = [f for f in traceback.extract_stack(limit=24)
+              if f.filename != _HERE and "/cupy/" not in f.filename
+              and "/cupy_backends/" not in f.filename]
+    return " < ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}"
+                      for f in reversed(frames[-depth:]))
+
+
+def live_by_origin(top=12):
+    """[(bytes, blocks, where)] of the live allocations made since `record_origins()`, the
+    places holding the most first."""
+    if _origins is None:
+        raise RuntimeError("live_by_origin() needs memory.record_origins() before the "
+                           "allocations it should explain")
+    totals = {}
+    for size, where in list(_origins.values()):
+        entry = totals.setdefault(where, [0, 0])
+        entry[0] += size
+        entry[1] += 1
+    ranked = sorted(((size, count, where) for where, (size, count) in totals.items()),
+                    reverse=True)
+    return ranked[:top]
 
 
 def current_pool():
@@ -487,7 +526,10 @@ def allocate(nbytes, stream=0):
     if pool is None:
         raise RuntimeError("no memory pool is in use: cupytp.init() installs one on a GPU "
                            "(unless CUPYTP_ALLOCATOR=cupy); on the CPU, use set_default_pool()")
-    return Allocation(pool, pool.malloc(nbytes, stream))
+    allocation = Allocation(pool, pool.malloc(nbytes, stream))
+    if _origins is not None:
+        _origins[allocation.block.address] = (allocation.block.size, _where())
+    return allocation
 
 
 @contextlib.contextmanager

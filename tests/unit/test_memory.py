@@ -404,3 +404,27 @@ def test_the_limit_applies_to_cupy_arrays():
             xp.empty(64 * MiB, dtype=xp.uint8)
     finally:
         pool.set_memory_limit(None)
+
+
+def test_live_memory_is_summed_by_where_it_was_allocated(default_pool):
+    """With record_origins() each live block is charged to the code that asked for it; freed
+    blocks drop out; without it the report is a clear error."""
+    memory.record_origins()
+    try:
+        def parameters():
+            return [memory.allocate(3000) for _ in range(2)]
+
+        def activation():
+            return memory.allocate(5000)
+        kept, temporary = parameters(), activation()
+        rows = memory.live_by_origin()
+        assert [(size, count) for size, count, _ in rows] == [(6144, 2), (5120, 1)]
+        assert "parameters" in rows[0][2] and "activation" in rows[1][2]
+        del temporary
+        assert [row[:2] for row in memory.live_by_origin()] == [(6144, 2)]
+        del kept
+        assert memory.live_by_origin() == []
+    finally:
+        memory.record_origins(False)
+    with pytest.raises(RuntimeError, match="record_origins"):
+        memory.live_by_origin()
