@@ -236,21 +236,36 @@ def say(rank, text):
         sys.stdout.flush()
 
 
+class CtrlC:
+    """Ctrl-C takes effect when the running step ends (a second one at once), so it never lands
+    inside the framework's bookkeeping; several ranks stop at the same step, agreeing through a
+    small host all-gather (at every step when checkpointing, else at logged steps)."""
+
+    def __init__(self):
+        self.pressed = False
+        self.default_handler = signal.signal(signal.SIGINT, self._press)
+
+    def _press(self, signum, frame):
+        self.pressed = True
+        signal.signal(signal.SIGINT, self.default_handler)
+
+    def agreed(self, ask_every_rank):
+        """Whether every rank stops now (a collective with several ranks, when asked)."""
+        if cupytp.distributed.get_world_size() == 1:
+            return self.pressed
+        return ask_every_rank and any(all_gather_object(self.pressed))
+
+    def close(self):
+        signal.signal(signal.SIGINT, self.default_handler)
+
+
 class Checkpoints:
-    """--checkpoint-dir: a checkpoint every --checkpoint-interval steps and at the end. Ctrl-C
-    takes effect when the running step ends (a second one at once): every rank then saves and
-    raises KeyboardInterrupt, having learned from a small host all-gather per step whether any
-    rank was interrupted."""
+    """--checkpoint-dir: a checkpoint every --checkpoint-interval steps, at the end, and on
+    Ctrl-C (then every rank saves and raises KeyboardInterrupt)."""
 
     def __init__(self, args, model, optimizer, loader):
         self.args, self.model, self.optimizer, self.loader = args, model, optimizer, loader
         self.saved_step = None
-        self.interrupted = False
-        self.default_handler = signal.signal(signal.SIGINT, self._interrupt)
-
-    def _interrupt(self, signum, frame):
-        self.interrupted = True
-        signal.signal(signal.SIGINT, self.default_handler)
 
     def resume(self):
         """Load the latest checkpoint (model, optimizer, RNG, data position); its step."""
@@ -263,19 +278,14 @@ class Checkpoints:
         self.saved_step = extra["step"]
         return extra["step"]
 
-    def after_step(self, done):
-        """`done` steps are complete: save at the interval, or on Ctrl-C save and stop."""
-        stop = any(all_gather_object(self.interrupted))
+    def after_step(self, done, stop):
+        """`done` steps are complete: save at the interval, or on Ctrl-C (`stop`) save and
+        stop."""
         interval = self.args.checkpoint_interval
         if stop or (interval and done % interval == 0):
             self.save(done)
         if stop:
             raise KeyboardInterrupt
-
-    def close(self, done):
-        """The end of training: save the last step and give Ctrl-C back."""
-        self.save(done)
-        signal.signal(signal.SIGINT, self.default_handler)
 
     def save(self, done):
         if done == self.saved_step:
@@ -354,6 +364,7 @@ def train(args):
     if progress is not None:
         progress.update(start)
     clock = time.perf_counter()
+    ctrl_c = CtrlC()
     try:
         for step in range(start, args.steps):
             val = None
@@ -367,7 +378,8 @@ def train(args):
                        for _ in range(args.grad_accum)]
             loss, norm = train_step(batches)
             nonfinite = first_nonfinite(nonfinite, loss, step)
-            if step % args.log_interval == 0 or val is not None or step == args.steps - 1:
+            logged = step % args.log_interval == 0 or val is not None or step == args.steps - 1
+            if logged:
                 value = loss.item()           # the one host sync, at log steps only
                 check_finite(nonfinite, value, step, args)
                 first_loss = value if first_loss is None else first_loss
@@ -391,16 +403,19 @@ def train(args):
                 else:
                     say(info.rank, f"step {step}/{args.steps}: {text}")
             if checkpoints is not None:
-                checkpoints.after_step(step + 1)
+                checkpoints.after_step(step + 1, ctrl_c.agreed(True))
+            elif ctrl_c.agreed(logged):
+                raise KeyboardInterrupt
         step = args.steps
         val = evaluate(model, val_loader, mesh, args.eval_batches)   # the trained model
     except KeyboardInterrupt:
         interrupted(step, args.out, progress, info.rank)
     finally:
+        ctrl_c.close()
         if progress is not None:
             progress.close()
     if checkpoints is not None:
-        checkpoints.close(args.steps)
+        checkpoints.save(args.steps)
     if info.rank == 0:
         log.log(args.steps, val_loss=val)
         plot_loss(args.out)

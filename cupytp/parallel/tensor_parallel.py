@@ -26,7 +26,7 @@ def relayout(tensor, mesh, placements):
     layout = Layout(mesh, tensor.shape, placements)
     offsets, local_shape = layout.local_block()
     block = full[tuple(slice(o, o + n) for o, n in zip(offsets, local_shape))]
-    tensor._local = backend.xp.ascontiguousarray(block)
+    tensor._local = backend.xp.array(block, order="C", copy=True)  # a view would keep `full`
     tensor.layout = layout
     tensor.grad = None
 

@@ -51,11 +51,14 @@ def test_recomputed_blocks_equal_kept_activations(world, mesh1d, mesh2d, shape):
 
 def test_recomputation_runs_in_the_first_runs_autocast_region(world, mesh1d):
     """Under autocast("bf16") the rerun in backward (outside the region) computes in bf16 too:
-    the gradients are those of keeping the activations, bit for bit."""
+    the losses are those of keeping the activations bit for bit, the gradients to the last
+    float32 bits (the GPU's embedding backward adds repeated ids atomically, in any order; a
+    rerun in float32 would be off by bf16's 1e-2)."""
     kept, recomputed = run(mesh1d, False, dtype="bf16"), run(mesh1d, True, dtype="bf16")
     numpy.testing.assert_array_equal(recomputed[0], kept[0])
     for name, want in kept[1].items():
-        numpy.testing.assert_array_equal(recomputed[1][name], want, err_msg=name)
+        numpy.testing.assert_allclose(recomputed[1][name], want, rtol=1e-5, atol=1e-7,
+                                      err_msg=name)
 
 
 def test_recompute_keeps_only_the_input_and_replays_the_dropout(world, mesh1d):
