@@ -348,6 +348,7 @@ def train(args):
     optimizer = AdamW(decay_groups(model.named_parameters(), args.weight_decay), lr=args.lr,
                       betas=(0.9, 0.95), eps=1e-8)
     lr_at = lr_schedule(args)
+    ctrl_c = CtrlC()
     checkpoints = Checkpoints(args, model, optimizer, loader) if args.checkpoint_dir else None
     start = checkpoints.resume() if args.resume else 0
     tokens_per_step = args.batch_size * dp * args.seq_len * args.grad_accum
@@ -364,7 +365,6 @@ def train(args):
     if progress is not None:
         progress.update(start)
     clock = time.perf_counter()
-    ctrl_c = CtrlC()
     try:
         for step in range(start, args.steps):
             val = None
