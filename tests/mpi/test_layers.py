@@ -179,12 +179,28 @@ def test_plan_errors(mesh1d):
 
 
 def test_block_under_bf16_autocast_matches_fp32(mesh):
-    """A sharded block in bf16 autocast stays within bf16 accuracy of the dense fp32 block."""
+    """A sharded block in bf16 autocast stays within bf16 accuracy of the dense fp32 block, in
+    its output and in every gradient; the fp32 parameters get fp32 gradients (cuBLAS's fp32
+    output for the weights, the column-parallel input gradient reduced inside the layer)."""
     skip_unless_heads_split(mesh)
     x = rng_array((2, 4, 8), 6).astype(numpy.float32)
+    w = rng_array((2, 4, 8), 7).astype(numpy.float32)
     dense = build(lambda m: nn.DBlock(8, 4, m), local_mesh())
     parallel = build(lambda m: nn.DBlock(8, 4, m), mesh)
-    expected = full(dense(lay_out(x, local_mesh(), (Replicated(),))))
+    replicated = (Replicated(),) * mesh.ndim
+    xd = lay_out(x, local_mesh(), (Replicated(),), requires_grad=True)
+    xp = lay_out(x, mesh, replicated, requires_grad=True)
+    yd = dense(xd)
     with cupytp.autocast("bf16"):
-        got = full(parallel(lay_out(x, mesh, (Replicated(),) * mesh.ndim)))
-    numpy.testing.assert_allclose(got.astype(numpy.float64), expected, rtol=5e-2, atol=5e-2)
+        yp = parallel(xp)
+    numpy.testing.assert_allclose(full(yp).astype(numpy.float64), full(yd), rtol=5e-2, atol=5e-2)
+    (yd * lay_out(w, local_mesh(), (Replicated(),))).sum().backward()
+    (yp.astype("fp32") * lay_out(w, mesh, replicated)).sum().backward()
+    pairs = [("input", xp.grad, xd.grad)] + [
+        (name, p.grad, dict(dense.named_parameters())[name].grad)
+        for name, p in parallel.named_parameters()]
+    for name, got, want in pairs:
+        assert got.dtype == numpy.float32, name
+        want = full(want)
+        numpy.testing.assert_allclose(full(got), want, rtol=5e-2,
+                                      atol=5e-2 * numpy.abs(want).max(), err_msg=name)
