@@ -3,9 +3,10 @@
 # from the shared anchors folder into .carry/anchors, named in the device tool's carry), in the
 # same call; the anchors do not clip gradients, so neither do these runs.
 # Usage: bench/gpu_bench.sh [check] [comm] [train1] [train2] [train] [host] [fsdp] [profile]
-# [profile2] (default: train host; train = train1 train2, the 1-GPU and the TP=2 pairs; fsdp:
+# [profile2] [profile3] (default: train host; train = train1 train2, the 1-GPU and the TP=2 pairs; fsdp:
 # fully_shard beside PyTorch FSDP2 with bf16 parameters and fp32 reduction, untied models;
-# profile, profile2: device time per kind of kernel at 124M on one GPU, at 24x2048 at TP=2). A
+# profile, profile2, profile3: device time per kind of kernel at 124M on one GPU, at 24x2048 at TP=2,
+# of the 1.4B fully_shard step beside FSDP2's). A
 # cuDNN frontend wheel carried in .carry/wheels is installed first (the machines have no
 # internet), so that attention can run through cuDNN. Logs under $OUT; the last thing printed is
 # the table of bench/compare.py.
@@ -73,6 +74,16 @@ for part in $what; do
       run profile_torch_big torchrun --nproc_per_node=2 bench/kernel_profile.py --per 13 -- \
           $anchors/torch_megatron_tp.py --steps 10 $big
       for side in ours_big torch_big; do grep -A22 "ms of kernels" "$out/profile_$side.log"; done ;;
+    profile3)  # the 1.4B fully sharded step (rank 0), ours and FSDP2's; ours' memory per phase
+      big="--layers 24 --embd 2048 --heads 16 --B 4"
+      fsdp="bench/train_gpt2.py --fsdp --untied --dtype bf16 --grad-clip 0 --tp 1 $big"
+      run profile_ours_fsdp mpiexec -n 2 python3 bench/kernel_profile.py --per 12 -- $fsdp \
+          --no-cuda-graph --steps 5 --warmup 2
+      run profile_torch_fsdp env L=24 C=2048 B=4 torchrun --nproc_per_node=2 \
+          bench/kernel_profile.py --per 13 -- $anchors/torch_fsdp2.py
+      run memory_ours_fsdp mpiexec -n 2 python3 $fsdp --profile --steps 3 --warmup 2
+      for side in ours_fsdp torch_fsdp; do grep -A22 "ms of kernels" "$out/profile_$side.log"; done
+      tail -30 "$out/memory_ours_fsdp.log" ;;
     host)
       run ours_tiny python3 bench/train_gpt2.py --tp 1 --dtype bf16 --B 2 --T 64 --label tiny-eager \
           --no-cuda-graph

@@ -50,6 +50,7 @@ def main():
         runpy.run_path(a.script, run_name="__main__")
         torch.cuda.synchronize()
     per_name = collections.defaultdict(lambda: [0.0, 0])
+    spans = {True: [], False: []}      # is NCCL -> [(start, end)] µs
     for event in prof.events():
         if event.device_type != torch.autograd.DeviceType.CUDA:
             continue
@@ -57,6 +58,8 @@ def main():
         entry[0] += event.device_time_total if hasattr(event, "device_time_total") \
             else event.cuda_time_total
         entry[1] += 1
+        spans[kind(event.name) == "nccl"].append((event.time_range.start,
+                                                  event.time_range.end))
     rank = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("RANK", "0"))
     if rank != "0":
         return
@@ -68,12 +71,44 @@ def main():
     scale = 1e-3 / a.per       # µs in total -> ms per step
     print(f"\n{a.script}: {total * scale:.2f} ms of kernels per step, "
           f"{sum(n for _, n in per_name.values()) / a.per:.0f} kernels per step")
+    comm, compute = union(spans[True]), union(spans[False])
+    print(f"busy {(length(union(spans[True] + spans[False]))) * scale:.2f} ms per step; "
+          f"communication {length(comm) * scale:.2f} ms, of which exposed (no other kernel "
+          f"running) {(length(comm) - overlap(comm, compute)) * scale:.2f} ms")
     print(f"{'kind':16} {'ms/step':>8} {'share':>6} {'kernels':>8}")
     for k, (t, n) in sorted(per_kind.items(), key=lambda kv: -kv[1][0]):
         print(f"{k:16} {t * scale:8.2f} {100 * t / total:5.1f}% {n / a.per:8.0f}")
     print(f"\ntop {a.top} kernels:")
     for name, (t, n) in sorted(per_name.items(), key=lambda kv: -kv[1][0])[:a.top]:
         print(f"{t * scale:8.3f} ms {n / a.per:6.0f}x  {kind(name):13} {name[:110]}")
+
+
+def union(spans):
+    """Disjoint sorted (start, end) intervals covering `spans`."""
+    merged = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def length(intervals):
+    return sum(end - start for start, end in intervals)
+
+
+def overlap(a, b):
+    """Total length of the intersection of two disjoint sorted interval lists."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ class Node:
     `backward`, the output's `shape`, and the `scope` it ran in (None unless a scope source is
     set). The tape keeps nodes, not the values of intermediate tensors: an activation that no
     backward closure saved is freed as soon as the forward pass drops it."""
-    __slots__ = ("inputs", "backward", "name", "shape", "scope")
+    __slots__ = ("inputs", "backward", "name", "shape", "scope", "__weakref__")
 
     def __init__(self, inputs, backward, name, shape, scope=None):
         self.inputs = inputs

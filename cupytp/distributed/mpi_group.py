@@ -24,10 +24,14 @@ def _buffer(array):
     return array
 
 
-def pending(requests, group, op):
+def pending(requests, group, op, buffers=()):
     """The Pending of MPI `requests` of `op` on `group`: wait() polls them against the group's
-    timeout and raises CollectiveTimeoutError past it."""
+    timeout and raises CollectiveTimeoutError past it. `buffers` (the arrays the requests read
+    and write) stay referenced until then: mpi4py does not keep them alive, and a buffer freed
+    while a request is in flight is read after its memory has been reused."""
     deadline = time.monotonic() + group.timeout
+
+    held = list(buffers)
 
     def wait():
         spins = 0
@@ -40,6 +44,7 @@ def pending(requests, group, op):
                     f"{group.describe(op)} did not complete within {group.timeout:g} s "
                     "(CUPYTP_TIMEOUT): a rank skipped it, called another collective, or is "
                     "stuck")
+        held.clear()
     return Pending(wait, lambda: MPI.Request.Testall(requests))
 
 
@@ -53,26 +58,26 @@ class ProcessGroupMPI(ProcessGroup):
             return numpy.dtype(numpy.float32)
         return dtype if op == "avg" else None
 
-    def _pending(self, requests, op):
-        return pending(requests, self, op)
+    def _pending(self, requests, op, buffers):
+        return pending(requests, self, op, buffers)
 
     def _all_reduce(self, send, recv, op, async_op):
         request = self.host_comm.Iallreduce(send, recv, op=_MPI_OPS[op])
-        return self._pending([request], "all_reduce")
+        return self._pending([request], "all_reduce", (send, recv))
 
     def _all_gather(self, send, recv, async_op):
         request = self.host_comm.Iallgather(_buffer(send), _buffer(recv))
-        return self._pending([request], "all_gather")
+        return self._pending([request], "all_gather", (send, recv))
 
     def _reduce_scatter(self, send, recv, op, async_op):
         request = self.host_comm.Ireduce_scatter_block(send, recv, op=_MPI_OPS[op])
-        return self._pending([request], "reduce_scatter")
+        return self._pending([request], "reduce_scatter", (send, recv))
 
     def _broadcast(self, buffer, src, async_op):
         request = self.host_comm.Ibcast(_buffer(buffer), root=src)
-        return self._pending([request], "broadcast")
+        return self._pending([request], "broadcast", (buffer,))
 
     def _exchange(self, sends, recvs, async_op):
         requests = [self.host_comm.Irecv(_buffer(buf), source=peer) for buf, peer in recvs]
         requests += [self.host_comm.Isend(_buffer(buf), dest=peer) for buf, peer in sends]
-        return self._pending(requests, "send/recv")
+        return self._pending(requests, "send/recv", [buf for buf, _ in sends + recvs])

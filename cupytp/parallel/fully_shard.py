@@ -28,6 +28,7 @@ backward outside it. Every collective goes through `redistribute` (on the NCCL b
 ones run on the communication stream, ordered by events); nothing waits on the host, so a step
 can be captured by `cupytp.cuda_graph`.
 """
+import itertools
 import weakref
 from contextlib import contextmanager
 
@@ -136,8 +137,10 @@ class FSDPGroup:
 
     `names`: its layers ("" for the root group); `slots`: its parameters. State: `full` (the
     gathered local arrays, or None when resharded), `pending` (an all-gather in flight), the
-    gathered views handed to the layers (`_views`: weak references, until their gradients are
-    in), and the flat gradient being summed (`_rows`, `_replicated`).
+    gathered views handed to the layers (`_views`: weak references to each view and to its
+    autograd node, until its gradient is in: the tape keeps the node, not the view, so a live
+    node is a gradient still to come), and the flat gradient being summed (`_rows`,
+    `_replicated`).
     """
 
     def __init__(self, state, names, modules, masters):
@@ -166,7 +169,8 @@ class FSDPGroup:
         self.full = None
         self.pending = None
         self.forward_views = None   # the views handed to the layers of the forward running
-        self._views = {}            # id(view) -> (weak reference, slot index): grads to come
+        self._views = {}            # key -> (view ref, node ref, slot index): grads to come
+        self._keys = itertools.count()
         self._rows = None           # [dp, width] flat gradient (reduce dtype)
         self._replicated = None     # [replicated_width] flat gradient of dp-replicated slots
         self._received = False
@@ -205,7 +209,7 @@ class FSDPGroup:
             self.pending = None
             self.full = full + [s.master.to_local().astype(self.param_dtype)
                                 for s in self.replicated]
-            for ref, index in self._views.values():
+            for ref, _, index in self._views.values():
                 view = ref()
                 if view is not None:
                     view._local = self.full[index]
@@ -217,7 +221,7 @@ class FSDPGroup:
             self.pending.wait()
             self.pending = None
         self.full = None
-        for ref, _ in self._views.values():
+        for ref, _, _ in self._views.values():
             view = ref()
             if view is not None:
                 view._local = None
@@ -232,10 +236,11 @@ class FSDPGroup:
             view = DTensor._make(local, slot.full_layout)
             if slot.master.requires_grad:
                 inputs = (slot.master,) if anchor is None else (slot.master, anchor)
-                engine.record(view, inputs, self._grad_fn(slot, id(view), len(inputs)),
+                key = next(self._keys)
+                engine.record(view, inputs, self._grad_fn(slot, key, len(inputs)),
                               "fsdp_all_gather")
                 if view._node is not None:
-                    self._views[id(view)] = (weakref.ref(view), slot.index)
+                    self._views[key] = (weakref.ref(view), weakref.ref(view._node), slot.index)
             views.append(view)
         return views
 
@@ -269,7 +274,7 @@ class FSDPGroup:
                 self._add_rows(slot, local)
         self._received = True
         self._views.pop(key, None)
-        for dead in [k for k, (ref, _) in self._views.items() if ref() is None]:
+        for dead in [k for k, (_, node, _) in self._views.items() if node() is None]:
             del self._views[dead]
         if not self._views:
             self.finish_backward()

@@ -165,6 +165,21 @@ def test_async_work(group):
     assert all(w.is_completed() for w in works)
 
 
+def test_async_work_keeps_its_buffers_alive(group):
+    """An async collective's internal buffers (the padded send buffer of uneven sizes, the
+    float32 copy bf16 is reduced in) live until it completes, not only as long as the call:
+    large arrays, whose memory goes back to the system and is reused at once when freed."""
+    shape = (group.size * 300000 + 1, 2)
+    inputs = [rank_input(r, shape, "bf16") for r in range(group.size)]
+    stack = numpy.stack(inputs)
+    works = [group.reduce_scatter(on_device(inputs[group.rank]), async_op=True),
+             group.all_reduce(on_device(inputs[group.rank]), async_op=True)]
+    litter = [xp.full(shape, 1e30, dtype=xp.float32) for _ in range(6)]
+    exact(works[0].wait(), numpy.array_split(stack.sum(0), group.size)[group.rank])
+    exact(works[1].wait(), stack.sum(0))
+    del litter
+
+
 def test_barrier_and_broadcast_object(group):
     group.barrier()
     assert group.broadcast_object({"step": group.rank}, src=0) == {"step": 0}

@@ -2,11 +2,13 @@
 of the same global batch ends (float64, AdamW with clipping, uneven shards and batch rows, with
 and without grouping, with gradient accumulation under no_sync, on a (dp, tp) mesh); each rank
 holds 1/N of parameters, gradients and optimizer states and no full parameter after a group's
-forward; grouping gathers 1000 tiny layers in a few collectives; state dicts and checkpoints
+forward; grouping gathers 1000 tiny layers in a few collectives, and each group is reduced once
+per step; state dicts and checkpoints
 move between FSDP, dense and tensor-parallel models."""
 import contextlib
 import dataclasses
 import gc
+import re
 import weakref
 
 import numpy
@@ -179,6 +181,27 @@ def test_grouping_gathers_1000_tiny_layers_in_few_collectives(world):
     assert counts[0] == 2000                    # each layer: forward, and again for backward
     assert counts[0] >= 10 * counts[1 << 20]
     assert "1000 layers -> 1 groups" in model.fsdp_summary()
+
+
+@pytest.mark.parametrize("group_bytes", [0, 1 << 20])
+def test_a_step_reduces_each_group_once(world, group_bytes):
+    """Each group's gradient is reduce-scattered once per backward, however many of its
+    gathered views the forward pass dropped (the tape keeps their nodes, not the views), and a
+    step issues the all-gathers the summary counts."""
+    if world.world_size == 1:
+        pytest.skip("collectives are counted on more than one rank")
+    mesh = cupytp.DeviceMesh((world.world_size,), ("dp",))
+    model = fully_shard(gpt2(dataclasses.replace(CONFIG, tie_word_embeddings=False)), mesh,
+                        group_bytes=group_bytes)
+    x, y = (lay_out(a, mesh, (Shard(0),)) for a in (IDS[:, :-1], IDS[:, 1:]))
+    for step in range(2):
+        with CommTracer() as tracer:
+            model(x, y)[1].backward()
+        calls = {op: sum(r.calls for r in tracer.rows() if r.op == op)
+                 for op in ("all_gather", "reduce_scatter")}
+        assert calls["reduce_scatter"] == sum(1 for g in model.fsdp_groups if g.sharded)
+        gathers = int(re.search(r"per step (\d+) all-gathers", model.fsdp_summary()).group(1))
+        assert calls["all_gather"] == gathers
 
 
 def test_checkpoint_saved_sharded_loads_dense_and_tensor_parallel(world, mesh2d, shared_dir):
