@@ -62,25 +62,26 @@ for part in $what; do
       pairs+=("fsdp-1.4B-B4=$out/ours_fsdp_big.log,$out/torch_fsdp_big.log"
               "fsdp-163M-B8=$out/ours_fsdp_small.log,$out/torch_fsdp_small.log") ;;
     profile)   # device time per kind of kernel, ours (eager: 2 + 5 + 5 steps) and PyTorch's
-      run profile_ours python3 bench/kernel_profile.py --per 12 -- bench/train_gpt2.py --tp 1 \
+      run profile_ours python3 bench/kernel_profile.py --per 10 -- bench/train_gpt2.py --tp 1 \
           --dtype bf16 --no-cuda-graph --steps 5 --warmup 2
-      run profile_torch python3 bench/kernel_profile.py --per 13 -- $anchors/torch_tp_gpt2.py \
+      run profile_torch python3 bench/kernel_profile.py --per 10 -- $anchors/torch_tp_gpt2.py \
           --dtype bf16 --sdpa 1 --steps 10
       for side in ours torch; do grep -B2 -A16 "ms of kernels" "$out/profile_$side.log"; done ;;
     profile2)  # the same for 24 layers x 2048 at TP=2 (rank 0), ours and Megatron-style
       big="--layers 24 --embd 2048 --heads 16 --B 4"
-      run profile_ours_big mpiexec -n 2 python3 bench/kernel_profile.py --per 12 -- \
+      run profile_ours_big mpiexec -n 2 python3 bench/kernel_profile.py --per 10 -- \
           bench/train_gpt2.py --tp 2 --dtype bf16 --no-cuda-graph --steps 5 --warmup 2 $big
-      run profile_torch_big torchrun --nproc_per_node=2 bench/kernel_profile.py --per 13 -- \
+      run profile_torch_big torchrun --nproc_per_node=2 bench/kernel_profile.py --per 10 -- \
           $anchors/torch_megatron_tp.py --steps 10 $big
       for side in ours_big torch_big; do grep -A22 "ms of kernels" "$out/profile_$side.log"; done ;;
-    profile3)  # the 1.4B fully sharded step (rank 0), ours and FSDP2's; ours' memory per phase
+    profile3)  # the 1.4B fully sharded step (rank 0; ours replayed), ours and FSDP2's; ours'
+               # memory per phase
       big="--layers 24 --embd 2048 --heads 16 --B 4"
       fsdp="bench/train_gpt2.py --fsdp --untied --dtype bf16 --grad-clip 0 --tp 1 $big"
-      run profile_ours_fsdp mpiexec -n 2 python3 bench/kernel_profile.py --per 12 -- $fsdp \
-          --no-cuda-graph --steps 5 --warmup 2
+      run profile_ours_fsdp mpiexec -n 2 python3 bench/kernel_profile.py --per 10 -- $fsdp \
+          --steps 5 --warmup 2
       run profile_torch_fsdp env L=24 C=2048 B=4 torchrun --nproc_per_node=2 \
-          bench/kernel_profile.py --per 13 -- $anchors/torch_fsdp2.py
+          bench/kernel_profile.py --per 10 -- $anchors/torch_fsdp2.py
       run memory_ours_fsdp mpiexec -n 2 python3 $fsdp --profile --steps 3 --warmup 2
       for side in ours_fsdp torch_fsdp; do grep -A22 "ms of kernels" "$out/profile_$side.log"; done
       tail -30 "$out/memory_ours_fsdp.log" ;;

@@ -5,9 +5,11 @@ too, also inside CUDA graphs) and prints device time per kernel and per kind of 
     python bench/kernel_profile.py --per 13 -- bench/train_gpt2.py --B 8 --dtype bf16
     python bench/kernel_profile.py --per 13 -- .carry/anchors/torch_tp_gpt2.py --sdpa 1
 
-`--per` divides the totals (the number of steps the script runs, warm-up included), so the
-figures read as ms per step. Needs torch with CUDA. Under mpiexec or torchrun every rank is
-profiled and the first prints.
+`--per` divides the totals, so the figures read as ms per step: the number of steps run after
+the mark, where the script calls `mark()` of this module (bench/train_gpt2.py does after its
+warm-up) or, for the PyTorch anchors, at their first `torch.cuda.synchronize()` (after their
+warm-up); without a mark, everything counts (initialization included). Needs torch with CUDA.
+Under mpiexec or torchrun every rank is profiled and the first prints.
 """
 import argparse
 import collections
@@ -31,6 +33,22 @@ KINDS = (   # first match wins
 )
 
 
+_marks = []
+
+
+def mark():
+    """Count only the kernels launched from now on (the device is synchronized first)."""
+    from torch.profiler import record_function
+    _synchronize()
+    with record_function("kernel_profile.mark") as event:
+        _marks.append(event)
+
+
+def _synchronize():
+    import torch
+    torch.cuda.synchronize()
+
+
 def kind(name):
     low = name.lower()
     return next((k for k, pattern in KINDS if re.search(pattern, low)), "other")
@@ -45,14 +63,27 @@ def main():
     a = p.parse_args()
     import torch
     from torch.profiler import ProfilerActivity, profile
+    sys.modules.setdefault("kernel_profile", sys.modules[__name__])   # for mark()
     sys.argv = [a.script] + [x for x in a.args if x != "--"]
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    synchronize = torch.cuda.synchronize
+
+    def first_synchronize_marks(*args, **kwargs):
+        torch.cuda.synchronize = synchronize
+        synchronize(*args, **kwargs)
+        if not _marks:
+            mark()
+    torch.cuda.synchronize = first_synchronize_marks
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         runpy.run_path(a.script, run_name="__main__")
-        torch.cuda.synchronize()
+        synchronize()
+    events = prof.events()
+    marked = [e.time_range.start for e in events if e.name == "kernel_profile.mark"]
+    since = marked[0] if marked else float("-inf")
     per_name = collections.defaultdict(lambda: [0.0, 0])
     spans = {True: [], False: []}      # is NCCL -> [(start, end)] µs
-    for event in prof.events():
-        if event.device_type != torch.autograd.DeviceType.CUDA:
+    for event in events:
+        if event.device_type != torch.autograd.DeviceType.CUDA or \
+                event.time_range.start < since:
             continue
         entry = per_name[event.name]
         entry[0] += event.device_time_total if hasattr(event, "device_time_total") \
@@ -69,7 +100,8 @@ def main():
         per_kind[kind(name)][0] += t
         per_kind[kind(name)][1] += n
     scale = 1e-3 / a.per       # µs in total -> ms per step
-    print(f"\n{a.script}: {total * scale:.2f} ms of kernels per step, "
+    print(f"\n{a.script}: {total * scale:.2f} ms of kernels per step "
+          f"({'after the mark' if marked else 'initialization included'}), "
           f"{sum(n for _, n in per_name.values()) / a.per:.0f} kernels per step")
     comm, compute = union(spans[True]), union(spans[False])
     print(f"busy {(length(union(spans[True] + spans[False]))) * scale:.2f} ms per step; "

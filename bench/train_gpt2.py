@@ -13,6 +13,7 @@ goes (inclusive per module type).
 import argparse
 import collections
 import os
+import sys
 import time
 
 os.environ.setdefault("CUPY_TF32", "1")     # fp32 matmuls on tensor cores, as the anchors do
@@ -30,12 +31,12 @@ from cupytp.tensor import Replicated, Shard, from_local  # noqa: E402
 
 class Profile:
     """Synchronized wall time per name, and for the outermost calls (the phases of a step) the
-    pool's peak and final allocated bytes (a no-op unless enabled)."""
+    pool's peak and final allocated bytes, every step's (a no-op unless enabled)."""
 
     def __init__(self, enabled):
         self.enabled = enabled
         self.totals = collections.defaultdict(float)
-        self.memory = {}        # phase -> (peak, allocated at its end), bytes, the last step's
+        self.memory = collections.defaultdict(list)  # phase -> [(peak, allocated at end)]
         self.depth = 0
 
     def __call__(self, name, fn, *args, **kwargs):
@@ -54,7 +55,7 @@ class Profile:
         self.totals[name] += time.perf_counter() - start
         if self.depth == 0:
             stats = memory.memory_stats()
-            self.memory[name] = (stats["allocated_bytes_peak"], stats["allocated_bytes"])
+            self.memory[name].append((stats["allocated_bytes_peak"], stats["allocated_bytes"]))
         return out
 
     def watch_modules(self):
@@ -115,7 +116,7 @@ def main():
 
     def train_step(x, y):
         with ops.autocast(None if args.dtype == "fp32" else args.dtype):
-            _, loss = model(x, y)
+            _, loss = profile("forward", model, x, y)
         profile("backward", loss.backward)
         if args.grad_clip:
             profile("clip_grad_norm_", clip_grad_norm_, model.parameters(), args.grad_clip)
@@ -131,6 +132,9 @@ def main():
     if args.profile:
         profile.totals.clear()
         profile.watch_modules()
+    profiler = sys.modules.get("kernel_profile")   # bench/kernel_profile.py runs this script
+    if profiler is not None:
+        profiler.mark()                             # count the steps below, not the warm-up
     backend.synchronize()
     cupytp.distributed.barrier()
     host = 0.0
@@ -149,9 +153,12 @@ def main():
         print(f"per step, tp={tp}, device synchronized around each entry (ms, inclusive):")
         for name, total in sorted(profile.totals.items(), key=lambda kv: -kv[1]):
             print(f"  {name:20} {1e3 * total / args.steps:8.1f}")
-        print("pool memory per phase of the last step (GiB): peak, allocated at its end")
-        for name, (peak, end) in profile.memory.items():
-            print(f"  {name:20} {peak / 2 ** 30:8.2f} {end / 2 ** 30:8.2f}")
+        print("pool memory per phase (GiB): peak in the first step, the last, any; allocated "
+              "at the end of the last")
+        for name, steps in profile.memory.items():
+            peaks = [peak / 2 ** 30 for peak, _ in steps]
+            print(f"  {name:20} {peaks[0]:8.2f} {peaks[-1]:8.2f} {max(peaks):8.2f} "
+                  f"{steps[-1][1] / 2 ** 30:8.2f}")
         if backend.on_gpu:
             print_resident(model, optimizer, stats["allocated_bytes"])
         return

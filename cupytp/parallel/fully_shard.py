@@ -139,8 +139,8 @@ class FSDPGroup:
     gathered local arrays, or None when resharded), `pending` (an all-gather in flight), the
     gathered views handed to the layers (`_views`: weak references to each view and to its
     autograd node, until its gradient is in: the tape keeps the node, not the view, so a live
-    node is a gradient still to come), and the flat gradient being summed (`_rows`,
-    `_replicated`).
+    node is a gradient still to come), the gradients received (`_held`) and the flat gradient
+    they are folded into (`_rows`, `_replicated`).
     """
 
     def __init__(self, state, names, modules, masters):
@@ -171,6 +171,7 @@ class FSDPGroup:
         self.forward_views = None   # the views handed to the layers of the forward running
         self._views = {}            # key -> (view ref, node ref, slot index): grads to come
         self._keys = itertools.count()
+        self._held = {}             # slot index -> [full gradients not yet folded]
         self._rows = None           # [dp, width] flat gradient (reduce dtype)
         self._replicated = None     # [replicated_width] flat gradient of dp-replicated slots
         self._received = False
@@ -189,11 +190,12 @@ class FSDPGroup:
         """Start the all-gather of the full parameters (async) unless they are here or coming."""
         if self.full is not None or self.pending is not None or not self.width:
             return
-        xp = backend.xp
-        row = xp.zeros(self.width, dtype=self.param_dtype)
-        for s in self.sharded:
+        row = backend.xp.empty(self.width, dtype=self.param_dtype)
+        for s in self.sharded:      # cast-copied in place; the padding of a shorter shard zeroed
             local = s.master.to_local()
-            row[s.offset:s.offset + local.size] = local.reshape(-1).astype(self.param_dtype)
+            row[s.offset:s.offset + local.size] = local.reshape(-1)
+            if local.size < s.width:
+                row[s.offset + local.size:s.offset + s.width] = 0
         layout = Layout(self.state.dp_mesh, (self.state.dp_size * self.width,), (Shard(0),))
         self.pending, _ = redistribute_local(row, layout, (Replicated(),), async_op=True)
 
@@ -252,10 +254,11 @@ class FSDPGroup:
 
     # ---- gradients ------------------------------------------------------------------------------
     def collect(self, slot, key, g):
-        """Add the full gradient `g` of view `key` into the flat gradient; reduce once every
-        live view of the group has its gradient."""
+        """Keep the full gradient `g` of view `key` (in its own dtype: a group whose gradients
+        arrive far apart, like the root's head and embedding, holds no reduce-dtype buffer in
+        between); once every live view of the group has its gradient, fold and reduce them."""
         self.state.queue_flush()
-        dp, xp = self.state.dp, backend.xp
+        dp = self.state.dp
         target = list(grad_placements(slot.full_layout.placements))
         target[dp] = g.placements[dp] if not g.placements[dp].is_shard() else Replicated()
         local = g.to_local()
@@ -263,15 +266,7 @@ class FSDPGroup:
             local, _ = redistribute_local(local, g.layout, tuple(target))
         # a Replicated gradient counts once: the reduction sums over dp
         if target[dp].is_partial() or self.state.dp_rank == 0:
-            local = local.astype(self.reduce_dtype, copy=False)
-            if slot.dim is None:
-                if self._replicated is None:
-                    self._replicated = xp.zeros(self.replicated_width, self.reduce_dtype)
-                self._replicated[slot.offset:slot.offset + local.size] += local.reshape(-1)
-            else:
-                if self._rows is None:
-                    self._rows = xp.zeros((self.state.dp_size, self.width), self.reduce_dtype)
-                self._add_rows(slot, local)
+            self._held.setdefault(slot.index, []).append(local)
         self._received = True
         self._views.pop(key, None)
         for dead in [k for k, (_, node, _) in self._views.items() if node() is None]:
@@ -279,24 +274,62 @@ class FSDPGroup:
         if not self._views:
             self.finish_backward()
 
-    def _add_rows(self, slot, local):
-        rows = self._rows
-        if len(set(slot.sizes)) == 1:
-            n = slot.sizes[0]
-            shape = local.shape
+    def fold(self):
+        """Add the gradients held into the flat gradient (`_rows` [dp, width], `_replicated`;
+        reduce dtype), each with one cast-copy or in-place add: made on the first fold of an
+        accumulation, with the regions of slots that got no gradient and the padding of uneven
+        shards zeroed, and summed into by the folds of later micro-batches (no_sync)."""
+        xp, dp_size = backend.xp, self.state.dp_size
+        fresh = self._rows is None and self._replicated is None
+        if fresh:
+            if self.width:
+                self._rows = xp.empty((dp_size, self.width), self.reduce_dtype)
+            if self.replicated_width:
+                self._replicated = xp.empty(self.replicated_width, self.reduce_dtype)
+        for slot in self.slots:
+            parts = self._held.pop(slot.index, [])
+            if fresh and not parts:
+                self._region(slot)[...] = 0
+                continue
+            for i, local in enumerate(parts):
+                self._write(slot, local, add=i > 0 or not fresh)
+            if fresh and slot.dim is not None and len(set(slot.sizes)) > 1:
+                for r, n in enumerate(slot.sizes):      # the padding past a shorter shard
+                    if n < slot.width:
+                        self._rows[r, slot.offset + n:slot.offset + slot.width] = 0
+
+    def _region(self, slot):
+        if slot.dim is None:
+            return self._replicated[slot.offset:slot.offset + slot.sizes[0]]
+        return self._rows[:, slot.offset:slot.offset + slot.width]
+
+    def _write(self, slot, local, add):
+        """Store (or add) the full gradient `local` in the slot's place of the flat gradient:
+        rank r's shard in row r."""
+        if slot.dim is None:
+            targets = [(self._region(slot), local.reshape(-1))]
+        elif len(set(slot.sizes)) == 1:
+            n, shape = slot.sizes[0], local.shape
             split = local.reshape(shape[:slot.dim] + (len(slot.sizes), shape[slot.dim] //
                                                       len(slot.sizes)) + shape[slot.dim + 1:])
-            rows[:, slot.offset:slot.offset + n] += \
-                backend.xp.moveaxis(split, slot.dim, 0).reshape(len(slot.sizes), n)
+            targets = [(self._rows[:, slot.offset:slot.offset + n],
+                        backend.xp.moveaxis(split, slot.dim, 0).reshape(len(slot.sizes), n))]
         else:
-            for r, chunk in enumerate(slot.split(local)):
-                rows[r, slot.offset:slot.offset + chunk.size] += chunk.reshape(-1)
+            targets = [(self._rows[r, slot.offset:slot.offset + chunk.size], chunk.reshape(-1))
+                       for r, chunk in enumerate(slot.split(local))]
+        for target, value in targets:
+            if add:
+                target += value
+            else:
+                target[...] = value
 
     def finish_backward(self):
-        """This group's gradients are in: reduce them (unless inside no_sync), free the full
-        parameters."""
-        if self._received and self.state.sync:
-            self.state.reduce(self)
+        """This group's gradients are in: fold them, reduce (unless inside no_sync), free the
+        full parameters."""
+        if self._received:
+            self.fold()
+            if self.state.sync:
+                self.state.reduce(self)
         self._received = False
         self.reshard()
 
