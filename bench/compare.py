@@ -4,10 +4,11 @@
 
 Each log holds the output of one program; the last RESULT (cupytp) or ANCHOR (PyTorch) line of
 each is read. Ratios are cupytp over the anchor (tokens/s: > 1 is faster; memory: < 1 is less).
-Memory is compared like with like: the peak bytes allocated over the whole run, warm-up and
-graph capture included (PyTorch's max_memory_allocated; the framework pool's
-allocated_bytes_peak). The pool's peak reserved bytes (what the device gave it, fragmentation
-included) are shown beside them.
+Memory: the framework pool's allocated_bytes_peak over the training steps, warm-up and graph
+capture included, building the model not (its peak is the RESULT line's init_peak_GiB), beside
+PyTorch's max_memory_allocated (over the whole run; torch_fsdp2.py resets it after its warm-up,
+so there it covers the measured steps only). The pool's peak reserved bytes (what the device
+gave it, fragmentation included) are shown beside them.
 """
 import re
 import sys

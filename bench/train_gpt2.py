@@ -127,6 +127,8 @@ def main():
     eager = args.no_cuda_graph or args.profile
     step = train_step if eager else cupytp.cuda_graph(train_step)
     batches = [batch() for _ in range(4)]
+    init_peak = memory.memory_stats()["allocated_bytes_peak"]  # building and sharding the model
+    memory.reset_peak_memory_stats()        # the peak below is the steps' (warm-up included)
     for i in range(args.warmup):
         step(*batches[i % len(batches)])
     if args.profile:
@@ -171,6 +173,7 @@ def main():
           f"device_ms={device_ms:.2f} host_ms={1e3 * host / args.steps:.2f} "
           f"peak_alloc_GiB={stats['allocated_bytes_peak'] / 2 ** 30:.2f} "
           f"peak_reserved_GiB={stats['reserved_bytes_peak'] / 2 ** 30:.2f} "
+          f"init_peak_GiB={init_peak / 2 ** 30:.2f} "
           f"mfu={100 * mfu:.1f}% loss={loss.item():.3f}", flush=True)
 
 

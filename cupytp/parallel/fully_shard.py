@@ -101,6 +101,8 @@ class _Slot:
         self.sizes = [int(numpy.prod(s, dtype=numpy.int64)) for s in self.shapes]
         self.width = max(self.sizes) if self.dim is not None else self.sizes[0]
         self.offset = offset
+        self.contiguous = (self.dim is not None and len(set(self.sizes)) == 1 and
+                           all(n == 1 for n in self.full_layout.local_shape[:self.dim]))
 
     def split(self, full):
         """`full` (the gathered local block) cut along dim into every dp rank's shard."""
@@ -113,6 +115,11 @@ class _Slot:
     def join(self, rows):
         """The full local block from `rows` ([dp, width]: every rank's shard at this offset)."""
         xp = backend.xp
+        if self.contiguous:     # rank r's shard is the r-th piece of the block
+            full = xp.empty(self.full_layout.local_shape, rows.dtype)
+            backend.copy_rows(full.reshape(len(self.sizes), -1),
+                              rows[:, self.offset:self.offset + self.sizes[0]])
+            return full
         if len(set(self.sizes)) == 1:
             block = rows[:, self.offset:self.offset + self.sizes[0]]
             block = block.reshape((len(self.sizes),) + self.shapes[0])
@@ -123,12 +130,20 @@ class _Slot:
 
 
 def _dp_shard_dim(layout, dp):
-    """The largest tensor dimension no other mesh dimension of more than one rank shards (None
-    if there is none)."""
+    """The tensor dimension dp splits: among those no other mesh dimension of more than one
+    rank shards, the outermost of the local block's leading dimensions when it has a row for
+    every dp rank (each shard is then one contiguous piece of the full block: gathered rows
+    become full parameters by one strided copy), else the largest; None if none is free."""
     taken = {p.dim for d, p in enumerate(layout.placements)
              if d != dp and p.is_shard() and layout.mesh.shape[d] > 1}
     free = [d for d in range(len(layout.shape)) if d not in taken]
-    return max(free, key=lambda d: (layout.shape[d], -d)) if free else None
+    if not free:
+        return None
+    local = layout.local_shape
+    leading = next(d for d in range(len(local) + 1) if d == len(local) or local[d] > 1)
+    if leading in free and local[leading] >= layout.mesh.shape[dp]:
+        return leading
+    return max(free, key=lambda d: (layout.shape[d], -d))
 
 
 # ---- a group ------------------------------------------------------------------------------------

@@ -25,6 +25,8 @@ from dense_reference import full, lay_out
 
 # n_embd 9: every parameter splits unevenly over 2 and 4 ranks somewhere; 6 batch rows
 CONFIG = GPT2Config(vocab_size=37, block_size=8, n_layer=2, n_head=3, n_embd=9)
+# every dimension a multiple of 4: gathered shards join by one strided copy per parameter
+EVEN = GPT2Config(vocab_size=40, block_size=8, n_layer=2, n_head=2, n_embd=8)
 IDS = numpy.random.default_rng(0).integers(0, CONFIG.vocab_size, size=(6, 9))
 
 
@@ -65,13 +67,14 @@ def assert_model_close(got, expected, tolerance):
     assert numpy.linalg.norm(got - expected) <= tolerance * numpy.linalg.norm(expected)
 
 
-@pytest.mark.parametrize("group_bytes,accum,dtype,tolerance", [
-    (0, 1, "fp64", 1e-10), (1 << 20, 1, "fp64", 1e-10), (1 << 20, 2, "fp64", 1e-10),
-    (1 << 20, 1, "fp32", 1e-5)])
-def test_fsdp_training_ends_like_one_rank(world, group_bytes, accum, dtype, tolerance):
-    dense, _ = train(gpt2(dtype=dtype), accum=accum)
+@pytest.mark.parametrize("group_bytes,accum,dtype,tolerance,config", [
+    (0, 1, "fp64", 1e-10, CONFIG), (1 << 20, 1, "fp64", 1e-10, CONFIG),
+    (1 << 20, 2, "fp64", 1e-10, CONFIG), (1 << 20, 1, "fp32", 1e-5, CONFIG),
+    (0, 2, "fp64", 1e-10, EVEN)])
+def test_fsdp_training_ends_like_one_rank(world, group_bytes, accum, dtype, tolerance, config):
+    dense, _ = train(gpt2(config, dtype=dtype), accum=accum)
     mesh = cupytp.DeviceMesh((world.world_size,), ("dp",))
-    model = fully_shard(gpt2(dtype=dtype), mesh, group_bytes=group_bytes)
+    model = fully_shard(gpt2(config, dtype=dtype), mesh, group_bytes=group_bytes)
     got, optimizer = train(model, accum=accum, dp_placements=(Shard(0),))
     if dtype == "fp64":
         assert_params_close(got, dense, tolerance, tolerance * 0.1)
