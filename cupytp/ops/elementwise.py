@@ -12,7 +12,7 @@ import numpy
 from cupytp.ops.conversion import (
     DTensor, Partial, Replicated, Shard, backend, cached, convert, engine, fail, is_tensor,
     linear_grad, make, same_mesh, scalar_or_tensor)
-from cupytp.launchers import bias_add, is_device_array
+from cupytp.launchers import bias_add, cast, is_device_array
 from cupytp.ops.reduction import leading_sum_placements
 
 LINEAR_JOINTLY = "jointly"      # add, sub: P op P is P, nothing else
@@ -214,7 +214,7 @@ def astype(x, dtype):
     if x.dtype == dtype:
         return x
     source = x.dtype
-    return apply("astype", lambda v: v.astype(dtype), [x], LINEAR_EACH,
+    return apply("astype", lambda v: cast.converted(v, dtype), [x], LINEAR_EACH,
                  lambda g, x, out: (astype(g, source),), saves=False)
 
 

@@ -1,9 +1,10 @@
 """Fully sharded data parallelism (ZeRO-3): every rank keeps only its shard of each parameter,
 of its gradient and of its optimizer state; full parameters exist only while their layers run.
 
-Layout: a parameter's master is Shard(d) on the data-parallel mesh dimension ("dp"), d the
-largest tensor dimension no other mesh dimension shards (uneven sizes by array_split), composed
-with its tensor-parallel placement on "tp". Gradients and optimizer states are laid out like it,
+Layout: a parameter's master is Shard(d) on the data-parallel mesh dimension ("dp") (uneven
+sizes by array_split), composed with its tensor-parallel placement on "tp": d the outermost
+dimension of the local block when every dp rank gets rows of it (each shard is then one
+contiguous piece of the block), else the largest one no other mesh dimension shards. Gradients and optimizer states are laid out like it,
 so optimizers and clip_grad_norm_ run on the shards unchanged. A 1-D parameter that tensor
 parallelism already splits has no free dimension: it stays Replicated on "dp" and its gradient
 is all-reduced.
@@ -38,6 +39,7 @@ from cupytp import backend
 from cupytp.autograd import engine
 from cupytp.distributed import runtime
 from cupytp.distributed.device_mesh import DeviceMesh
+from cupytp.launchers import cast
 from cupytp.nn.module import Module, ModuleList
 from cupytp.parallel.tensor_parallel import relayout
 from cupytp.tensor import DTensor, Partial, Replicated, Shard
@@ -208,7 +210,7 @@ class FSDPGroup:
         row = backend.xp.empty(self.width, dtype=self.param_dtype)
         for s in self.sharded:      # cast-copied in place; the padding of a shorter shard zeroed
             local = s.master.to_local()
-            row[s.offset:s.offset + local.size] = local.reshape(-1)
+            _store(row[s.offset:s.offset + local.size], local.reshape(-1), add=False)
             if local.size < s.width:
                 row[s.offset + local.size:s.offset + s.width] = 0
         layout = Layout(self.state.dp_mesh, (self.state.dp_size * self.width,), (Shard(0),))
@@ -333,10 +335,7 @@ class FSDPGroup:
             targets = [(self._rows[r, slot.offset:slot.offset + chunk.size], chunk.reshape(-1))
                        for r, chunk in enumerate(slot.split(local))]
         for target, value in targets:
-            if add:
-                target += value
-            else:
-                target[...] = value
+            _store(target, value, add)
 
     def finish_backward(self):
         """This group's gradients are in: fold them, reduce (unless inside no_sync), free the
@@ -376,6 +375,17 @@ class FSDPGroup:
             flat = works[1].wait()
             for s in self.replicated:
                 _add_grad(s.master, flat[s.offset:s.offset + s.sizes[0]].reshape(s.shapes[0]))
+
+
+def _store(target, value, add):
+    """target[...] = value (or += value), converted to target's dtype: rows of floats by the
+    vectorized cast kernel, anything else by an elementwise copy."""
+    if cast.applies(target, value):
+        cast.cast_rows(target, value, add)
+    elif add:
+        target += value
+    else:
+        target[...] = value
 
 
 def _add_grad(master, local):

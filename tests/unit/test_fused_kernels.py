@@ -1,5 +1,5 @@
 """The fused kernels of the GPT-2 step (vocab-parallel cross-entropy, bias + GeLU, embedding
-backward, column sums, bias add): each NumPy twin against an independent float64 reference (row-by-row formulas,
+backward, column sums, bias add, converting row copies): each NumPy twin against an independent float64 reference (row-by-row formulas,
 finite differences, a Python loop), and on a GPU each kernel against its twin."""
 import math
 
@@ -9,6 +9,7 @@ import pytest
 from cupytp.backend import asnumpy, bfloat16, xp
 from cupytp.launchers import compute_dtype, dtype_suffix
 from cupytp.launchers.bias_add import applies as bias_add_applies, bias_add, bias_add_numpy
+from cupytp.launchers.cast import applies as cast_applies, cast_rows, cast_rows_numpy, converted
 from cupytp.launchers.column_sum import MAX_ROW_BLOCKS as SUM_ROW_BLOCKS, column_sum
 from cupytp.launchers.column_sum import column_sum_numpy
 from cupytp.launchers.cross_entropy import cross_entropy_backward, cross_entropy_backward_numpy
@@ -174,6 +175,48 @@ def test_bias_add_applies_only_to_a_row_bias():
         bias_add(x, random((2,), F32))
 
 
+# ---- converting row copies twin ----------------------------------------------------------------
+
+CAST_PAIRS = [(F32, bfloat16), (bfloat16, F32), (F32, F16), (F16, F32), (F32, F32),
+              (bfloat16, bfloat16), (F64, F64)]
+
+
+@pytest.mark.parametrize("src_dtype,dst_dtype", CAST_PAIRS,
+                         ids=lambda d: dtype_suffix(d))
+def test_cast_rows_numpy_writes_and_adds_into_a_block_of_columns(src_dtype, dst_dtype):
+    src = random((3, 5), src_dtype, seed=30)
+    wide = random((3, 11), dst_dtype, seed=31)
+    before = wide.copy()
+    cast_rows(wide[:, 4:9], src)
+    assert (wide[:, 4:9] == src.astype(dst_dtype)).all()
+    assert (wide[:, :4] == before[:, :4]).all() and (wide[:, 9:] == before[:, 9:]).all()
+    cast_rows(wide[:, 4:9], src, add=True)
+    exact = 2 * src.astype(F64)                   # x + x: exact in the sum's dtype
+    assert (wide[:, 4:9].astype(F64) == exact.astype(dst_dtype).astype(F64)).all()
+
+
+@pytest.mark.parametrize("src_dtype,dst_dtype", CAST_PAIRS + [(F64, F32), (F32, F64)],
+                         ids=lambda d: dtype_suffix(d))
+def test_converted_is_astype_bit_for_bit(src_dtype, dst_dtype):
+    """On either backend, the kernel's pairs and the rest alike, and for strided arrays."""
+    host = random((7, 130), src_dtype, seed=34, scale=100.0)
+    for array in (xp.asarray(host), xp.asarray(host)[:, ::3]):
+        got = converted(array, dst_dtype)
+        assert got.dtype == dst_dtype and got.shape == array.shape
+        assert (asnumpy(got).astype(F64) == asnumpy(array.astype(dst_dtype)).astype(F64)).all()
+
+
+def test_cast_rows_applies_to_rows_of_one_shape():
+    a = random((4, 6), F32)
+    assert cast_applies(a[:, :3], random((4, 3), bfloat16))
+    assert cast_applies(a[0], random((6,), bfloat16))
+    assert not cast_applies(a[:, ::2], random((4, 3), bfloat16))    # strided columns
+    assert not cast_applies(a, random((6, 4), bfloat16))             # another shape
+    assert not cast_applies(a, random((4, 6), F64))                  # no kernel for the pair
+    with pytest.raises(ValueError, match="cast_rows takes"):
+        cast_rows(a, random((4, 6), F64))
+
+
 # ---- bias + GeLU twin ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [F64, F32, bfloat16, F16], ids=dtype_suffix)
@@ -332,6 +375,30 @@ def test_bias_add_kernel_matches_twin_and_cupy(dtype, shape):
         y = bias_add(xp.asarray(x), xp.asarray(bias))
     assert (asnumpy(y).astype(F64) == bias_add_numpy(x, bias).astype(F64)).all()
     assert (y == xp.asarray(x) + xp.asarray(bias)).all()          # bit-identical to CuPy's
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("src_dtype,dst_dtype", CAST_PAIRS, ids=lambda d: dtype_suffix(d))
+@pytest.mark.parametrize("shape,columns", [((1, 1), (0, 1)), ((3, 1001), (2, 1003)),
+                                           ((2, 4096), (4096, 8192)), ((5000,), None)])
+def test_cast_rows_kernel_matches_twin(src_dtype, dst_dtype, shape, columns):
+    """Vector and scalar paths (aligned and unaligned row starts), writing and adding, into a
+    block of columns of a wider array whose other columns stay untouched."""
+    src = random(shape, src_dtype, seed=32, scale=3.0)
+    if columns is None:
+        host_dst = random(shape, dst_dtype, seed=33)
+        view = lambda a: a
+    else:
+        host_dst = random((shape[0], columns[1] + 3), dst_dtype, seed=33)
+        view = lambda a: a[:, columns[0]:columns[1]]
+    for add in (False, True):
+        expected = host_dst.copy()
+        cast_rows_numpy(view(expected), src, add)
+        device = xp.asarray(host_dst)
+        with poisoned_allocations():
+            cast_rows(view(device), xp.asarray(src), add)
+        assert (asnumpy(device).astype(F64) == expected.astype(F64)).all()
 
 
 @pytest.mark.gpu
