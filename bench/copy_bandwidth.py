@@ -1,6 +1,7 @@
 """Bandwidth of the copies a fully sharded step makes, one GPU: casting a shard into the gather
-buffer, joining gathered rows into a full parameter (CuPy's elementwise copy against
-`backend.copy_rows`, one cudaMemcpy2DAsync), and folding a gradient into the reduce buffer.
+buffer and folding a gradient into the reduce buffer (CuPy's elementwise copy against the
+vectorized cast kernel), joining gathered rows into a full parameter (CuPy's elementwise copy
+against `backend.copy_rows`, one cudaMemcpy2DAsync).
 
     python bench/copy_bandwidth.py [--n 8388608]
 
@@ -11,6 +12,7 @@ import argparse
 import cupy
 
 from cupytp import backend
+from cupytp.launchers.cast import cast_rows
 
 
 def timed(fn, repeats=50):
@@ -48,10 +50,16 @@ def main():
     cases = [
         ("cast shard into gather row (f32->bf16, 1-D)", assign(row[shard:2 * shard], master),
          shard * 6),
+        ("cast shard into gather row: cast_rows kernel",
+         lambda: cast_rows(row[shard:2 * shard], master), shard * 6),
         ("join: elementwise copy of rows (bf16, 2-D)", assign(full, region), n * 4),
         ("join: copy_rows (cudaMemcpy2DAsync)", lambda: backend.copy_rows(full, region), n * 4),
         ("fold: cast grad into reduce rows (bf16->f32)",
          assign(reduce_rows[:, shard:2 * shard], grad), n * 6),
+        ("fold: cast_rows kernel",
+         lambda: cast_rows(reduce_rows[:, shard:2 * shard], grad), n * 6),
+        ("fold, adding: cast_rows kernel",
+         lambda: cast_rows(reduce_rows[:, shard:2 * shard], grad, add=True), n * 10),
         ("reference: contiguous copy (cudaMemcpyAsync)",
          lambda: full.data.copy_from_device_async(grad.data, full.nbytes), n * 4),
     ]
