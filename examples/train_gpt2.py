@@ -355,7 +355,8 @@ def train(args):
     peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items()
                                      if backend.on_gpu and k in gpu_name()), None)
     log = TrainLog(args.out) if info.rank == 0 else None
-    progress = _progress(args.steps) if info.rank == 0 and not LOG_RANKS else None
+    progress = _progress(args.steps) if info.rank == 0 and not LOG_RANKS and \
+        sys.stdout.isatty() else None       # piped or redirected: one plain line per log step
     say(info.rank, f"GPT-2 {args.model}: {model.num_parameters() / 1e6:.2f}M parameters, "
         f"vocab {tokenizer.vocab_size} (padded {model.vocab}), mesh dp={dp} tp={args.tp}, "
         f"{backend.device_name}, {tokens_per_step} tokens/step")
