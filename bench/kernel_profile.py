@@ -2,8 +2,8 @@
 profiler that PyTorch ships (CUPTI; it sees every kernel of the process, CuPy's and cuBLAS's
 too, also inside CUDA graphs) and prints device time per kernel and per kind of kernel.
 
-    python bench/kernel_profile.py --per 13 -- bench/train_gpt2.py --B 8 --dtype bf16
-    python bench/kernel_profile.py --per 13 -- .carry/anchors/torch_tp_gpt2.py --sdpa 1
+    python bench/kernel_profile.py --per 10 -- bench/train_gpt2.py --B 8 --dtype bf16 --steps 5
+    python bench/kernel_profile.py --per 10 -- .carry/anchors/torch_tp_gpt2.py --sdpa 1 --steps 10
 
 `--per` divides the totals, so the figures read as ms per step: the number of steps run after
 the mark, where the script calls `mark()` of this module (bench/train_gpt2.py does after its
@@ -34,6 +34,7 @@ KINDS = (   # first match wins
 
 
 _marks = []
+_synchronize = None     # torch.cuda.synchronize, kept by main() before it is wrapped
 
 
 def mark():
@@ -42,11 +43,6 @@ def mark():
     _synchronize()
     with record_function("kernel_profile.mark") as event:
         _marks.append(event)
-
-
-def _synchronize():
-    import torch
-    torch.cuda.synchronize()
 
 
 def kind(name):
@@ -65,17 +61,17 @@ def main():
     from torch.profiler import ProfilerActivity, profile
     sys.modules.setdefault("kernel_profile", sys.modules[__name__])   # for mark()
     sys.argv = [a.script] + [x for x in a.args if x != "--"]
-    synchronize = torch.cuda.synchronize
+    global _synchronize
+    _synchronize = torch.cuda.synchronize
 
-    def first_synchronize_marks(*args, **kwargs):
-        torch.cuda.synchronize = synchronize
-        synchronize(*args, **kwargs)
+    def first_synchronize_marks(*args, **kwargs):     # an anchor's first one, after warm-up
+        torch.cuda.synchronize = _synchronize
         if not _marks:
             mark()
     torch.cuda.synchronize = first_synchronize_marks
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         runpy.run_path(a.script, run_name="__main__")
-        synchronize()
+        _synchronize()
     events = prof.events()
     marked = [e.time_range.start for e in events if e.name == "kernel_profile.mark"]
     since = marked[0] if marked else float("-inf")

@@ -1,6 +1,7 @@
 """Converting copies between float dtypes, `cast.cu` for CuPy arrays, a NumPy twin otherwise.
 
-`converted(array, dtype)`: a new array, `array.astype(dtype)`, through the kernel where it applies.
+`converted(array, dtype)`: a new array, `array.astype(dtype)`; `assign(dst, src, add=False)`:
+dst[...] = src (or +=) converted; both through the kernel where it applies.
 
 `cast_rows(dst, src, add=False)`: dst[...] = src converted to dst's dtype (dst += src with
 `add`, summed in the compute dtype and rounded once), for 1-D or 2-D arrays of one shape whose
@@ -41,17 +42,24 @@ def applies(dst, src):
             and _rows(src) is not None)
 
 
+def assign(dst, src, add=False):
+    """dst[...] = src (dst += src with `add`) converted to dst's dtype: through the kernel where
+    it applies, by an elementwise copy otherwise."""
+    if applies(dst, src):
+        cast_rows(dst, src, add)
+    elif add:
+        dst += src
+    else:
+        dst[...] = src
+
+
 def converted(array, dtype):
     """`array.astype(dtype)` (a new array); a C-contiguous CuPy array of a pair the kernel is
     built for goes through it."""
-    dtype = numpy.dtype(dtype)
     if not (is_device_array(array) and array.flags.c_contiguous):
         return array.astype(dtype)
     out = xp.empty(array.shape, dtype)
-    flat_out, flat_in = out.reshape(-1), array.reshape(-1)
-    if not applies(flat_out, flat_in):
-        return array.astype(dtype)
-    cast_rows(flat_out, flat_in)
+    assign(out.reshape(-1), array.reshape(-1))
     return out
 
 

@@ -4,8 +4,9 @@ of its gradient and of its optimizer state; full parameters exist only while the
 Layout: a parameter's master is Shard(d) on the data-parallel mesh dimension ("dp") (uneven
 sizes by array_split), composed with its tensor-parallel placement on "tp": d the outermost
 dimension of the local block when every dp rank gets rows of it (each shard is then one
-contiguous piece of the block), else the largest one no other mesh dimension shards. Gradients and optimizer states are laid out like it,
-so optimizers and clip_grad_norm_ run on the shards unchanged. A 1-D parameter that tensor
+contiguous piece of the block), else the largest one no other mesh dimension shards. Gradients
+and optimizer states are laid out like it, so optimizers and clip_grad_norm_ run on the shards
+unchanged. A 1-D parameter that tensor
 parallelism already splits has no free dimension: it stays Replicated on "dp" and its gradient
 is all-reduced.
 
@@ -210,7 +211,7 @@ class FSDPGroup:
         row = backend.xp.empty(self.width, dtype=self.param_dtype)
         for s in self.sharded:      # cast-copied in place; the padding of a shorter shard zeroed
             local = s.master.to_local()
-            _store(row[s.offset:s.offset + local.size], local.reshape(-1), add=False)
+            cast.assign(row[s.offset:s.offset + local.size], local.reshape(-1), add=False)
             if local.size < s.width:
                 row[s.offset + local.size:s.offset + s.width] = 0
         layout = Layout(self.state.dp_mesh, (self.state.dp_size * self.width,), (Shard(0),))
@@ -226,7 +227,7 @@ class FSDPGroup:
                 rows = self.pending.wait().reshape(self.state.dp_size, self.width)
                 full = [s.join(rows) for s in self.sharded]
             self.pending = None
-            self.full = full + [s.master.to_local().astype(self.param_dtype)
+            self.full = full + [cast.converted(s.master.to_local(), self.param_dtype)
                                 for s in self.replicated]
             for ref, _, index in self._views.values():
                 view = ref()
@@ -335,7 +336,7 @@ class FSDPGroup:
             targets = [(self._rows[r, slot.offset:slot.offset + chunk.size], chunk.reshape(-1))
                        for r, chunk in enumerate(slot.split(local))]
         for target, value in targets:
-            _store(target, value, add)
+            cast.assign(target, value, add)
 
     def finish_backward(self):
         """This group's gradients are in: fold them, reduce (unless inside no_sync), free the
@@ -375,17 +376,6 @@ class FSDPGroup:
             flat = works[1].wait()
             for s in self.replicated:
                 _add_grad(s.master, flat[s.offset:s.offset + s.sizes[0]].reshape(s.shapes[0]))
-
-
-def _store(target, value, add):
-    """target[...] = value (or += value), converted to target's dtype: rows of floats by the
-    vectorized cast kernel, anything else by an elementwise copy."""
-    if cast.applies(target, value):
-        cast.cast_rows(target, value, add)
-    elif add:
-        target += value
-    else:
-        target[...] = value
 
 
 def _add_grad(master, local):
