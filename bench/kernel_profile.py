@@ -109,6 +109,9 @@ def main():
     print(f"\ntop {a.top} kernels:")
     for name, (t, n) in sorted(per_name.items(), key=lambda kv: -kv[1][0])[:a.top]:
         print(f"{t * scale:8.3f} ms {n / a.per:6.0f}x  {kind(name):13} {name[:110]}")
+    print(f"\nmost launched {a.top} kernels:")
+    for name, (t, n) in sorted(per_name.items(), key=lambda kv: -kv[1][1])[:a.top]:
+        print(f"{n / a.per:6.0f}x {t * scale:8.3f} ms  {kind(name):13} {name[:110]}")
 
 
 def union(spans):
