@@ -29,7 +29,7 @@ def test_hung_graph_replay_ends_job_with_error():
                      env={"CUPYTP_TIMEOUT": "2"})
     output = result.stdout + result.stderr
     assert result.returncode != 0, output
-    assert "replayed 16" in output, output          # 4 calls of 2 + 2 before the hang
+    assert "replayed 16" in output, output          # 4 calls adding 2 + 2 before the hang
     assert "CUDA graph replay of reduce_step on group 'world'" in output, output
     assert "did not complete within 2 s" in output, output
     assert "passed the hung replay" not in output, output
