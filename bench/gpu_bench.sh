@@ -67,10 +67,11 @@ for part in $what; do
       run profile_torch python3 bench/kernel_profile.py --per 10 -- $anchors/torch_tp_gpt2.py \
           --dtype bf16 --sdpa 1 --steps 10
       for side in ours torch; do grep -B2 -A16 "ms of kernels" "$out/profile_$side.log"; done ;;
-    profile2)  # the same for 24 layers x 2048 at TP=2 (rank 0), ours and Megatron-style
+    profile2)  # the same for 24 layers x 2048 at TP=2 (rank 0; ours replayed: eager, a rank's
+               # collectives would wait for the other's host), ours and Megatron-style
       big="--layers 24 --embd 2048 --heads 16 --B 4"
       run profile_ours_big mpiexec -n 2 python3 bench/kernel_profile.py --per 10 -- \
-          bench/train_gpt2.py --tp 2 --dtype bf16 --no-cuda-graph --steps 5 --warmup 2 $big
+          bench/train_gpt2.py --tp 2 --dtype bf16 --grad-clip 0 --steps 5 --warmup 2 $big
       run profile_torch_big torchrun --nproc_per_node=2 bench/kernel_profile.py --per 10 -- \
           $anchors/torch_megatron_tp.py --steps 10 $big
       for side in ours_big torch_big; do grep -A22 "ms of kernels" "$out/profile_$side.log"; done ;;
