@@ -54,6 +54,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--per", type=float, default=1.0, help="divide totals by this (steps run)")
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--sites", metavar="REGEX", help="for kernels whose name matches, print the "
+                   "Python lines that launch them (records every Python call: eager runs only)")
     p.add_argument("script")
     p.add_argument("args", nargs=argparse.REMAINDER)
     a = p.parse_args()
@@ -69,7 +71,8 @@ def main():
         if not _marks:
             mark()
     torch.cuda.synchronize = first_synchronize_marks
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 with_stack=bool(a.sites)) as prof:
         runpy.run_path(a.script, run_name="__main__")
         _synchronize()
     events = prof.events()
@@ -109,9 +112,31 @@ def main():
     print(f"\ntop {a.top} kernels:")
     for name, (t, n) in sorted(per_name.items(), key=lambda kv: -kv[1][0])[:a.top]:
         print(f"{t * scale:8.3f} ms {n / a.per:6.0f}x  {kind(name):13} {name[:110]}")
+    if a.sites:
+        print_sites(events, since, a.sites, a.per, a.top)
     print(f"\nmost launched {a.top} kernels:")
     for name, (t, n) in sorted(per_name.items(), key=lambda kv: -kv[1][1])[:a.top]:
         print(f"{n / a.per:6.0f}x {t * scale:8.3f} ms  {kind(name):13} {name[:110]}")
+
+
+def print_sites(events, since, pattern, per, top):
+    """Launches of kernels named like `pattern`, by the innermost lines of the profiled program
+    (outside torch) on the Python stack of the launching call."""
+    sites = collections.Counter()
+    for event in events:
+        kernels = [k for k in getattr(event, "kernels", []) if re.search(pattern, k.name)]
+        if not kernels or event.time_range.start < since or event.cpu_children:
+            continue
+        frames, parent = [], event.cpu_parent
+        while parent is not None and len(frames) < 3:
+            if ".py(" in parent.name and "torch" not in parent.name:
+                frames.append(parent.name.split("/")[-1])
+            parent = parent.cpu_parent
+        for k in kernels:
+            sites[(k.name[:40], " <- ".join(frames))] += 1
+    print(f"\nlaunch sites of kernels matching {pattern!r} (per step):")
+    for (name, where), n in sites.most_common(top):
+        print(f"{n / per:6.0f}x  {name:40} {where}")
 
 
 def union(spans):

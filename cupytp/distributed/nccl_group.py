@@ -6,10 +6,11 @@ event recorded on the current stream (so it sees every write before the call); `
 makes the current stream wait for it. Neither blocks the host.
 
 Hangs: a watchdog thread tracks the newest unfinished collective of each group; one that is not
-done within the timeout is reported (op, group, ranks), its communicator aborted, and the whole
-job ended with a non-zero exit code. Collectives recorded into a CUDA graph are not tracked while
+done within the timeout is reported (op, group, ranks) and the whole job ended with a non-zero
+exit code. Collectives recorded into a CUDA graph are not tracked while
 capturing (nothing runs then); each replay of the graph is tracked instead (`track_replay`).
 """
+import os
 import sys
 import threading
 import time
@@ -20,6 +21,7 @@ from cupytp import backend, graph
 from cupytp.distributed.process_group import Pending, ProcessGroup
 
 _COMPLETE = Pending()
+_ABORT_GRACE_S = 20      # after MPI_Abort, when the process still runs
 
 _NCCL_TYPES = {
     numpy.dtype(numpy.uint8): 1, numpy.dtype(numpy.int32): 2, numpy.dtype(numpy.int64): 4,
@@ -107,11 +109,15 @@ class ProcessGroupNCCL(ProcessGroup):
         backend.synchronize()
 
     def fail(self, message):
-        """Report a hang and end the whole job (called by the watchdog thread). MPI_Abort comes
-        first: aborting a communicator whose kernel is stuck may itself block."""
+        """Report a hang and end the whole job with a non-zero exit code (called by the watchdog
+        thread). The stuck kernel is left alone: aborting the communicator would let this rank's
+        waiting host code carry on and exit cleanly before MPI_Abort ends the job; should
+        MPI_Abort itself stall, the process exits on its own after a grace period."""
         sys.stderr.write(f"cupytp: {message}; ending the job\n")
         sys.stderr.flush()
-        threading.Thread(target=self.comm.abort, daemon=True).start()
+        fallback = threading.Timer(_ABORT_GRACE_S, os._exit, (1,))
+        fallback.daemon = True
+        fallback.start()
         from mpi4py import MPI
         MPI.COMM_WORLD.Abort(1)
 
