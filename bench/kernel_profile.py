@@ -113,27 +113,44 @@ def main():
     for name, (t, n) in sorted(per_name.items(), key=lambda kv: -kv[1][0])[:a.top]:
         print(f"{t * scale:8.3f} ms {n / a.per:6.0f}x  {kind(name):13} {name[:110]}")
     if a.sites:
-        print_sites(events, since, a.sites, a.per, a.top)
+        print_sites(prof, a.sites, a.per, a.top)
     print(f"\nmost launched {a.top} kernels:")
     for name, (t, n) in sorted(per_name.items(), key=lambda kv: -kv[1][1])[:a.top]:
         print(f"{n / a.per:6.0f}x {t * scale:8.3f} ms  {kind(name):13} {name[:110]}")
 
 
-def print_sites(events, since, pattern, per, top):
+def print_sites(prof, pattern, per, top):
     """Launches of kernels named like `pattern`, by the innermost lines of the profiled program
-    (outside torch) on the Python stack of the launching call."""
+    (outside torch and this file) on the Python stack of the launching call: from the chrome
+    trace, kernels joined to their launch by correlation id, launches to the Python calls open
+    on their thread."""
+    import json
+    import tempfile
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))["traceEvents"]
+    wanted = {e["args"]["correlation"]: e["name"] for e in trace
+              if e.get("cat") == "kernel" and re.search(pattern, e["name"])
+              and "correlation" in e.get("args", {})}
+    launches = [(e["ts"], 1, e["tid"], wanted[e["args"]["correlation"]]) for e in trace
+                if e.get("cat") == "cuda_runtime"
+                and e.get("args", {}).get("correlation") in wanted]
+    calls = [(e["ts"], 0, e["tid"], e) for e in trace if e.get("cat") == "python_function"
+             and "torch" not in e["name"] and "kernel_profile" not in e["name"]]
+    open_calls = collections.defaultdict(list)        # tid -> stack of (end, name)
     sites = collections.Counter()
-    for event in events:
-        kernels = [k for k in getattr(event, "kernels", []) if re.search(pattern, k.name)]
-        if not kernels or event.time_range.start < since or event.cpu_children:
-            continue
-        frames, parent = [], event.cpu_parent
-        while parent is not None and len(frames) < 3:
-            if ".py(" in parent.name and "torch" not in parent.name:
-                frames.append(parent.name.split("/")[-1])
-            parent = parent.cpu_parent
-        for k in kernels:
-            sites[(k.name[:40], " <- ".join(frames))] += 1
+    marks = [e["ts"] for e in trace if e.get("name") == "kernel_profile.mark"]
+    since_us = min(marks) if marks else float("-inf")
+    for ts, is_launch, tid, item in sorted(launches + calls, key=lambda t: (t[0], t[1])):
+        stack = open_calls[tid]
+        while stack and stack[-1][0] < ts:
+            stack.pop()
+        if is_launch:
+            if ts >= since_us:
+                where = " <- ".join(name.split("/")[-1] for _, name in stack[::-1][:3])
+                sites[(item[:40], where)] += 1
+        else:
+            stack.append((ts + item.get("dur", 0), item["name"]))
     print(f"\nlaunch sites of kernels matching {pattern!r} (per step):")
     for (name, where), n in sites.most_common(top):
         print(f"{n / per:6.0f}x  {name:40} {where}")
