@@ -133,7 +133,7 @@ def print_sites(prof, pattern, per, top):
               if e.get("cat") == "kernel" and re.search(pattern, e["name"])
               and "correlation" in e.get("args", {})}
     launches = [(e["ts"], 1, e["tid"], wanted[e["args"]["correlation"]]) for e in trace
-                if e.get("cat") == "cuda_runtime"
+                if e.get("cat") in ("cuda_runtime", "cuda_driver")
                 and e.get("args", {}).get("correlation") in wanted]
     calls = [(e["ts"], 0, e["tid"], e) for e in trace if e.get("cat") == "python_function"
              and "torch" not in e["name"] and "kernel_profile" not in e["name"]]
@@ -147,11 +147,17 @@ def print_sites(prof, pattern, per, top):
             stack.pop()
         if is_launch:
             if ts >= since_us:
-                where = " <- ".join(name.split("/")[-1] for _, name in stack[::-1][:3])
+                where = " <- ".join(name.split("/")[-1] for _, name in stack[::-1][:4])
                 sites[(item[:40], where)] += 1
         else:
             stack.append((ts + item.get("dur", 0), item["name"]))
     print(f"\nlaunch sites of kernels matching {pattern!r} (per step):")
+    if not sites:
+        kinds = collections.Counter(e.get("cat") for e in trace)
+        print(f"none found: {len(wanted)} kernels matched, {len(launches)} launches, "
+              f"{len(calls)} Python calls; trace categories {dict(kinds)}")
+        for cat in ("kernel", "cuda_runtime", "python_function"):
+            print(cat, next((e for e in trace if e.get("cat") == cat), None))
     for (name, where), n in sites.most_common(top):
         print(f"{n / per:6.0f}x  {name:40} {where}")
 

@@ -1,10 +1,11 @@
 // LayerNorm over the last dimension (length `cols`), one block per row:
 //     xhat = (x - mean) rstd,  rstd = 1 / sqrt(var + eps)  (two passes: mean, then variance)
 //     y = xhat w + b                                       (w, b optional)
-//     dx = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat)),  dxhat = g w
+//     dx = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat)) [+ add],  dxhat = g w
 // The forward also writes xhat and rstd in the compute dtype C for the backward (and for the
 // weight and bias gradients, which are column sums the caller takes). x, w, b and dx have the
-// storage dtype T; y and g have O, which is T or (under autocast) a 16-bit dtype for an fp32 x.
+// storage dtype T (so has `add`, an optional gradient summed into dx: the residual stream's);
+// y and g have O, which is T or (under autocast) a 16-bit dtype for an fp32 x.
 #include "common.cuh"
 #include "block_reduce.cuh"
 
@@ -35,8 +36,8 @@ __device__ void layer_norm_forward(const T* x, const T* w, const T* b, O* y, C* 
 }
 
 template <typename T, typename O, typename C>
-__device__ void layer_norm_backward(const O* g, const C* xhat, const C* rstd, const T* w, T* dx,
-                                    int cols)
+__device__ void layer_norm_backward(const O* g, const C* xhat, const C* rstd, const T* w,
+                                    const T* add, T* dx, int cols)
 {
     const long long row = blockIdx.x;
     const O* gr = g + row * cols;
@@ -52,7 +53,8 @@ __device__ void layer_norm_backward(const O* g, const C* xhat, const C* rstd, co
     const C r = rstd[row];
     for (int i = threadIdx.x; i < cols; i += blockDim.x) {
         const C d = w ? widen<C>(gr[i]) * widen<C>(w[i]) : widen<C>(gr[i]);
-        dx[row * cols + i] = static_cast<T>(r * (d - mean_d - hr[i] * mean_dh));
+        const C v = r * (d - mean_d - hr[i] * mean_dh);
+        dx[row * cols + i] = static_cast<T>(add ? v + widen<C>(add[row * cols + i]) : v);
     }
 }
 
@@ -64,10 +66,10 @@ __device__ void layer_norm_backward(const O* g, const C* xhat, const C* rstd, co
         layer_norm_forward<T, O, C>(x, w, b, y, xhat, rstd, cols, eps);                          \
     }                                                                                            \
     extern "C" __global__ void layer_norm_backward_##SUFFIX(const O* g, const C* xhat,          \
-                                                            const C* rstd, const T* w, T* dx,    \
-                                                            int cols)                            \
+                                                            const C* rstd, const T* w,           \
+                                                            const T* add, T* dx, int cols)       \
     {                                                                                            \
-        layer_norm_backward<T, O, C>(g, xhat, rstd, w, dx, cols);                                \
+        layer_norm_backward<T, O, C>(g, xhat, rstd, w, add, dx, cols);                           \
     }
 
 LAYER_NORM_KERNELS(float, float, float, f32)

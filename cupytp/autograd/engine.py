@@ -60,14 +60,15 @@ class Node:
     `backward`, the output's `shape`, and the `scope` it ran in (None unless a scope source is
     set). The tape keeps nodes, not the values of intermediate tensors: an activation that no
     backward closure saved is freed as soon as the forward pass drops it."""
-    __slots__ = ("inputs", "backward", "name", "shape", "scope", "__weakref__")
+    __slots__ = ("inputs", "backward", "name", "shape", "scope", "sums_first", "__weakref__")
 
-    def __init__(self, inputs, backward, name, shape, scope=None):
+    def __init__(self, inputs, backward, name, shape, scope=None, sums_first=False):
         self.inputs = inputs
         self.backward = backward
         self.name = name
         self.shape = shape
         self.scope = scope
+        self.sums_first = sums_first
 
 
 def is_walked(tensor):
@@ -98,8 +99,13 @@ def backward_scope():
     return None if node is None else node.scope
 
 
-def record(output, inputs, backward, name):
-    """Attach a Node to `output` when gradients are on and some input requires one."""
+def record(output, inputs, backward, name, sums_first=False):
+    """Attach a Node to `output` when gradients are on and some input requires one.
+
+    `sums_first=True`: `backward(grad, pending)` also gets the gradient of the first input that
+    other ops have already given (None if none yet, or if that input is a leaf) and returns the
+    first input's gradient with it summed in (one pass instead of a separate addition: a
+    LayerNorm on the residual stream)."""
     if not _state.enabled:
         return output
     needed = tuple([None if t is None or not t.requires_grad else
@@ -107,7 +113,7 @@ def record(output, inputs, backward, name):
     if needed.count(None) < len(needed):
         output.requires_grad = True
         output._node = Node(needed, backward, name, output.shape,
-                            None if _scope_source is None else _scope_source())
+                            None if _scope_source is None else _scope_source(), sums_first)
     return output
 
 
@@ -185,7 +191,12 @@ def _walk(root, pending):
         if out_grad is None:
             continue
         _state.node = node
-        grads = list(backward(out_grad))
+        if node.sums_first:
+            first = inputs[0]
+            given = pending.pop(id(first), None) if type(first) is Node else None
+            grads = list(backward(out_grad, given))
+        else:
+            grads = list(backward(out_grad))
         if len(grads) != len(inputs):
             raise RuntimeError(f"backward of {node.name} returned {len(grads)} gradients "
                                f"for {len(inputs)} inputs")

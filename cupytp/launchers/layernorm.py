@@ -3,9 +3,10 @@
 `layer_norm_forward(x, weight, bias, eps, out_dtype=None)` → (y, xhat, rstd): y in `out_dtype`
 (x's by default; a 16-bit dtype for a float32 x under autocast, rounded once from the float32
 result); xhat (the normalized input) and rstd (per row) in the compute dtype (float32, float64
-for float64), kept for `layer_norm_backward(g, xhat, rstd, weight, dx_dtype=None)` → dx in
-`dx_dtype` (g's by default: x's, when g has y's 16-bit dtype). weight and bias may be None; when
-given they have x's dtype and shape (C,).
+for float64), kept for `layer_norm_backward(g, xhat, rstd, weight, dx_dtype=None, add=None)` → dx in
+`dx_dtype` (g's by default: x's, when g has y's 16-bit dtype), plus `add` (a gradient of x from
+elsewhere, dx's dtype and shape: the residual stream's) summed in the same pass before the one
+rounding. weight and bias may be None; when given they have x's dtype and shape (C,).
 """
 import numpy
 
@@ -48,20 +49,25 @@ def layer_norm_forward(x, weight, bias, eps, out_dtype=None):
     return y, xhat, rstd
 
 
-def layer_norm_backward(g, xhat, rstd, weight, dx_dtype=None):
+def layer_norm_backward(g, xhat, rstd, weight, dx_dtype=None, add=None):
     dx_dtype = numpy.dtype(dx_dtype or g.dtype)
+    if add is not None and (add.dtype != dx_dtype or add.shape != g.shape):
+        raise ValueError(f"layer_norm_backward: add must have dx's dtype {dx_dtype} and shape "
+                         f"{g.shape}, got {add.dtype} {add.shape}")
     if not is_device_array(g):
-        return layer_norm_backward_numpy(g, xhat, rstd, weight, dx_dtype)
+        return layer_norm_backward_numpy(g, xhat, rstd, weight, dx_dtype, add)
     _check(g, weight, None, dx_dtype)
     check_lists(xhat=[xhat])
     check_lists(rstd=[rstd])
+    if add is not None:
+        check_lists(add=[add])
     cols = g.shape[-1]
     rows = g.size // cols if cols else 0
     dx = xp.empty(g.shape, dtype=dx_dtype)
     if rows:
         kernel = get_kernel("layernorm.cu", f"layer_norm_backward_{_suffix(dx_dtype, g.dtype)}")
         kernel((rows,), (BLOCK_THREADS,), (g, xhat, rstd, NULL if weight is None else weight,
-                                           dx, numpy.int32(cols)))
+                                           NULL if add is None else add, dx, numpy.int32(cols)))
     return dx
 
 
@@ -87,9 +93,10 @@ def layer_norm_forward_numpy(x, weight, bias, eps, out_dtype=None):
     return y.astype(out_dtype or x.dtype), xhat, rstd.astype(compute)
 
 
-def layer_norm_backward_numpy(g, xhat, rstd, weight, dx_dtype=None):
+def layer_norm_backward_numpy(g, xhat, rstd, weight, dx_dtype=None, add=None):
     compute = xhat.dtype
     d = g.astype(compute) * weight.astype(compute) if weight is not None else g.astype(compute)
     dx = rstd * (d - d.mean(axis=-1, keepdims=True)
                  - xhat * (d * xhat).mean(axis=-1, keepdims=True))
+    dx = dx if add is None else dx + add.astype(compute)
     return dx.astype(dx_dtype or g.dtype)

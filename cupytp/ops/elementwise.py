@@ -111,11 +111,16 @@ def add(a, b):
 
 
 def _add_local(x, y):
-    """x + y; a bias along the last dimension of a GPU array goes through the bias_add kernel
-    (the same sum, without CuPy's broadcast indexing)."""
+    """x + y; a bias over the trailing dimensions of a GPU array (a linear layer's (C,), the
+    q|k|v projection's (3, C)) goes through the bias_add kernel (the same sum, without CuPy's
+    broadcast indexing)."""
     for big, small in ((x, y), (y, x)):
-        if is_device_array(big) and is_device_array(small) and bias_add.applies(big, small):
-            return bias_add.bias_add(big, small)
+        if is_device_array(big) and is_device_array(small) and 0 < small.ndim < big.ndim and \
+                big.shape[big.ndim - small.ndim:] == small.shape and big.flags.c_contiguous \
+                and small.flags.c_contiguous:
+            rows, flat = big.reshape(-1, small.size), small.reshape(-1)
+            if bias_add.applies(rows, flat):
+                return bias_add.bias_add(rows, flat).reshape(big.shape)
     return x + y
 
 

@@ -102,19 +102,25 @@ def layer_norm(x, weight, bias, eps=1e-5):
     layout, x_dtype = x.layout, x.dtype     # closures keep layouts, not tensors
     out = make(y, layout.mesh, layout.shape, layout.placements)
 
-    def backward(g):
+    def backward(g, given):
         # a Partial g (a column-parallel layer's input gradient) is reduced here, once, in its
         # own dtype: reducing dx and both parameter gradients instead costs three collectives
         g = linear_grad(g, layout.placements, strict=range(layout.mesh.ndim))
         gl = xp.ascontiguousarray(g._local).astype(out_dtype, copy=False)
-        grad_x = make(layer_norm_backward(gl, xhat, rstd, w_local, x_dtype), layout.mesh,
-                      layout.shape, g.placements)
+        fused = given is not None and given.placements == g.placements and \
+            given.dtype == x_dtype and given._local.flags.c_contiguous
+        grad_x = make(layer_norm_backward(gl, xhat, rstd, w_local, x_dtype,
+                                          given._local if fused else None),
+                      layout.mesh, layout.shape, g.placements)
+        if given is not None and not fused:
+            grad_x = grad_x + given
         grad_w = None
         if weight is not None:
             grad_w = _column_grad(gl, xhat, weight, g.placements)
         grad_b = _column_grad(gl, None, bias, g.placements) if bias is not None else None
         return grad_x, grad_w, grad_b
-    return engine.record(out, (x, weight, bias), backward, "layer_norm")
+    # sums_first: the residual stream's gradient from the block's addition joins dx in-kernel
+    return engine.record(out, (x, weight, bias), backward, "layer_norm", sums_first=True)
 
 
 def _column_grad(g, xhat, param, placements):

@@ -8,6 +8,8 @@ imported (`cupytp/ops/methods.py`): the tensor layer does not know the ops above
 import math
 import sys
 
+import numpy
+
 from cupytp import backend
 from cupytp.autograd import engine
 from cupytp.tensor.placement import Replicated, describe
@@ -149,7 +151,7 @@ class DTensor:
         (zero_grad(set_to_none=False)) keeps its address."""
         handed_over = (sys.getrefcount(grad) <= _SOLE_ARGUMENT
                        and sys.getrefcount(grad._local) <= _SOLE_ATTRIBUTE
-                       and getattr(grad._local, "base", None) is None)
+                       and _owns_its_memory(grad._local))
         target = grad_placements(self.placements)
         if grad.placements != target:
             local, _ = redistribute_local(grad._local, grad.layout, target)
@@ -168,6 +170,23 @@ class DTensor:
 
     def zero_grad(self):
         self.grad = None
+
+
+def _owns_its_memory(local):
+    """True when `local` has no base, or is a whole view (a reshape, such as a contraction's
+    result) of a base that nothing but `local` holds."""
+    base, holders = _base_holders(local)
+    return base is None or (getattr(base, "base", None) is None and base.size == local.size
+                            and holders <= _SOLE_BASE)
+
+
+def _base_holders(local):
+    """(local.base, its reference count as seen here)."""
+    base = getattr(local, "base", None)
+    return base, sys.getrefcount(base)
+
+
+_SOLE_BASE = _base_holders(numpy.zeros(4).reshape(2, 2))[1]   # a base only its view holds
 
 
 def _sole_reference_counts():

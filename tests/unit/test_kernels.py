@@ -533,6 +533,26 @@ def test_layer_norm_twin_against_float64_formula():
                                   rtol=1e-6, atol=1e-8)
 
 
+def test_layer_norm_twin_sums_a_given_gradient_before_rounding():
+    """`add` joins dx in the compute dtype and the sum is rounded once: exactly dx + add in
+    float64; for bf16 storage, the float32 sum rounded, not two bf16 roundings."""
+    from cupytp.launchers.layernorm import layer_norm_backward_numpy, layer_norm_forward_numpy
+    rng = numpy.random.default_rng(4)
+    x, g, add = (rng.standard_normal((3, 16)) for _ in range(3))
+    _, xhat, rstd = layer_norm_forward_numpy(x, None, None, 1e-5)
+    numpy.testing.assert_array_equal(layer_norm_backward_numpy(g, xhat, rstd, None, add=add),
+                                     layer_norm_backward_numpy(g, xhat, rstd, None) + add)
+    x16, g16, add16 = (a.astype(bfloat16) for a in (x, g, add))
+    _, xhat, rstd = layer_norm_forward_numpy(x16, None, None, 1e-5)
+    wide = layer_norm_backward_numpy(g16, xhat, rstd, None, numpy.float32)
+    numpy.testing.assert_array_equal(
+        layer_norm_backward_numpy(g16, xhat, rstd, None, add=add16),
+        (wide + add16.astype(numpy.float32)).astype(bfloat16))
+    from cupytp.launchers.layernorm import layer_norm_backward
+    with pytest.raises(ValueError, match="add must have"):
+        layer_norm_backward(g, xhat, rstd, None, add=add[:2])
+
+
 def test_layer_norm_twin_with_a_16_bit_output():
     """float32 x with bf16 y (autocast): y is the float32 result rounded once; the backward takes
     a bf16 g and gives a float32 dx, the float32 formula on g's values."""
@@ -569,9 +589,12 @@ def test_layer_norm_kernel_matches_twin(dtype, out, tol, shape, affine):
     for got, want in ((y, y_twin), (xhat, xhat_twin), (rstd, rstd_twin)):
         numpy.testing.assert_allclose(asnumpy(got).astype(numpy.float64),
                                       want.astype(numpy.float64), rtol=tol, atol=tol)
-    dx = layer_norm_backward(on(g), xp.asarray(xhat_twin), xp.asarray(rstd_twin), on(w), dtype)
-    assert dx.dtype == dtype
-    numpy.testing.assert_allclose(asnumpy(dx).astype(numpy.float64),
-                                  layer_norm_backward_numpy(g, xhat_twin, rstd_twin, w,
-                                                            dtype).astype(numpy.float64),
-                                  rtol=tol, atol=tol)
+    add = rng.standard_normal(shape).astype(dtype)
+    for given in (None, add):
+        dx = layer_norm_backward(on(g), xp.asarray(xhat_twin), xp.asarray(rstd_twin), on(w),
+                                 dtype, on(given))
+        assert dx.dtype == dtype
+        numpy.testing.assert_allclose(asnumpy(dx).astype(numpy.float64),
+                                      layer_norm_backward_numpy(g, xhat_twin, rstd_twin, w, dtype,
+                                                                given).astype(numpy.float64),
+                                      rtol=tol, atol=tol)

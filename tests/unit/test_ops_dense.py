@@ -134,6 +134,32 @@ def test_layer_norm():
     numpy.testing.assert_allclose(out, (x - mean) / numpy.sqrt(var + 1e-5) * w + b, rtol=1e-10)
 
 
+def test_layer_norm_on_a_residual_stream_sums_its_gradients_in_one_pass(monkeypatch):
+    """x feeds a LayerNorm and a later addition (a pre-LN block): the addition's gradient of x
+    joins the LayerNorm's dx inside its backward kernel (no separate sum), and the gradients
+    are those of the dense math."""
+    from cupytp.launchers import layernorm
+    given = []
+    backward = layernorm.layer_norm_backward
+
+    def spy(g, xhat, rstd, weight, dx_dtype=None, add=None):
+        given.append(add is not None)
+        return backward(g, xhat, rstd, weight, dx_dtype, add)
+    monkeypatch.setattr(layernorm, "layer_norm_backward", spy)
+
+    def block(v, w, b):
+        s = v * 2.0                               # the residual stream (not a leaf)
+        y = ops.layer_norm(s, w, b, eps=1e-5)
+        return s + y * y
+    x, w, b = r(2, 3, 6), r(6), r(6)
+    out = gradcheck(block, x, w, b)
+    s = 2 * x
+    mean, var = s.mean(-1, keepdims=True), s.var(-1, keepdims=True)
+    y = (s - mean) / numpy.sqrt(var + 1e-5) * w + b
+    numpy.testing.assert_allclose(out, s + y * y, rtol=1e-10)
+    assert given and all(given)
+
+
 def test_embedding_and_take():
     ids = numpy.array([[0, 3, 3], [1, 4, 0]])
     table = r(5, 4)
@@ -250,7 +276,8 @@ def test_gradient_accumulates_and_graph_is_freed():
         assert not (x * 2.0).requires_grad
 
 
-@pytest.mark.parametrize("case", ["fresh", "twice", "passed_through", "saved", "view"])
+@pytest.mark.parametrize("case", ["fresh", "twice", "passed_through", "saved", "view",
+                                  "whole_view", "whole_view_of_saved"])
 def test_leaf_keeps_only_an_unshared_gradient_uncopied(case):
     """A gradient that only the backward pass holds becomes the leaf's .grad as it is; one that
     anything else holds (another input, the incoming gradient, a closure, an array it is a view
@@ -273,6 +300,12 @@ def test_leaf_keeps_only_an_unshared_gradient_uncopied(case):
             return g, None
         if case == "saved":
             return saved, None
+        if case == "whole_view":        # a reshaped contraction result: its base is fresh
+            reshaped = backend.xp.full((2, 2), 3.0).reshape(4)
+            made.update(a=id(reshaped))
+            return cupytp.from_local(reshaped), None
+        if case == "whole_view_of_saved":
+            return cupytp.from_local(saved._local.reshape(2, 2).reshape(4)), None
         whole = backend.xp.zeros(8)
         return cupytp.from_local(whole[:4]), None
     out = engine.record(dt(numpy.zeros(4), grad=False), (a, b), backward, "test")
@@ -281,10 +314,13 @@ def test_leaf_keeps_only_an_unshared_gradient_uncopied(case):
     if case == "fresh":
         assert id(a.grad._local) == made["a"] and id(b.grad._local) == made["b"]
         return
+    if case == "whole_view":
+        assert id(a.grad._local) == made["a"]
+        return
     if case == "twice":
         assert a.grad._local is not b.grad._local
         numpy.testing.assert_array_equal(value(a.grad), value(b.grad))
-    held = {"passed_through": incoming, "saved": saved}.get(case)
+    held = {"passed_through": incoming, "saved": saved, "whole_view_of_saved": saved}.get(case)
     before = None if held is None else value(held).copy()
     a.grad._local *= 0.0
     assert value(a.grad).sum() == 0
