@@ -24,7 +24,7 @@ import cupytp  # noqa: E402
 from cupytp import backend, memory, nn, ops  # noqa: E402
 from cupytp.launchers import cudnn_attention  # noqa: E402
 from cupytp.models.gpt2 import GPT2, preset  # noqa: E402
-from cupytp.optim import AdamW, clip_grad_norm_, decay_groups  # noqa: E402
+from cupytp.optim import AdamW, GradScaler, clip_grad_norm_, decay_groups  # noqa: E402
 from cupytp.parallel import fully_shard  # noqa: E402
 from cupytp.tensor import Replicated, Shard, from_local  # noqa: E402
 
@@ -75,7 +75,8 @@ def main():
     p.add_argument("--T", type=int, default=1024)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
+                   help="fp16: with dynamic loss scaling")
     p.add_argument("--fsdp", action="store_true", help="fully shard over the dp ranks")
     p.add_argument("--untied", action="store_true", help="an LM head of its own (as the "
                    "FSDP anchor's model)")
@@ -114,13 +115,17 @@ def main():
                                     shape=(args.B * dp, args.T))
         return make(ids[:, :-1]), make(ids[:, 1:])
 
+    scaler = GradScaler(enabled=args.dtype == "fp16")
+
     def train_step(x, y):
         with ops.autocast(None if args.dtype == "fp32" else args.dtype):
             _, loss = profile("forward", model, x, y)
-        profile("backward", loss.backward)
+        profile("backward", scaler.scale(loss).backward)
+        scaler.unscale_(optimizer)
         if args.grad_clip:
             profile("clip_grad_norm_", clip_grad_norm_, model.parameters(), args.grad_clip)
-        profile("optimizer", optimizer.step)
+        profile("optimizer", scaler.step, optimizer)
+        scaler.update()
         optimizer.zero_grad()   # the next forward pass reuses the gradients' memory
         return loss
 

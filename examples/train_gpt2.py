@@ -26,7 +26,7 @@ from cupytp.data import (DataError, TokenLoader, default_corpus_path,  # noqa: E
 from cupytp.distributed import all_gather_object, broadcast_object  # noqa: E402
 from cupytp.models.gpt2 import GPT2, preset  # noqa: E402
 from cupytp.ops import autocast  # noqa: E402
-from cupytp.optim import (AdamW, clip_grad_norm_, constant, cosine_with_warmup,  # noqa: E402
+from cupytp.optim import (AdamW, GradScaler, clip_grad_norm_, constant, cosine_with_warmup,  # noqa: E402
                           decay_groups, linear)
 from cupytp.parallel import fully_shard  # noqa: E402
 from cupytp.tensor import Replicated, Shard, default_generator, from_local  # noqa: E402
@@ -88,8 +88,9 @@ def parse_args(argv):
     p.add_argument("--schedule", default="cosine", choices=["cosine", "linear", "constant"])
     p.add_argument("--weight-decay", type=NON_NEGATIVE, default=0.1)
     p.add_argument("--grad-clip", type=NON_NEGATIVE, default=1.0, help="0: no clipping")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
-                   help="bf16: matmuls in bfloat16, fp32 master weights and loss")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
+                   help="bf16/fp16: matmuls in that dtype, fp32 master weights and loss; fp16 "
+                        "with dynamic loss scaling")
     p.add_argument("--eval-interval", type=POSITIVE_INT, default=100)
     p.add_argument("--eval-batches", type=POSITIVE_INT, default=10)
     p.add_argument("--log-interval", type=POSITIVE_INT, default=10)
@@ -263,8 +264,9 @@ class Checkpoints:
     """--checkpoint-dir: a checkpoint every --checkpoint-interval steps, at the end, and on
     Ctrl-C (then every rank saves and raises KeyboardInterrupt)."""
 
-    def __init__(self, args, model, optimizer, loader):
+    def __init__(self, args, model, optimizer, loader, scaler):
         self.args, self.model, self.optimizer, self.loader = args, model, optimizer, loader
+        self.scaler = scaler
         self.saved_step = None
 
     def resume(self):
@@ -275,6 +277,8 @@ class Checkpoints:
                              f"--steps {self.args.steps}: nothing is left to train")
         default_generator.set_state(extra["rng"])
         self.loader.load_state_dict(extra["data"])
+        if extra.get("loss_scale"):
+            self.scaler.load_state_dict(extra["loss_scale"])
         self.saved_step = extra["step"]
         return extra["step"]
 
@@ -290,7 +294,8 @@ class Checkpoints:
     def save(self, done):
         if done == self.saved_step:
             return
-        extra = {"rng": list(default_generator.get_state()), "data": self.loader.state_dict()}
+        extra = {"rng": list(default_generator.get_state()), "data": self.loader.state_dict(),
+                 "loss_scale": self.scaler.state_dict()}
         path = checkpoint.save(self.args.checkpoint_dir, done, self.model, self.optimizer,
                                extra=extra, keep_last=self.args.keep_last)
         self.saved_step = done
@@ -299,19 +304,23 @@ class Checkpoints:
             tqdm.write(f"saved checkpoint {path}", file=sys.stdout)
 
 
-def make_train_step(model, optimizer, args):
+def make_train_step(model, optimizer, scaler, args):
     """One optimizer step over a list of (x, y) micro-batches: forward and backward of each
-    (gradients accumulate), clipping, AdamW. On GPU it is captured as one CUDA graph and replayed
-    (unless --no-cuda-graph). Returns the last micro-batch's loss and the gradient norm."""
+    (gradients accumulate), clipping, AdamW (through the loss scaler in fp16: a step with a
+    non-finite gradient is skipped on the device). On GPU it is captured as one CUDA graph and
+    replayed (unless --no-cuda-graph). Returns the last micro-batch's loss and the gradient
+    norm."""
     def train_step(batches):
         for i, (x, y) in enumerate(batches):
             last = i == len(batches) - 1
             with contextlib.nullcontext() if last or not args.fsdp else model.no_sync():
                 with autocast(None if args.dtype == "fp32" else args.dtype):
                     _, loss = model(x, y)
-                (loss * (1.0 / len(batches))).backward()
+                scaler.scale(loss * (1.0 / len(batches))).backward()
+        scaler.unscale_(optimizer)
         norm = clip_grad_norm_(model.parameters(), args.grad_clip) if args.grad_clip else None
-        optimizer.step()
+        scaler.step(optimizer)
+        scaler.update()
         optimizer.zero_grad()   # the next forward pass reuses the gradients' memory
         return loss, norm
     return train_step if args.no_cuda_graph else cupytp.cuda_graph(train_step)
@@ -347,9 +356,11 @@ def train(args):
         say(info.rank, model.fsdp_summary())
     optimizer = AdamW(decay_groups(model.named_parameters(), args.weight_decay), lr=args.lr,
                       betas=(0.9, 0.95), eps=1e-8)
+    scaler = GradScaler(enabled=args.dtype == "fp16")
     lr_at = lr_schedule(args)
     ctrl_c = CtrlC()
-    checkpoints = Checkpoints(args, model, optimizer, loader) if args.checkpoint_dir else None
+    checkpoints = Checkpoints(args, model, optimizer, loader, scaler) \
+        if args.checkpoint_dir else None
     start = checkpoints.resume() if args.resume else 0
     tokens_per_step = args.batch_size * dp * args.seq_len * args.grad_accum
     peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items()
@@ -360,7 +371,7 @@ def train(args):
     say(info.rank, f"GPT-2 {args.model}: {model.num_parameters() / 1e6:.2f}M parameters, "
         f"vocab {tokenizer.vocab_size} (padded {model.vocab}), mesh dp={dp} tp={args.tp}, "
         f"{backend.device_name}, {tokens_per_step} tokens/step")
-    train_step = make_train_step(model, optimizer, args)
+    train_step = make_train_step(model, optimizer, scaler, args)
     first_loss, logged_step, step = None, start - 1, start
     nonfinite = backend.xp.full((), -1, dtype=numpy.int64)   # first step of a non-finite loss
     if progress is not None:

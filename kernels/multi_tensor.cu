@@ -4,7 +4,9 @@
 // (float for fp32/bf16/fp16, double for fp64).
 //   sum_of_squares_partials: partials[b] = sum of x^2 over block b's chunk;
 //   sum_partials:            *out = sum of partials[0:n], one block (fixed order: deterministic);
-//   scale:                   x *= *factor, the factor read from device memory (no host sync).
+//   scale:                   x *= *factor, the factor read from device memory (no host sync);
+//   unscale_check:           x *= *inv_scale, and *found_inf = 1 where a result is not finite
+//                            (dynamic loss scaling; found_inf is only ever set, never cleared).
 // The two reductions run with BLOCK_THREADS threads per block (block_reduce.cuh).
 #include "common.cuh"
 #include "block_reduce.cuh"
@@ -50,6 +52,23 @@ __device__ void scale(T* const* arrays, const long long* blocks, const C* factor
     }
 }
 
+template <typename T, typename C>
+__device__ void unscale_check(T* const* arrays, const long long* blocks, const float* inv_scale,
+                              float* found_inf)
+{
+    const long long* chunk = blocks + 3 * blockIdx.x;  // (tensor, start, end)
+    T* x = arrays[chunk[0]];
+    const C f = C(*inv_scale);
+    bool bad = false;
+    for (long long i = chunk[1] + threadIdx.x; i < chunk[2]; i += blockDim.x) {
+        const C v = widen<C>(x[i]) * f;
+        bad |= !isfinite(v);
+        x[i] = static_cast<T>(v);
+    }
+    if (bad)
+        *found_inf = 1.0f;
+}
+
 #define MULTI_TENSOR_KERNELS(T, C, SUFFIX)                                                       \
     extern "C" __global__ void sum_of_squares_partials_##SUFFIX(                                 \
         const T* const* arrays, const long long* blocks, C* partials)                            \
@@ -60,6 +79,11 @@ __device__ void scale(T* const* arrays, const long long* blocks, const C* factor
                                               const C* factor)                                   \
     {                                                                                            \
         scale<T, C>(arrays, blocks, factor);                                                     \
+    }                                                                                            \
+    extern "C" __global__ void unscale_check_##SUFFIX(T* const* arrays, const long long* blocks, \
+                                                      const float* inv_scale, float* found_inf)  \
+    {                                                                                            \
+        unscale_check<T, C>(arrays, blocks, inv_scale, found_inf);                               \
     }
 
 #define SUM_PARTIALS_KERNEL(C, SUFFIX)                                                           \

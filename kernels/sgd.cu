@@ -8,13 +8,17 @@
 //     buf = first_step ? g : momentum buf + (1 - dampening) g   (if momentum != 0)
 //     g = nesterov ? g + momentum buf : buf            (if momentum != 0)
 //     p -= lr g
-// momentum_bufs is never read when momentum == 0.
+// momentum_bufs is never read when momentum == 0. When found_inf (may be null) points to a
+// non-zero value (dynamic loss scaling found a non-finite gradient), nothing changes.
 #include "common.cuh"
 
 template <typename P, typename G>
 __device__ void sgd(P* const* params, const G* const* grads, P* const* momentum_bufs,
-                    const long long* blocks, const double* scalars, int nesterov, int first_step)
+                    const long long* blocks, const double* scalars, int nesterov, int first_step,
+                    const float* found_inf)
 {
+    if (found_inf && *found_inf != 0.0f)
+        return;
     const P lr = P(scalars[0]);
     const P momentum = P(scalars[1]);
     const P one_minus_dampening = P(scalars[2]);
@@ -41,9 +45,11 @@ __device__ void sgd(P* const* params, const G* const* grads, P* const* momentum_
 #define SGD_KERNEL(P, G, SUFFIX)                                                                 \
     extern "C" __global__ void sgd_##SUFFIX(                                                     \
         P* const* params, const G* const* grads, P* const* momentum_bufs,                        \
-        const long long* blocks, const double* scalars, int nesterov, int first_step)            \
+        const long long* blocks, const double* scalars, int nesterov, int first_step,            \
+        const float* found_inf)                                                                  \
     {                                                                                            \
-        sgd<P, G>(params, grads, momentum_bufs, blocks, scalars, nesterov, first_step);          \
+        sgd<P, G>(params, grads, momentum_bufs, blocks, scalars, nesterov, first_step,           \
+                  found_inf);                                                                    \
     }
 
 SGD_KERNEL(float, float, f32_f32)

@@ -53,6 +53,16 @@ def is_device_array(array):
     return on_gpu and isinstance(array, xp.ndarray)
 
 
+def nullable(array, dtype):
+    """A kernel's optional pointer argument: `array` (a device array of `dtype`, one element or
+    more) or a null pointer for None."""
+    if array is None:
+        return numpy.uint64(0)
+    if array.dtype != dtype:
+        raise ValueError(f"expected a {numpy.dtype(dtype)} array, got {array.dtype}")
+    return array
+
+
 def check_lists(**lists):
     """Validate parallel lists of arrays for one op; return {name: dtype of the list}.
 

@@ -7,41 +7,43 @@ Per element, with bc1 = 1 - beta1^step and bc2 = 1 - beta2^step:
     v = beta2 v + (1 - beta2) g^2
     p = p - lr (m / bc1) / (sqrt(v / bc2) + eps)
 evaluated as torch does: p = (1 - lr wd) p - (lr / bc1) m / (sqrt(v) / sqrt(bc2) + eps). No
-amsgrad, no maximize. The per-step scalars are computed once in float64 (`adamw_scalars`) and
-rounded to the params' dtype; the kernel reads them from device memory, so a CUDA graph replays
-each step with that step's values.
+amsgrad, no maximize. The per-step scalars (`adamw_scalars`: lr, betas, eps, decay and the step
+count, float64) are read from device memory when the kernel runs, so a CUDA graph replays each
+step with that step's values; the bias corrections are computed there in float64 from
+t = step - skipped and rounded to the params' dtype with the other scalars.
+
+Dynamic loss scaling (`cupytp.optim.GradScaler`): with `found_inf` (a float32 device scalar,
+non-zero when a gradient of this step is not finite) nothing is updated, and `skipped` (a float64
+device scalar that the optimizer advances after such a step) keeps t the number of steps taken.
 """
 import math
 
 import numpy
 
 from cupytp.backend import xp
-from cupytp.launchers import dtype_suffix, get_kernel, is_device_array
+from cupytp.launchers import dtype_suffix, get_kernel, is_device_array, nullable
 from cupytp.launchers.multi_tensor import THREADS, check_optimizer_lists, tensor_table
 
 
 def adamw_scalars(*, lr, beta1, beta2, eps, weight_decay, step):
-    """The kernel's scalars in float64: decay, beta1, 1 - beta1, beta2, 1 - beta2, step_size,
-    sqrt(bc2), eps (step counts from 1)."""
+    """The kernel's scalars in float64: decay, beta1, 1 - beta1, beta2, 1 - beta2, lr, step, eps
+    (step counts from 1)."""
     if step < 1:
         raise ValueError(f"step counts from 1, got {step}")
-    bias_correction1 = 1 - beta1 ** step
-    bias_correction2 = 1 - beta2 ** step
-    return (1 - lr * weight_decay, beta1, 1 - beta1, beta2, 1 - beta2, lr / bias_correction1,
-            math.sqrt(bias_correction2), eps)
+    return (1 - lr * weight_decay, beta1, 1 - beta1, beta2, 1 - beta2, lr, step, eps)
 
 
-def adamw_step(params, grads, exp_avgs, exp_avg_sqs, scalars):
+def adamw_step(params, grads, exp_avgs, exp_avg_sqs, scalars, found_inf=None, skipped=None):
     """One AdamW step, in place on params, exp_avgs and exp_avg_sqs.
 
     params/exp_avgs/exp_avg_sqs: lists of C-contiguous arrays of one dtype, float32 or float64
     (also the compute dtype); grads: same shapes, the params' dtype or bfloat16/float16.
     `scalars`: `adamw_scalars(...)`, or (GPU) a float64 device vector holding them, read when the
-    kernel runs. On the GPU one kernel launch updates the whole list, with no host
-    synchronisation.
+    kernel runs; `found_inf`, `skipped`: see the module docstring (None: no loss scaling). On the
+    GPU one kernel launch updates the whole list, with no host synchronisation.
     """
     if not (params and is_device_array(params[0])):
-        adamw_step_numpy(params, grads, exp_avgs, exp_avg_sqs, scalars)
+        adamw_step_numpy(params, grads, exp_avgs, exp_avg_sqs, scalars, found_inf, skipped)
         return
     param_dtype, grad_dtype = check_optimizer_lists(params, grads, exp_avgs=exp_avgs,
                                                     exp_avg_sqs=exp_avg_sqs)
@@ -51,16 +53,24 @@ def adamw_step(params, grads, exp_avgs, exp_avg_sqs, scalars):
     if table.num_blocks == 0:
         return
     kernel = get_kernel("adamw.cu", f"adamw_{dtype_suffix(param_dtype)}_{dtype_suffix(grad_dtype)}")
-    kernel((table.num_blocks,), (THREADS,), (*table.rows, table.blocks, scalars))
+    kernel((table.num_blocks,), (THREADS,), (*table.rows, table.blocks, scalars,
+                                             nullable(found_inf, numpy.float32),
+                                             nullable(skipped, numpy.float64)))
 
 
-def adamw_step_numpy(params, grads, exp_avgs, exp_avg_sqs, scalars):
+def adamw_step_numpy(params, grads, exp_avgs, exp_avg_sqs, scalars, found_inf=None,
+                     skipped=None):
     """NumPy twin of `adamw_step`."""
     dtypes = check_optimizer_lists(params, grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs)
-    if dtypes is None:
+    if dtypes is None or (found_inf is not None and found_inf.reshape(-1)[0] != 0):
         return
+    values = numpy.asarray(scalars, dtype=numpy.float64)[:8]
+    t = values[6] - (0.0 if skipped is None else float(skipped.reshape(-1)[0]))
+    lr, beta1, beta2 = values[5], values[1], values[3]
     (decay, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, bias_correction2_sqrt,
-     eps) = (dtypes[0].type(value) for value in numpy.asarray(scalars, dtype=numpy.float64)[:8])
+     eps) = (dtypes[0].type(value) for value in (
+        values[0], beta1, values[2], beta2, values[4], lr / (1.0 - beta1 ** t),
+        math.sqrt(1.0 - beta2 ** t), values[7]))
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
         g = g.astype(p.dtype)
         m[...] = beta1 * m + one_minus_beta1 * g

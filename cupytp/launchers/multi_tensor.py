@@ -7,8 +7,8 @@ arrays every step copies nothing from the host after its first step. A table fir
 CUDA graph is being captured (gradients made inside the step) is copied by the graph itself, from
 pinned host memory, at the start of every replay.
 
-`sum_of_squares` (for gradient norms) and `scale_` (for clipping) run `multi_tensor.cu` on CuPy
-arrays and NumPy twins otherwise; the optimizers (`adamw.py`, `sgd.py`) use the tables too.
+`sum_of_squares` (for gradient norms), `scale_` (for clipping) and `unscale_check_` (for dynamic
+loss scaling) run `multi_tensor.cu` on CuPy arrays and NumPy twins otherwise; the optimizers (`adamw.py`, `sgd.py`) use the tables too.
 """
 import collections
 import dataclasses
@@ -167,6 +167,45 @@ def scale_(arrays, factor):
         return
     get_kernel("multi_tensor.cu", f"scale_{dtype_suffix(dtype)}")(
         (table.num_blocks,), (THREADS,), (table.rows[0], table.blocks, factor))
+
+
+def unscale_check_(arrays, inv_scale, found_inf):
+    """Multiply every array (one dtype) in place by `inv_scale` (a float32 array of one element,
+    read on the device) and set `found_inf` (float32, one element) to 1 if any product is not
+    finite; found_inf is never cleared here. The product is taken in the compute dtype."""
+    if not (arrays and is_device_array(arrays[0])):
+        unscale_check_numpy(arrays, inv_scale, found_inf)
+        return
+    dtype = _check_arrays(arrays)
+    _check_flag("inv_scale", inv_scale)
+    _check_flag("found_inf", found_inf)
+    table = tensor_table([arrays])
+    if table.num_blocks:
+        get_kernel("multi_tensor.cu", f"unscale_check_{dtype_suffix(dtype)}")(
+            (table.num_blocks,), (THREADS,), (table.rows[0], table.blocks, inv_scale, found_inf))
+
+
+def _check_flag(name, array):
+    if array.dtype != numpy.float32 or array.size != 1:
+        raise ValueError(f"{name} must be a float32 array of one element, got {array.dtype} "
+                         f"{array.shape}")
+
+
+def unscale_check_numpy(arrays, inv_scale, found_inf):
+    """NumPy twin of `unscale_check_`."""
+    if not arrays:
+        return
+    dtype = _check_arrays(arrays)
+    _check_flag("inv_scale", inv_scale)
+    _check_flag("found_inf", found_inf)
+    compute = compute_dtype(dtype)
+    factor = numpy.asarray(inv_scale, dtype=numpy.float32).reshape(()).astype(compute)
+    for array in arrays:
+        with numpy.errstate(over="ignore", invalid="ignore"):
+            product = array.astype(compute) * factor
+        if not numpy.isfinite(product).all():
+            found_inf[...] = 1
+        array[...] = product.astype(dtype)
 
 
 def sum_of_squares_numpy(arrays):

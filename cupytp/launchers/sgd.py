@@ -12,7 +12,7 @@ reads them from device memory, so a CUDA graph replays each step with that step'
 import numpy
 
 from cupytp.backend import xp
-from cupytp.launchers import dtype_suffix, get_kernel, is_device_array
+from cupytp.launchers import dtype_suffix, get_kernel, is_device_array, nullable
 from cupytp.launchers.multi_tensor import THREADS, check_optimizer_lists, tensor_table
 
 
@@ -24,18 +24,19 @@ def sgd_scalars(*, lr, momentum, dampening, weight_decay, nesterov=False):
     return (lr, momentum, 1 - dampening, weight_decay)
 
 
-def sgd_step(params, grads, momentum_bufs, scalars, *, nesterov, first_step):
+def sgd_step(params, grads, momentum_bufs, scalars, *, nesterov, first_step, found_inf=None):
     """One SGD step, in place on params and momentum_bufs.
 
     params/momentum_bufs: lists of C-contiguous arrays of one dtype, float32 or float64 (also the
     compute dtype); grads: same shapes, the params' dtype or bfloat16/float16. momentum_bufs is
     None without momentum; on the first step its contents are ignored and it is set to the
-    gradient. `scalars`: `sgd_scalars(...)`, or (GPU) a float64 device vector holding them. On
-    the GPU one kernel launch updates the whole list.
+    gradient. `scalars`: `sgd_scalars(...)`, or (GPU) a float64 device vector holding them.
+    `found_inf`: a float32 device scalar; when non-zero (dynamic loss scaling found a non-finite
+    gradient) nothing is updated. On the GPU one kernel launch updates the whole list.
     """
     if not (params and is_device_array(params[0])):
         sgd_step_numpy(params, grads, momentum_bufs, scalars, nesterov=nesterov,
-                       first_step=first_step)
+                       first_step=first_step, found_inf=found_inf)
         return
     param_dtype, grad_dtype = _check(params, grads, momentum_bufs)
     if not is_device_array(scalars):
@@ -48,7 +49,7 @@ def sgd_step(params, grads, momentum_bufs, scalars, *, nesterov, first_step):
     kernel = get_kernel("sgd.cu", f"sgd_{dtype_suffix(param_dtype)}_{dtype_suffix(grad_dtype)}")
     kernel((table.num_blocks,), (THREADS,),
            (table.rows[0], table.rows[1], bufs_row, table.blocks, scalars,
-            numpy.int32(nesterov), numpy.int32(first_step)))
+            numpy.int32(nesterov), numpy.int32(first_step), nullable(found_inf, numpy.float32)))
 
 
 def _check(params, grads, momentum_bufs):
@@ -57,10 +58,11 @@ def _check(params, grads, momentum_bufs):
     return check_optimizer_lists(params, grads, **states)
 
 
-def sgd_step_numpy(params, grads, momentum_bufs, scalars, *, nesterov, first_step):
+def sgd_step_numpy(params, grads, momentum_bufs, scalars, *, nesterov, first_step,
+                   found_inf=None):
     """NumPy twin of `sgd_step`."""
     dtypes = _check(params, grads, momentum_bufs)
-    if dtypes is None:
+    if dtypes is None or (found_inf is not None and found_inf.reshape(-1)[0] != 0):
         return
     lr, momentum, one_minus_dampening, weight_decay = (
         dtypes[0].type(value) for value in numpy.asarray(scalars, dtype=numpy.float64)[:4])

@@ -10,7 +10,9 @@ class AdamW(Optimizer):
 
     States "exp_avg" (m) and "exp_avg_sq" (v), laid out like the parameter. The step count t is
     kept per group (`group["step"]`, saved with the group) and advances on every step() in which
-    any of the group's parameters has a gradient. torch counts per parameter: the two differ only
+    any of the group's parameters has a gradient (a step that `GradScaler` skipped for non-finite
+    gradients is counted on the device and taken out again: bias corrections and the saved step
+    count only the steps taken). torch counts per parameter: the two differ only
     for a parameter that has no gradient in some steps while others of its group update.
     """
 
@@ -36,10 +38,10 @@ class AdamW(Optimizer):
         return adamw_scalars(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                              weight_decay=group["weight_decay"], step=group["step"])
 
-    def update(self, group, buckets, scalars):
+    def update(self, group, buckets, scalars, found_inf, skipped):
         for bucket in buckets.values():
             adamw_step(bucket.params, bucket.grads, bucket.states["exp_avg"],
-                       bucket.states["exp_avg_sq"], scalars)
+                       bucket.states["exp_avg_sq"], scalars, found_inf, skipped)
 
 
 def decay_groups(params, weight_decay):

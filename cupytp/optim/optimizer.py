@@ -65,6 +65,7 @@ class Optimizer(graph.GraphState):
         self.param_groups = []
         self.state = {}     # parameter (by identity) -> {name: DTensor laid out like it}
         self._device_scalars = {}   # group index -> float64 vector of the step's scalars
+        self._skipped = {}          # group index -> float64 0-d device count of skipped steps
         for group in groups:
             self.add_param_group(group)
 
@@ -96,16 +97,20 @@ class Optimizer(graph.GraphState):
         """Advance `group`'s per-step counters and return this step's kernel scalars (floats)."""
         raise NotImplementedError
 
-    def update(self, group, buckets, scalars):
+    def update(self, group, buckets, scalars, found_inf, skipped):
         """Update `group` from `buckets`: {(param dtype, grad dtype, new state): Bucket}, where
         `new state` means the states were just created (zeros): the parameters' first update.
-        `scalars`: what `scalars(group)` gave, as floats (NumPy) or a float64 device vector."""
+        `scalars`: what `scalars(group)` gave, as floats (NumPy) or a float64 device vector.
+        `found_inf`: None, or a float32 device scalar that, when non-zero, makes the kernels
+        change nothing; `skipped`: the group's float64 count of the steps so skipped."""
         raise NotImplementedError
 
     # ---- stepping -------------------------------------------------------------------------------
-    def step(self):
+    def step(self, found_inf=None):
         """Update every parameter that has a gradient, in place on each rank's local arrays
-        (autocast's casts of the old values are dropped)."""
+        (autocast's casts of the old values are dropped). `found_inf` (a float32 device scalar,
+        from `GradScaler`): when it holds a non-zero value as the kernels run, this step changes
+        no parameter or state and counts as not taken (decided on the device: no host sync)."""
         amp.clear_cache()
         record = graph.join(self)
         for index, group in enumerate(self.param_groups):
@@ -120,7 +125,21 @@ class Optimizer(graph.GraphState):
                 write_values(device, self.scalars(group))
             else:
                 record.setdefault("groups", []).append(index)
-            self.update(group, buckets, device)
+            skipped = self._skipped_steps(index)
+            self.update(group, buckets, device, found_inf, skipped)
+            if found_inf is not None:
+                skipped += found_inf.reshape(())
+
+    def _skipped_steps(self, index):
+        """Group `index`'s device count (float64, 0-d) of the steps that found_inf skipped."""
+        skipped = self._skipped.get(index)
+        if skipped is None:
+            skipped = self._skipped[index] = backend.xp.zeros((), backend.xp.float64)
+        return skipped
+
+    def steps_skipped(self):
+        """{group index: steps skipped for non-finite gradients} (reads the device)."""
+        return {index: int(skipped) for index, skipped in self._skipped.items()}
 
     # ---- CUDA-graph state (cupytp.graph.GraphState) ---------------------------------------------
     def capture_begin(self, record):
@@ -179,8 +198,11 @@ class Optimizer(graph.GraphState):
         state = {}
         groups = []
         index = 0
-        for group in self.param_groups:
+        skipped = self.steps_skipped()
+        for number, group in enumerate(self.param_groups):
             saved = {key: value for key, value in group.items() if key != "params"}
+            if "step" in saved:         # the steps taken: those skipped do not count
+                saved["step"] -= skipped.get(number, 0)
             saved["params"] = []
             for p in group["params"]:
                 if self.state.get(p):
@@ -227,6 +249,7 @@ class Optimizer(graph.GraphState):
                 index += 1
         self.param_groups = groups
         self.state = states
+        self._skipped = {}
 
 
 def _zeros_like(p):

@@ -30,7 +30,7 @@ class SGD(Optimizer):
                            dampening=group["dampening"], weight_decay=group["weight_decay"],
                            nesterov=group["nesterov"])
 
-    def update(self, group, buckets, scalars):
+    def update(self, group, buckets, scalars, found_inf, skipped):
         for (_, _, first_step), bucket in buckets.items():
             sgd_step(bucket.params, bucket.grads, bucket.states.get("momentum_buffer"), scalars,
-                     nesterov=group["nesterov"], first_step=first_step)
+                     nesterov=group["nesterov"], first_step=first_step, found_inf=found_inf)

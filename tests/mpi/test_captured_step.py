@@ -1,7 +1,8 @@
 """A training step captured as a CUDA graph against the same step run eagerly (GPU only): a small
 GPT-2 on the mesh with dropout, a cosine schedule with warm-up, clipping that triggers and
 gradient accumulation gives bit for bit the same losses, norms and parameters for 20 steps, with
-the gradients kept between steps or dropped at the end of each (made inside the graph);
+the gradients kept between steps or dropped at the end of each (made inside the graph), and in
+fp16 with dynamic loss scaling whose skips and growth happen inside the replays;
 replays allocate nothing; the capture refuses a host synchronization and other input shapes with a clear error."""
 import numpy
 import pytest
@@ -9,7 +10,8 @@ import pytest
 import cupytp
 from cupytp import backend, memory, nn
 from cupytp.models.gpt2 import GPT2, GPT2Config
-from cupytp.optim import AdamW, LRScheduler, clip_grad_norm_, cosine_with_warmup, decay_groups
+from cupytp.optim import (
+    AdamW, GradScaler, LRScheduler, clip_grad_norm_, cosine_with_warmup, decay_groups)
 from cupytp.tensor import Replicated, Shard
 from dense_reference import full, lay_out
 
@@ -41,13 +43,19 @@ def train(mesh, captured, dtype=None, set_to_none=False):
     optimizer = AdamW(decay_groups(model.parameters(), 0.1), lr=1e-3)
     scheduler = LRScheduler(optimizer, lambda s: cosine_with_warmup(s, 3e-3, 5, STEPS))
 
+    # fp16: a scale so large that the first steps overflow, are skipped and back it off, and a
+    # short growth interval, so replays both skip and grow
+    scaler = GradScaler(init_scale=2.0 ** 20, growth_interval=3, enabled=dtype == "fp16")
+
     def step(micro_batches):
         for x, y in micro_batches:
             with cupytp.autocast(dtype):
                 _, loss = model(x, y)
-            (loss * (1.0 / len(micro_batches))).backward()
+            scaler.scale(loss * (1.0 / len(micro_batches))).backward()
+        scaler.unscale_(optimizer)
         norm = clip_grad_norm_(model.parameters(), 0.05)     # small: clipping triggers
-        optimizer.step()
+        scaler.step(optimizer)
+        scaler.update()
         optimizer.zero_grad(set_to_none=set_to_none)
         return loss, norm
 
@@ -59,10 +67,13 @@ def train(mesh, captured, dtype=None, set_to_none=False):
         norms.append(float(norm))
         scheduler.step()
         allocated.append(memory.memory_stats()["allocated_bytes"])
+    if scaler.is_enabled():
+        assert 0 < optimizer.steps_skipped()[0] < STEPS // 2, optimizer.steps_skipped()
     return losses, norms, [full(p) for p in model.parameters()], allocated
 
 
-@pytest.mark.parametrize("dtype,set_to_none", [(None, False), ("bf16", False), ("bf16", True)])
+@pytest.mark.parametrize("dtype,set_to_none", [(None, False), ("bf16", False), ("bf16", True),
+                                               ("fp16", True)])
 def test_captured_training_equals_eager(mesh, dtype, set_to_none):
     if CONFIG.n_head % mesh.shape[nn.tp_dim(mesh)]:
         pytest.skip("heads do not split")

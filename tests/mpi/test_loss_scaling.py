@@ -1,0 +1,56 @@
+"""Dynamic loss scaling on sharded parameters (1-D and 2-D meshes, uneven shards): a gradient
+that is not finite on one rank's shard only skips the step on every rank, and the parameters
+equal those of the same training on one rank with that step left out."""
+import numpy
+import pytest
+
+import cupytp
+from cupytp.optim import AdamW, GradScaler
+from cupytp.tensor import Replicated, Shard
+from dense_reference import full, lay_out, rng_array
+
+S0, S1, R = Shard(0), Shard(1), Replicated()
+
+
+def specs(mesh):
+    if mesh.ndim == 1:
+        return [((7, 5), (S0,)), ((5, 3), (S1,)), ((5,), (R,))]
+    return [((9, 7), (S0, S1)), ((6, 5), (R, S0)), ((3,), (R, R))]
+
+
+def train(values, placements, mesh, grad_steps, scaler):
+    params = [lay_out(v.copy(), mesh, p, requires_grad=True) for v, p in zip(values, placements)]
+    optimizer = AdamW(params, lr=0.05)
+    for grads in grad_steps:
+        if grads is None:
+            continue
+        scale = 1.0 if scaler is None else scaler.get_scale()
+        for p, g in zip(params, grads):
+            p.grad = lay_out((g * scale).astype(numpy.float32), p.mesh, p.placements)
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
+        optimizer.zero_grad()
+    return [full(p) for p in params], optimizer
+
+
+@pytest.mark.parametrize("dims", ["1d", "2d"])
+def test_a_non_finite_shard_skips_the_step_everywhere(mesh1d, mesh2d, dims):
+    mesh = mesh1d if dims == "1d" else mesh2d
+    layout = specs(mesh)
+    values = [rng_array(shape, i, numpy.float32) for i, (shape, _) in enumerate(layout)]
+    steps = [[rng_array(shape, 10 * k + i, numpy.float32) for i, (shape, _) in enumerate(layout)]
+             for k in range(4)]
+    bad = [g.copy() for g in steps[1]]
+    bad[0][-1, -1] = numpy.nan          # on the last rank's shard only
+    scaler = GradScaler(init_scale=2.0 ** 8, growth_interval=100)
+    sharded, optimizer = train(values, [p for _, p in layout], mesh,
+                               [steps[0], bad] + steps[2:], scaler)
+    local = cupytp.local_mesh()
+    reference, _ = train(values, [(R,)] * len(layout), local, [steps[0], None] + steps[2:], None)
+    for a, b in zip(sharded, reference):
+        numpy.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert optimizer.steps_skipped() == {0: 1}
+    assert scaler.get_scale() == 2.0 ** 7
