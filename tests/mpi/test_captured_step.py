@@ -79,7 +79,7 @@ def test_captured_training_equals_eager(mesh, dtype, set_to_none):
         pytest.skip("heads do not split")
     eager = train(mesh, False, dtype, set_to_none)
     captured = train(mesh, True, dtype, set_to_none)
-    assert max(eager[1]) > 0.05, "clipping never triggered"
+    assert numpy.nanmax(eager[1]) > 0.05, "clipping never triggered"   # NaN: a skipped step
     assert eager[0][-1] < eager[0][0]
     numpy.testing.assert_array_equal(captured[0], eager[0])
     numpy.testing.assert_array_equal(captured[1], eager[1])
