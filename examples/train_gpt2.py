@@ -366,8 +366,11 @@ def train(args):
     peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items()
                                      if backend.on_gpu and k in gpu_name()), None)
     log = TrainLog(args.out) if info.rank == 0 else None
-    progress = _progress(args.steps) if info.rank == 0 and not LOG_RANKS and \
-        sys.stdout.isatty() else None       # piped or redirected: one plain line per log step
+    # a bar only for one process on a terminal; piped, redirected or under mpiexec (Open MPI
+    # hands ranks a pseudo-terminal, but forwards a bar's carriage returns only in part, and
+    # not at all from a job that aborts): one plain line per log step
+    progress = _progress(args.steps) if info.world_size == 1 and not LOG_RANKS and \
+        sys.stdout.isatty() else None
     say(info.rank, f"GPT-2 {args.model}: {model.num_parameters() / 1e6:.2f}M parameters, "
         f"vocab {tokenizer.vocab_size} (padded {model.vocab}), mesh dp={dp} tp={args.tp}, "
         f"{backend.device_name}, {tokens_per_step} tokens/step")
