@@ -233,7 +233,8 @@ def say(rank, text):
     """A progress line: from rank 0, or from every rank with its rank first (CUPYTP_LOG_RANKS)."""
     if LOG_RANKS or rank == 0:
         from tqdm import tqdm
-        tqdm.write(f"[rank {rank}] {text}" if LOG_RANKS else text, file=sys.stdout)
+        line = f"[rank {rank}] {text}" if LOG_RANKS else text
+        tqdm.write(line + "\n", file=sys.stdout, end="")   # one write: ranks' lines never mix
         sys.stdout.flush()
 
 

@@ -10,6 +10,7 @@ rounded once to the input dtype; otherwise numpy.matmul.
 """
 import ctypes
 import functools
+import math
 import os
 
 import numpy
@@ -92,18 +93,24 @@ def _operand(x):
     return xp.ascontiguousarray(x), False
 
 
-def matmul(a, b, out_dtype=None):
-    """a @ b, written as `out_dtype` (see the module docstring)."""
+def matmul(a, b, out_dtype=None, shape=None):
+    """a @ b, written as `out_dtype` (see the module docstring). `shape`: the result's shape when
+    it is to be a reshape of (..., M, N) (same elements in the same order), made with that shape
+    rather than as a view of another array (so nothing else holds its memory)."""
     out_dtype = _out_dtype(a.dtype, b.dtype, out_dtype)
     if a.shape[-1] != b.shape[-2] or (b.ndim > 2 and b.shape[:-2] != a.shape[:-2]):
         raise ValueError(f"gemm.matmul: shapes {a.shape} and {b.shape} do not multiply")
-    if not is_device_array(a):
-        return matmul_numpy(a, b, out_dtype)
-    xp = backend.xp
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
     batch = a.shape[:-2]
-    count = int(numpy.prod(batch, dtype=numpy.int64))
-    out = xp.empty(batch + (m, n), dtype=out_dtype)
+    count = math.prod(batch)
+    shape = batch + (m, n) if shape is None else tuple(shape)
+    if math.prod(shape) != count * m * n:
+        raise ValueError(f"gemm.matmul: the product of {a.shape} and {b.shape} has "
+                         f"{count * m * n} elements, not the {math.prod(shape)} of shape {shape}")
+    if not is_device_array(a):
+        return matmul_numpy(a, b, out_dtype).reshape(shape)
+    xp = backend.xp
+    out = xp.empty(shape, dtype=out_dtype)
     if out.size == 0:
         return out
     if k == 0:

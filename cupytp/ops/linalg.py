@@ -87,16 +87,20 @@ def _matmul_transposes(sa, sb, out):
     return sa[-2:] != m + k, sb[-2:] != k + n
 
 
-def _matmul(x, y, out_dtype=None):
+def _matmul(x, y, out_dtype=None, shape=None):
     """Local matmul: on the GPU through cuBLAS called directly (launchers.gemm: bf16 with fp32
     accumulation, and legal inside a CUDA-graph capture); NumPy's otherwise. `out_dtype`:
-    float32 for 16-bit operands (the sums unrounded), else None."""
+    float32 for 16-bit operands (the sums unrounded), else None. `shape`: the result's shape, a
+    reshape of the product (on the GPU made with it, not as a view: a gradient nothing else
+    holds is then handed to its leaf without a copy)."""
     if x.dtype != y.dtype:          # NumPy's promotion, as numpy.matmul would do
         dtype = backend.xp.result_type(x.dtype, y.dtype)
         x, y = x.astype(dtype, copy=False), y.astype(dtype, copy=False)
     if backend.on_gpu:
         from cupytp.launchers.gemm import matmul
-        return matmul(x, y, out_dtype)
+        return matmul(x, y, out_dtype, shape)
+    if shape is not None:
+        return _matmul(x, y, out_dtype).reshape(shape)
     if x.dtype.itemsize == 2:
         from cupytp.launchers.gemm import matmul_numpy
         return matmul_numpy(x, y, out_dtype)
@@ -113,9 +117,9 @@ def _tensordot(x, y, axes_x, axes_y, out_dtype=None):
     keep_x = [d for d in range(x.ndim) if d not in axes_x]
     keep_y = [d for d in range(y.ndim) if d not in axes_y]
     inner = math.prod(x.shape[d] for d in axes_x)
-    out = _matmul(_as_matrix(x, list(axes_x), contracted_last=True, inner=inner),
-                  _as_matrix(y, list(axes_y), contracted_last=False, inner=inner), out_dtype)
-    return out.reshape([x.shape[d] for d in keep_x] + [y.shape[d] for d in keep_y])
+    return _matmul(_as_matrix(x, list(axes_x), contracted_last=True, inner=inner),
+                   _as_matrix(y, list(axes_y), contracted_last=False, inner=inner), out_dtype,
+                   tuple([x.shape[d] for d in keep_x] + [y.shape[d] for d in keep_y]))
 
 
 def _as_matrix(v, axes, contracted_last, inner):

@@ -454,6 +454,19 @@ def test_gemm_matches_twin(a_shape, b_shape, transpose_a, transpose_b, dtype):
         wide = asnumpy(matmul(da, db, out_dtype=F32))
         assert wide.dtype == F32
         assert_close(wide, matmul_numpy(a, b, out_dtype=F32), F32)
+    flat = matmul(da, db, shape=(got.size,))
+    assert flat.base is None            # made with the shape, not a view of another array
+    numpy.testing.assert_array_equal(asnumpy(flat), got.reshape(-1))
+
+
+def test_gemm_writes_the_shape_asked():
+    from cupytp.launchers.gemm import matmul
+    a, b = xp.asarray(_bf16((2, 3, 4), 5)), xp.asarray(_bf16((4, 6), 6))
+    out = matmul(a, b, shape=(6, 2, 3))
+    assert out.shape == (6, 2, 3)
+    numpy.testing.assert_array_equal(asnumpy(out), asnumpy(matmul(a, b)).reshape(6, 2, 3))
+    with pytest.raises(ValueError, match="has 36 elements, not the 35"):
+        matmul(a, b, shape=(5, 7))
 
 
 # ---- causal softmax ---------------------------------------------------------------------------
