@@ -54,3 +54,46 @@ def test_a_non_finite_shard_skips_the_step_everywhere(mesh1d, mesh2d, dims):
         numpy.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     assert optimizer.steps_skipped() == {0: 1}
     assert scaler.get_scale() == 2.0 ** 7
+
+
+def test_fully_sharded_training_skips_a_poisoned_step_on_every_rank(world):
+    """fully_shard over all ranks (float64, uneven shards): step 2's loss is made infinite, so
+    its reduced gradients are not finite; the scaler skips that step everywhere, and training
+    ends where one-rank training without that step ends."""
+    from cupytp.models.gpt2 import GPT2, GPT2Config
+    from cupytp.parallel import fully_shard
+    config = GPT2Config(vocab_size=37, block_size=8, n_layer=2, n_head=3, n_embd=9)
+    ids = numpy.random.default_rng(0).integers(0, config.vocab_size, size=(4, 9))
+
+    def run(mesh, poison, scaler):
+        cupytp.manual_seed(1)
+        model = GPT2(config).to("fp64")
+        if mesh is None:
+            mesh, rows = model.parameters()[0].mesh, (R,)
+        else:
+            model, rows = fully_shard(model, mesh), (Shard(0),)
+        optimizer = AdamW(model.parameters(), lr=3e-3)
+        x, y = (lay_out(a, mesh, rows) for a in (ids[:, :-1], ids[:, 1:]))
+        for step in range(5):
+            if step == 2 and not poison:
+                continue
+            _, loss = model(x, y)
+            if step == 2:
+                loss = loss * numpy.inf
+            if scaler is None:
+                loss.backward()
+                optimizer.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+            optimizer.zero_grad()
+        return {name: full(t) for name, t in model.state_dict().items()}, optimizer
+
+    mesh = cupytp.DeviceMesh((world.world_size,), ("dp",))
+    scaler = GradScaler(init_scale=2.0 ** 10, growth_interval=100)
+    sharded, optimizer = run(mesh, True, scaler)
+    reference, _ = run(None, False, None)
+    assert optimizer.steps_skipped() == {0: 1} and scaler.get_scale() == 2.0 ** 9
+    for name, value in reference.items():
+        numpy.testing.assert_allclose(sharded[name], value, rtol=1e-9, atol=1e-11, err_msg=name)
