@@ -56,6 +56,7 @@ def test_a_non_finite_shard_skips_the_step_everywhere(mesh1d, mesh2d, dims):
     assert scaler.get_scale() == 2.0 ** 7
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")    # the poisoned step's NumPy math
 def test_fully_sharded_training_skips_a_poisoned_step_on_every_rank(world):
     """fully_shard over all ranks (float64, uneven shards): step 2's loss is made infinite, so
     its reduced gradients are not finite; the scaler skips that step everywhere, and training
