@@ -128,7 +128,8 @@ def print_sites(prof, pattern, per, top):
     import tempfile
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        trace = json.load(open(f.name))["traceEvents"]
+        with open(f.name) as exported:
+            trace = json.load(exported)["traceEvents"]
     wanted = {e["args"]["correlation"]: e["name"] for e in trace
               if e.get("cat") == "kernel" and re.search(pattern, e["name"])
               and "correlation" in e.get("args", {})}
@@ -153,11 +154,8 @@ def print_sites(prof, pattern, per, top):
             stack.append((ts + item.get("dur", 0), item["name"]))
     print(f"\nlaunch sites of kernels matching {pattern!r} (per step):")
     if not sites:
-        kinds = collections.Counter(e.get("cat") for e in trace)
-        print(f"none found: {len(wanted)} kernels matched, {len(launches)} launches, "
-              f"{len(calls)} Python calls; trace categories {dict(kinds)}")
-        for cat in ("kernel", "cuda_runtime", "python_function"):
-            print(cat, next((e for e in trace if e.get("cat") == cat), None))
+        print(f"none: {len(wanted)} kernels matched, {len(launches)} of their launches found, "
+              f"{len(calls)} Python calls recorded")
     for (name, where), n in sites.most_common(top):
         print(f"{n / per:6.0f}x  {name:40} {where}")
 

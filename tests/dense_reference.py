@@ -74,3 +74,22 @@ def rng_array(shape, seed, dtype=numpy.float64):
 
 
 __all__ = ["cupytp", "lay_out", "full", "check_against_dense", "placements_for", "rng_array"]
+
+
+def step_on_gradients(params, optimizer, grad_steps, scaler=None):
+    """Optimizer steps on given full gradients (a None entry: no step at all); with a GradScaler,
+    each gradient arrives as the scaled loss's backward would give it (times the scale: a
+    non-finite one stays so) and the scaler steps and updates. The parameters after, full."""
+    for grads in grad_steps:
+        if grads is None:
+            continue
+        scale = 1.0 if scaler is None else scaler.get_scale()
+        for p, g in zip(params, grads):
+            p.grad = lay_out((g * scale).astype(g.dtype), p.mesh, p.placements)
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
+        optimizer.zero_grad()
+    return [full(p) for p in params]

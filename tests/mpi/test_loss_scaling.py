@@ -7,7 +7,7 @@ import pytest
 import cupytp
 from cupytp.optim import AdamW, GradScaler
 from cupytp.tensor import Replicated, Shard
-from dense_reference import full, lay_out, rng_array
+from dense_reference import full, lay_out, rng_array, step_on_gradients
 
 S0, S1, R = Shard(0), Shard(1), Replicated()
 
@@ -21,19 +21,7 @@ def specs(mesh):
 def train(values, placements, mesh, grad_steps, scaler):
     params = [lay_out(v.copy(), mesh, p, requires_grad=True) for v, p in zip(values, placements)]
     optimizer = AdamW(params, lr=0.05)
-    for grads in grad_steps:
-        if grads is None:
-            continue
-        scale = 1.0 if scaler is None else scaler.get_scale()
-        for p, g in zip(params, grads):
-            p.grad = lay_out((g * scale).astype(numpy.float32), p.mesh, p.placements)
-        if scaler is None:
-            optimizer.step()
-        else:
-            scaler.step(optimizer)
-            scaler.update()
-        optimizer.zero_grad()
-    return [full(p) for p in params], optimizer
+    return step_on_gradients(params, optimizer, grad_steps, scaler), optimizer
 
 
 @pytest.mark.parametrize("dims", ["1d", "2d"])

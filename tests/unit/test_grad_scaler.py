@@ -11,7 +11,7 @@ from cupytp.launchers.loss_scale import update_loss_scale, update_loss_scale_num
 from cupytp.launchers.multi_tensor import unscale_check_, unscale_check_numpy
 from cupytp.models.gpt2 import GPT2, GPT2Config
 from cupytp.optim import SGD, AdamW, GradScaler
-from dense_reference import full, lay_out, rng_array
+from dense_reference import full, lay_out, rng_array, step_on_gradients
 
 on_gpu = backend.on_gpu
 
@@ -31,24 +31,10 @@ def params_like(values):
 
 
 def run(values, grad_steps, scaler=None, optimizer_class=AdamW, **kwargs):
-    """Train copies of `values` on the given gradients per step (None entries: no step taken at
-    all); with a scaler, each gradient is given as the scaled loss's backward would: times the
-    scale, and a NaN step stays NaN."""
+    """Train copies of `values` on the given gradients per step (see step_on_gradients)."""
     params = params_like(values)
     optimizer = optimizer_class(params, lr=0.1, **kwargs)
-    for grads in grad_steps:
-        if grads is None:
-            continue
-        scale = 1.0 if scaler is None else scaler.get_scale()
-        for p, g in zip(params, grads):
-            p.grad = lay_out((g * scale).astype(g.dtype), p.mesh, p.placements)
-        if scaler is None:
-            optimizer.step()
-        else:
-            scaler.step(optimizer)
-            scaler.update()
-        optimizer.zero_grad()
-    return [full(p) for p in params], optimizer
+    return step_on_gradients(params, optimizer, grad_steps, scaler), optimizer
 
 
 SHAPES = [(3, 4), (5,)]
