@@ -13,6 +13,21 @@
 // may be null (no loss scaling).
 #include "common.cuh"
 
+template <typename P>
+struct AdamWScalars {
+    P decay, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, bias_correction2_sqrt, eps;
+
+    __device__ __forceinline__ void update(P& p, P& m, P& v, const P g) const
+    {
+        m = beta1 * m + one_minus_beta1 * g;
+        v = beta2 * v + one_minus_beta2 * g * g;
+        p = decay * p - step_size * m / (sqrt(v) / bias_correction2_sqrt + eps);
+    }
+};
+
+// A block's chunk [start, end) of one tensor: 16-byte vectors of params and moments (with the
+// matching gradient vector) where the chunk's start is aligned for them, one element per thread
+// for the rest.
 template <typename P, typename G>
 __device__ void adamw(P* const* params, const G* const* grads, P* const* exp_avgs,
                       P* const* exp_avg_sqs, const long long* blocks, const double* scalars,
@@ -21,27 +36,34 @@ __device__ void adamw(P* const* params, const G* const* grads, P* const* exp_avg
     if (found_inf && *found_inf != 0.0f)
         return;
     const double t = scalars[6] - (skipped ? *skipped : 0.0);
-    const P decay = P(scalars[0]);
-    const P beta1 = P(scalars[1]);
-    const P one_minus_beta1 = P(scalars[2]);
-    const P beta2 = P(scalars[3]);
-    const P one_minus_beta2 = P(scalars[4]);
-    const P step_size = P(scalars[5] / (1.0 - pow(scalars[1], t)));
-    const P bias_correction2_sqrt = P(sqrt(1.0 - pow(scalars[3], t)));
-    const P eps = P(scalars[7]);
+    const AdamWScalars<P> op{P(scalars[0]), P(scalars[1]), P(scalars[2]), P(scalars[3]),
+                             P(scalars[4]), P(scalars[5] / (1.0 - pow(scalars[1], t))),
+                             P(sqrt(1.0 - pow(scalars[3], t))), P(scalars[7])};
     const long long* chunk = blocks + 3 * blockIdx.x;  // (tensor, start, end)
-    P* p = params[chunk[0]];
-    const G* g = grads[chunk[0]];
-    P* m = exp_avgs[chunk[0]];
-    P* v = exp_avg_sqs[chunk[0]];
-    for (long long i = chunk[1] + threadIdx.x; i < chunk[2]; i += blockDim.x) {
-        const P gi = widen<P>(g[i]);
-        const P mi = beta1 * m[i] + one_minus_beta1 * gi;
-        const P vi = beta2 * v[i] + one_minus_beta2 * gi * gi;
-        m[i] = mi;
-        v[i] = vi;
-        p[i] = decay * p[i] - step_size * mi / (sqrt(vi) / bias_correction2_sqrt + eps);
+    const long long start = chunk[1], end = chunk[2];
+    P* __restrict__ p = params[chunk[0]];
+    const G* __restrict__ g = grads[chunk[0]];
+    P* __restrict__ m = exp_avgs[chunk[0]];
+    P* __restrict__ v = exp_avg_sqs[chunk[0]];
+    constexpr int V = 16 / sizeof(P);
+    long long tail = start;
+    if ((reinterpret_cast<size_t>(p + start) | reinterpret_cast<size_t>(m + start) |
+         reinterpret_cast<size_t>(v + start)) % 16 == 0 &&
+        reinterpret_cast<size_t>(g + start) % (sizeof(G) * V) == 0) {
+        tail = start + (end - start) / V * V;
+        for (long long i = start + threadIdx.x * V; i < tail; i += blockDim.x * V) {
+            Pack<P, V> pv = load_pack<V>(p + i), mv = load_pack<V>(m + i), vv = load_pack<V>(v + i);
+            const Pack<G, V> gv = load_pack<V>(g + i);
+#pragma unroll
+            for (int k = 0; k < V; ++k)
+                op.update(pv.v[k], mv.v[k], vv.v[k], widen<P>(gv.v[k]));
+            store_pack(p + i, pv);
+            store_pack(m + i, mv);
+            store_pack(v + i, vv);
+        }
     }
+    for (long long i = tail + threadIdx.x; i < end; i += blockDim.x)
+        op.update(p[i], m[i], v[i], widen<P>(g[i]));
 }
 
 #define ADAMW_KERNEL(P, G, SUFFIX)                                                               \

@@ -5,9 +5,6 @@
 // launcher picks VEC = 4 only when every row start is aligned for it); a grid-stride loop.
 #include "common.cuh"
 
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack { T v[N]; };
-
 template <typename S, typename D, typename C, int VEC>
 __device__ void cast_rows(const S* src, long long src_pitch, D* dst, long long dst_pitch,
                           long long cols, long long rows, int add)

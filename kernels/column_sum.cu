@@ -1,47 +1,66 @@
 // Column sums of a row-major [rows, cols] array x (dtype T), optionally of its product with a
 // second array y of the same shape in the compute dtype C (LayerNorm's weight gradient: g xhat):
 //     out[c] = sum_r x[r, c] (* y[r, c]),  accumulated in C.
-// A block is 32 columns by 8 row lanes (blockDim (32, 8)); blockIdx.y picks one of gridDim.y
-// row strides. Each block writes one row of `partials` [gridDim.y, cols] (dtype O): with
-// gridDim.y == 1 that row is the result itself, so the launcher runs the kernel twice, the second
-// time over the partials (always in the same order: the sums are deterministic).
+// Thread (threadIdx.x, threadIdx.y) of block (blockIdx.x, blockIdx.y) owns the V columns from
+// V * (blockIdx.x * blockDim.x + threadIdx.x), loaded as vectors (the launcher picks V > 1 only
+// when every row start is aligned for them), and the rows blockIdx.y * blockDim.y + threadIdx.y,
+// then every gridDim.y * blockDim.y. Each block writes the sums of its rows to one row of
+// `partials` [gridDim.y, cols] (dtype O): with gridDim.y == 1 that row is the result itself, so
+// the launcher runs the kernel twice, the second time over the partials (always in the same
+// order: the sums are deterministic).
 #include "common.cuh"
 
-template <typename T, typename C, typename O>
+template <typename T, typename C, typename O, int V>
 __device__ void column_sum(const T* x, const C* y, O* partials, long long rows, int cols)
 {
-    __shared__ C lanes[8][33];
-    const int c = blockIdx.x * 32 + threadIdx.x;
-    C acc = 0;
-    if (c < cols) {
-        for (long long r = blockIdx.y * 8 + threadIdx.y; r < rows; r += gridDim.y * 8LL) {
-            const C v = widen<C>(x[r * cols + c]);
-            acc += y ? v * widen<C>(y[r * cols + c]) : v;
+    __shared__ C lanes[CUPYTP_BLOCK_THREADS * V];
+    const int col = V * (blockIdx.x * blockDim.x + threadIdx.x);
+    C sum[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k)
+        sum[k] = 0;
+    if (col < cols) {
+        FOR_EACH_ROW(row) {
+            const long long at = row * cols + col;
+            const Pack<T, V> xv = load_pack<V>(x + at);
+            if (y) {
+                const Pack<C, V> yv = load_pack<V>(y + at);
+#pragma unroll
+                for (int k = 0; k < V; ++k)
+                    sum[k] += widen<C>(xv.v[k]) * yv.v[k];
+            } else {
+#pragma unroll
+                for (int k = 0; k < V; ++k)
+                    sum[k] += widen<C>(xv.v[k]);
+            }
         }
     }
-    lanes[threadIdx.y][threadIdx.x] = acc;
-    __syncthreads();
-    if (threadIdx.y == 0 && c < cols) {
-        C total = 0;
-        for (int i = 0; i < 8; ++i)
-            total += lanes[i][threadIdx.x];
-        partials[(long long)blockIdx.y * cols + c] = static_cast<O>(total);
-    }
+    sum_over_row_lanes<C, V>(sum, lanes);
+    if (threadIdx.y != 0 || col >= cols)
+        return;
+#pragma unroll
+    for (int k = 0; k < V; ++k)
+        partials[(long long)blockIdx.y * cols + col + k] = static_cast<O>(sum[k]);
 }
 
-#define COLUMN_SUM_KERNELS(T, C, SUFFIX)                                                         \
-    extern "C" __global__ void column_sum_##SUFFIX(const T* x, const C* y, C* partials,          \
-                                                   long long rows, int cols)                     \
+#define COLUMN_SUM_KERNEL(T, C, SUFFIX, V)                                                       \
+    extern "C" __global__ void column_sum_##SUFFIX##_v##V(const T* x, const C* y, C* partials,   \
+                                                          long long rows, int cols)              \
     {                                                                                            \
-        column_sum<T, C, C>(x, y, partials, rows, cols);                                         \
-    }                                                                                            \
-    extern "C" __global__ void column_sum_finish_##SUFFIX(const C* partials, const C* unused,    \
-                                                          T* out, long long rows, int cols)      \
-    {                                                                                            \
-        column_sum<C, C, T>(partials, unused, out, rows, cols);                                  \
+        column_sum<T, C, C, V>(x, y, partials, rows, cols);                                      \
     }
+#define COLUMN_SUM_FINISH_KERNEL(T, C, SUFFIX, V)                                                \
+    extern "C" __global__ void column_sum_finish_##SUFFIX##_v##V(                               \
+        const C* partials, const C* unused, T* out, long long rows, int cols)                    \
+    {                                                                                            \
+        column_sum<C, C, T, V>(partials, unused, out, rows, cols);                               \
+    }
+// V: 16 bytes of T per load; the finish reads the partials (C), 16 bytes of those.
+#define COLUMN_SUM_KERNELS(T, C, SUFFIX, V, FINISH_V)                                            \
+    COLUMN_SUM_KERNEL(T, C, SUFFIX, 1) COLUMN_SUM_KERNEL(T, C, SUFFIX, V)                        \
+    COLUMN_SUM_FINISH_KERNEL(T, C, SUFFIX, 1) COLUMN_SUM_FINISH_KERNEL(T, C, SUFFIX, FINISH_V)
 
-COLUMN_SUM_KERNELS(float, float, f32)
-COLUMN_SUM_KERNELS(double, double, f64)
-COLUMN_SUM_KERNELS(__nv_bfloat16, float, bf16)
-COLUMN_SUM_KERNELS(__half, float, f16)
+COLUMN_SUM_KERNELS(float, float, f32, 4, 4)
+COLUMN_SUM_KERNELS(double, double, f64, 2, 2)
+COLUMN_SUM_KERNELS(__nv_bfloat16, float, bf16, 8, 4)
+COLUMN_SUM_KERNELS(__half, float, f16, 8, 4)

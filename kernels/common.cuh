@@ -28,3 +28,46 @@ __device__ __forceinline__ double quiet_nan<double>()
 {
     return __longlong_as_double(0x7ff8000000000000ULL);
 }
+
+// N consecutive elements moved by one aligned vector load or store (the caller checks alignment).
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack { T v[N]; };
+
+template <int N, typename T>
+__device__ __forceinline__ Pack<T, N> load_pack(const T* p)
+{
+    return *reinterpret_cast<const Pack<T, N>*>(p);
+}
+
+template <int N, typename T>
+__device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& x)
+{
+    *reinterpret_cast<Pack<T, N>*>(p) = x;
+}
+
+// The rows of a thread whose block covers blockDim.y rows at a time: from
+// blockIdx.y * blockDim.y + threadIdx.y, every gridDim.y * blockDim.y (needs `rows` in scope).
+#define FOR_EACH_ROW(row)                                                                        \
+    for (long long row = blockIdx.y * blockDim.y + threadIdx.y; row < rows;                      \
+         row += (long long)gridDim.y * blockDim.y)
+
+// Column sums across a block's row lanes: adds the V sums of every thread (threadIdx.x, y) into
+// those of thread (threadIdx.x, 0), in the order of y. `scratch` (shared) holds
+// blockDim.x * blockDim.y * V values; every thread of the block calls this.
+template <typename C, int V>
+__device__ __forceinline__ void sum_over_row_lanes(C (&sum)[V], C* scratch)
+{
+    C* mine = scratch + (threadIdx.y * blockDim.x + threadIdx.x) * V;
+#pragma unroll
+    for (int k = 0; k < V; ++k)
+        mine[k] = sum[k];
+    __syncthreads();
+    if (threadIdx.y != 0)
+        return;
+    for (int lane = 1; lane < blockDim.y; ++lane) {
+        const C* other = scratch + (lane * blockDim.x + threadIdx.x) * V;
+#pragma unroll
+        for (int k = 0; k < V; ++k)
+            sum[k] += other[k];
+    }
+}

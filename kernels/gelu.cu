@@ -3,9 +3,11 @@
 //     dy/dx = 0.5 (1 + tanh(u)) + 0.5 x (1 - tanh(u)^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)
 // gelu_*: over n contiguous elements, grid-stride loops (any grid covers any n).
 // bias_gelu_*: y = gelu(x + bias) over (rows, cols), bias (cols,) in the compute dtype. Thread
-// (blockIdx.x, threadIdx.x) owns one column; block row blockIdx.y takes the row chunks
-// blockIdx.y, blockIdx.y + gridDim.y, ... of `chunk` rows each. The backward also writes the
-// bias gradient's partial column sums: partials[blockIdx.y][col] (summed by the caller).
+// (threadIdx.x, threadIdx.y) of block (blockIdx.x, blockIdx.y) owns the V columns from
+// V * (blockIdx.x * blockDim.x + threadIdx.x), moved as vectors (the launcher picks V > 1 only
+// when every row start is aligned for them), and the rows blockIdx.y * blockDim.y + threadIdx.y,
+// then every gridDim.y * blockDim.y. The backward also writes the bias gradient's partial column
+// sums of each block: partials[blockIdx.y][col] (summed by the caller).
 // One kernel set per storage dtype T, computing in C: float for fp32/bf16/fp16, double for fp64.
 #include "common.cuh"
 
@@ -45,41 +47,55 @@ __device__ void gelu_backward(const T* x, const T* dy, T* dx, long long n)
         dx[i] = static_cast<T>(widen<C>(dy[i]) * gelu_slope(widen<C>(x[i])));
 }
 
-template <typename T, typename C>
-__device__ void bias_gelu_forward(const T* x, const C* bias, T* y, long long rows, int cols,
-                                  int chunk)
+template <typename T, typename C, int V>
+__device__ void bias_gelu_forward(const T* x, const C* bias, T* y, long long rows, int cols)
 {
-    const int col = blockIdx.x * blockDim.x + threadIdx.x;
+    const int col = V * (blockIdx.x * blockDim.x + threadIdx.x);
     if (col >= cols)
         return;
-    const C b = bias[col];
-    for (long long start = (long long)blockIdx.y * chunk; start < rows;
-         start += (long long)gridDim.y * chunk) {
-        const long long stop = start + chunk < rows ? start + chunk : rows;
-        for (long long i = start * cols + col; i < stop * cols; i += cols)
-            y[i] = static_cast<T>(gelu_value(widen<C>(x[i]) + b));
+    const Pack<C, V> b = load_pack<V>(bias + col);
+    FOR_EACH_ROW(row) {
+        const long long at = row * cols + col;
+        const Pack<T, V> xv = load_pack<V>(x + at);
+        Pack<T, V> out;
+#pragma unroll
+        for (int k = 0; k < V; ++k)
+            out.v[k] = static_cast<T>(gelu_value(widen<C>(xv.v[k]) + b.v[k]));
+        store_pack(y + at, out);
     }
 }
 
-template <typename T, typename C>
+template <typename T, typename C, int V>
 __device__ void bias_gelu_backward(const T* x, const C* bias, const T* dy, T* dx, C* partials,
-                                   long long rows, int cols, int chunk)
+                                   long long rows, int cols)
 {
-    const int col = blockIdx.x * blockDim.x + threadIdx.x;
-    if (col >= cols)
-        return;
-    const C b = bias[col];
-    C sum = 0;
-    for (long long start = (long long)blockIdx.y * chunk; start < rows;
-         start += (long long)gridDim.y * chunk) {
-        const long long stop = start + chunk < rows ? start + chunk : rows;
-        for (long long i = start * cols + col; i < stop * cols; i += cols) {
-            const C d = widen<C>(dy[i]) * gelu_slope(widen<C>(x[i]) + b);
-            dx[i] = static_cast<T>(d);
-            sum += d;
+    __shared__ C lanes[CUPYTP_BLOCK_THREADS * V];  // the threads' sums, reduced over threadIdx.y
+    const int col = V * (blockIdx.x * blockDim.x + threadIdx.x);
+    C sum[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k)
+        sum[k] = 0;
+    if (col < cols) {
+        const Pack<C, V> b = load_pack<V>(bias + col);
+        FOR_EACH_ROW(row) {
+            const long long at = row * cols + col;
+            const Pack<T, V> xv = load_pack<V>(x + at), dyv = load_pack<V>(dy + at);
+            Pack<T, V> out;
+#pragma unroll
+            for (int k = 0; k < V; ++k) {
+                const C d = widen<C>(dyv.v[k]) * gelu_slope(widen<C>(xv.v[k]) + b.v[k]);
+                out.v[k] = static_cast<T>(d);
+                sum[k] += d;
+            }
+            store_pack(dx + at, out);
         }
     }
-    partials[(long long)blockIdx.y * cols + col] = sum;
+    sum_over_row_lanes<C, V>(sum, lanes);
+    if (threadIdx.y != 0 || col >= cols)
+        return;
+#pragma unroll
+    for (int k = 0; k < V; ++k)
+        partials[(long long)blockIdx.y * cols + col + k] = sum[k];
 }
 
 #define GELU_KERNELS(T, C, SUFFIX)                                                               \
@@ -90,20 +106,22 @@ __device__ void bias_gelu_backward(const T* x, const C* bias, const T* dy, T* dx
     extern "C" __global__ void gelu_backward_##SUFFIX(const T* x, const T* dy, T* dx, long long n) \
     {                                                                                            \
         gelu_backward<T, C>(x, dy, dx, n);                                                       \
-    }                                                                                            \
-    extern "C" __global__ void bias_gelu_forward_##SUFFIX(const T* x, const C* bias, T* y,      \
-                                                          long long rows, int cols, int chunk)   \
-    {                                                                                            \
-        bias_gelu_forward<T, C>(x, bias, y, rows, cols, chunk);                                  \
-    }                                                                                            \
-    extern "C" __global__ void bias_gelu_backward_##SUFFIX(const T* x, const C* bias,           \
-                                                           const T* dy, T* dx, C* partials,      \
-                                                           long long rows, int cols, int chunk)  \
-    {                                                                                            \
-        bias_gelu_backward<T, C>(x, bias, dy, dx, partials, rows, cols, chunk);                  \
     }
+#define BIAS_GELU_KERNELS(T, C, SUFFIX, V)                                                      \
+    extern "C" __global__ void bias_gelu_forward_##SUFFIX##_v##V(                               \
+        const T* x, const C* bias, T* y, long long rows, int cols)                               \
+    {                                                                                            \
+        bias_gelu_forward<T, C, V>(x, bias, y, rows, cols);                                      \
+    }                                                                                            \
+    extern "C" __global__ void bias_gelu_backward_##SUFFIX##_v##V(                              \
+        const T* x, const C* bias, const T* dy, T* dx, C* partials, long long rows, int cols)    \
+    {                                                                                            \
+        bias_gelu_backward<T, C, V>(x, bias, dy, dx, partials, rows, cols);                      \
+    }
+#define ALL_GELU_KERNELS(T, C, SUFFIX, V)                                                        \
+    GELU_KERNELS(T, C, SUFFIX) BIAS_GELU_KERNELS(T, C, SUFFIX, 1) BIAS_GELU_KERNELS(T, C, SUFFIX, V)
 
-GELU_KERNELS(float, float, f32)
-GELU_KERNELS(double, double, f64)
-GELU_KERNELS(__nv_bfloat16, float, bf16)
-GELU_KERNELS(__half, float, f16)
+ALL_GELU_KERNELS(float, float, f32, 4)
+ALL_GELU_KERNELS(double, double, f64, 2)
+ALL_GELU_KERNELS(__nv_bfloat16, float, bf16, 8)
+ALL_GELU_KERNELS(__half, float, f16, 8)

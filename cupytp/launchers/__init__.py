@@ -53,6 +53,26 @@ def is_device_array(array):
     return on_gpu and isinstance(array, xp.ndarray)
 
 
+def vector_width(width, cols, arrays):
+    """`width` when every row start of the [rows, cols] row-major `arrays` is aligned for vectors
+    of `width` elements (cols a multiple of it, each base address of its vector size), else 1."""
+    if cols % width == 0 and all(a.data.ptr % (width * a.itemsize) == 0 for a in arrays):
+        return width
+    return 1
+
+
+def rows_grid(rows, vectors, threads=256, rows_per_thread=1, max_row_blocks=65535):
+    """(grid, block) of a kernel whose thread (x, y) owns one vector of columns and strides over
+    rows: blocks of `threads`, `vectors` per row across x (a multiple of 32 lanes, at most
+    `threads`), the rest of the block and grid across rows, about `rows_per_thread` rows each
+    (at most `max_row_blocks` blocks across rows: then more)."""
+    lanes = min(threads, ceil_div(vectors, 32) * 32)
+    row_lanes = threads // lanes
+    row_blocks = ceil_div(rows, row_lanes * rows_per_thread)
+    return ((ceil_div(vectors, lanes), max(1, min(row_blocks, max_row_blocks))),
+            (lanes, row_lanes))
+
+
 def nullable(array, dtype):
     """A kernel's optional pointer argument: `array` (a device array of `dtype`, one element or
     more) or a null pointer for None."""

@@ -1,18 +1,22 @@
-"""x + bias along x's last dimension: `bias_add.cu` for CuPy arrays, a NumPy twin otherwise.
+"""A bias along the last dimension, in one pass: `bias_add.cu` for CuPy arrays, NumPy twins
+otherwise.
 
-`bias_add(x, bias)` → a new array like x: x C-contiguous, bias (cols,) of x's dtype; the sum is
-taken in the compute dtype and rounded once (what x + bias gives in NumPy and CuPy), in one pass
-without the broadcast indexing of a generic elementwise kernel. `applies(x, bias)` says whether
-the kernel takes these arrays.
+`bias_add(x, bias)` → x + bias, a new array like x: x C-contiguous, bias (cols,) of x's dtype;
+the sum taken in the compute dtype and rounded once (what x + bias gives in NumPy and CuPy),
+without the broadcast indexing of a generic elementwise kernel.
+
+`bias_residual_add(x, bias, residual)` → residual + (x + bias), a new array of the compute dtype
+(a row-parallel layer's 16-bit output, its fp32 bias and the fp32 residual stream in one pass,
+where adding the bias and then the residual would write and read x + bias once more).
+`applies` and `residual_applies` say whether the kernels take the arrays.
 """
 import numpy
 
 from cupytp.backend import xp
 from cupytp.launchers import (
-    ceil_div, compute_dtype, dtype_suffix, get_kernel, has_kernel, is_device_array)
+    compute_dtype, dtype_suffix, get_kernel, has_kernel, is_device_array, rows_grid, vector_width)
 
-THREADS = 256
-MAX_BLOCKS = 32768     # the grid-stride loop covers larger arrays
+VECTOR_BYTES = 16       # each thread moves 16 bytes of x per row where alignment allows
 
 
 def applies(x, bias):
@@ -20,6 +24,16 @@ def applies(x, bias):
     return (bias.ndim == 1 and x.ndim >= 2 and bias.shape[0] == x.shape[-1]
             and x.dtype == bias.dtype and has_kernel(x.dtype)
             and x.flags.c_contiguous and bias.flags.c_contiguous)
+
+
+def residual_applies(x, bias, residual):
+    """True for a contiguous x of 2 or more dimensions, a bias (x.shape[-1],) and a contiguous
+    residual of x's shape, both of x's compute dtype."""
+    return (has_kernel(x.dtype) and bias.ndim == 1 and x.ndim >= 2
+            and bias.shape[0] == x.shape[-1] and residual.shape == x.shape
+            and bias.dtype == residual.dtype == compute_dtype(x.dtype)
+            and x.flags.c_contiguous and bias.flags.c_contiguous
+            and residual.flags.c_contiguous)
 
 
 def bias_add(x, bias):
@@ -30,14 +44,41 @@ def bias_add(x, bias):
     if not is_device_array(x):
         return bias_add_numpy(x, bias)
     y = xp.empty_like(x)
-    if x.size:
-        kernel = get_kernel("bias_add.cu", f"bias_add_{dtype_suffix(x.dtype)}")
-        kernel((min(ceil_div(x.size, THREADS), MAX_BLOCKS),), (THREADS,),
-               (x, bias, y, numpy.int64(x.size), numpy.int32(x.shape[-1])))
+    _launch("bias_add", x, (x, bias, y))
     return y
+
+
+def bias_residual_add(x, bias, residual):
+    if not residual_applies(x, bias, residual):
+        raise ValueError(f"bias_residual_add takes a C-contiguous x of 2+ dimensions, a bias of "
+                         f"shape {x.shape[-1:]} and a C-contiguous residual of x's shape, both "
+                         f"of dtype {compute_dtype(x.dtype)}; got x {x.dtype} {x.shape}, bias "
+                         f"{bias.dtype} {bias.shape}, residual {residual.dtype} "
+                         f"{residual.shape}")
+    if not is_device_array(x):
+        return bias_residual_add_numpy(x, bias, residual)
+    out = xp.empty_like(residual)
+    _launch("bias_residual_add", x, (x, bias, residual, out))
+    return out
+
+
+def _launch(name, x, arrays):
+    cols = x.shape[-1]
+    rows = x.size // cols if cols else 0
+    if rows == 0 or cols == 0:
+        return
+    vec = vector_width(VECTOR_BYTES // x.itemsize, cols, arrays)
+    grid, block = rows_grid(rows, cols // vec)
+    kernel = get_kernel("bias_add.cu", f"{name}_{dtype_suffix(x.dtype)}_v{vec}")
+    kernel(grid, block, (*arrays, numpy.int64(rows), numpy.int32(cols)))
 
 
 def bias_add_numpy(x, bias):
     """NumPy twin: the sum in the compute dtype, rounded once."""
     compute = compute_dtype(x.dtype)
     return (x.astype(compute) + bias.astype(compute)).astype(x.dtype)
+
+
+def bias_residual_add_numpy(x, bias, residual):
+    """NumPy twin: residual + (x + bias) in the compute dtype."""
+    return residual + (x.astype(compute_dtype(x.dtype)) + bias)

@@ -9,10 +9,13 @@ rows are contiguous (any row pitch: a block of columns of a wider array). Four e
 thread with vector loads and stores where every row start allows it: a strided bf16 <-> fp32
 copy at memory bandwidth, where CuPy's elementwise copy indexes every element.
 """
+import math
+
 import numpy
 
 from cupytp.backend import xp
-from cupytp.launchers import ceil_div, compute_dtype, dtype_suffix, get_kernel, is_device_array
+from cupytp.launchers import (
+    ceil_div, compute_dtype, dtype_suffix, get_kernel, is_device_array, vector_width)
 
 THREADS = 256
 MAX_BLOCKS = 32768     # the grid-stride loop covers larger arrays
@@ -75,9 +78,7 @@ def cast_rows(dst, src, add=False):
     if not dst.size:
         return
     (dst_pitch, rows, cols), (src_pitch, _, _) = _rows(dst), _rows(src)
-    aligned = all(x % VECTOR == 0 for x in (cols, dst_pitch, src_pitch)) and all(
-        a.data.ptr % (VECTOR * a.itemsize) == 0 for a in (dst, src))
-    vec = VECTOR if aligned else 1
+    vec = vector_width(VECTOR, math.gcd(cols, dst_pitch, src_pitch), (dst, src))
     name = f"cast_rows_{dtype_suffix(src.dtype)}_{dtype_suffix(dst.dtype)}_v{vec}"
     work = rows * (cols // vec)
     get_kernel("cast.cu", name)(

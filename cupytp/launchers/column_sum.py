@@ -10,10 +10,13 @@ import numpy
 
 from cupytp.backend import xp
 from cupytp.launchers import ceil_div, check_lists, compute_dtype, dtype_suffix, get_kernel
-from cupytp.launchers import is_device_array
+from cupytp.launchers import is_device_array, vector_width
 
-ROW_LANES = 8            # blockDim.y of the kernel (blockDim.x is 32 columns)
-MAX_ROW_BLOCKS = 64      # row strides (partial sums per column)
+LANES = 32               # blockDim.x: column vectors per block
+ROW_LANES = 8            # blockDim.y: rows summed side by side, then across the block
+ROWS_PER_THREAD = 16     # rows each thread sums (the first pass), up to ...
+MAX_ROW_BLOCKS = 64      # ... this many block rows (partial sums per column); more rows beyond
+VECTOR_BYTES = 16        # each thread loads 16 bytes per row where alignment allows
 NULL = numpy.uint64(0)
 
 
@@ -32,16 +35,18 @@ def column_sum(x, y=None, dtype=None):
         out[...] = 0
         return out.astype(dtype, copy=False)
     suffix = dtype_suffix(x.dtype)
-    row_blocks = max(1, min(ceil_div(rows, 4 * ROW_LANES), MAX_ROW_BLOCKS))
+    operands = (x,) if y is None else (x, y)
+    vec = vector_width(VECTOR_BYTES // x.itemsize, cols, operands)
+    row_blocks = max(1, min(ceil_div(rows, ROW_LANES * ROWS_PER_THREAD), MAX_ROW_BLOCKS))
     partials = xp.empty((row_blocks, cols), dtype=compute)
-    grid = (ceil_div(cols, 32),)
-    get_kernel("column_sum.cu", f"column_sum_{suffix}")(
-        grid + (row_blocks,), (32, ROW_LANES),
+    get_kernel("column_sum.cu", f"column_sum_{suffix}_v{vec}")(
+        (ceil_div(cols // vec, LANES), row_blocks), (LANES, ROW_LANES),
         (x, NULL if y is None else y, partials, numpy.int64(rows), numpy.int32(cols)))
+    vec = vector_width(VECTOR_BYTES // partials.itemsize, cols, (partials, out))
     finish = f"column_sum_finish_{suffix}" if out.dtype == x.dtype else \
         f"column_sum_{dtype_suffix(compute)}"
-    get_kernel("column_sum.cu", finish)(
-        grid + (1,), (32, ROW_LANES),
+    get_kernel("column_sum.cu", f"{finish}_v{vec}")(
+        (ceil_div(cols // vec, LANES), 1), (LANES, ROW_LANES),
         (partials, NULL, out, numpy.int64(row_blocks), numpy.int32(cols)))
     return out.astype(dtype, copy=False)
 

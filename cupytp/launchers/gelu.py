@@ -13,13 +13,14 @@ import numpy
 
 from cupytp.backend import xp
 from cupytp.launchers import ceil_div, check_lists, compute_dtype, dtype_suffix, get_kernel
-from cupytp.launchers import is_device_array
+from cupytp.launchers import is_device_array, rows_grid, vector_width
 from cupytp.launchers.column_sum import column_sum
 
 THREADS = 256
 MAX_BLOCKS = 32768  # the kernels' grid-stride loops cover larger arrays
-ROW_CHUNK = 32  # bias_gelu: rows per chunk of a block row
-MAX_ROW_BLOCKS = 1024  # bias_gelu: block rows (partial bias sums), each taking several chunks
+VECTOR_BYTES = 16  # bias_gelu: each thread moves 16 bytes of x per row where alignment allows
+ROWS_PER_THREAD = 16  # bias_gelu: rows per thread (fewer block rows: fewer partial bias sums)
+MAX_ROW_BLOCKS = 1024  # bias_gelu: block rows (partial bias sums); more rows per thread beyond
 SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
 CUBIC = 0.044715
 
@@ -50,7 +51,10 @@ def bias_gelu(x, bias):
         return bias_gelu_numpy(x, bias)
     bias = _check_bias(x, bias)
     y = xp.empty_like(x)
-    _launch_rows("bias_gelu_forward", x, bias, (y,))
+    if x.size:
+        vec, grid, block = _rows_launch(x, bias, y)
+        get_kernel("gelu.cu", f"bias_gelu_forward_{dtype_suffix(x.dtype)}_v{vec}")(
+            grid, block, (x, bias, y, *_rows_and_cols(x)))
     return y
 
 
@@ -61,8 +65,12 @@ def bias_gelu_backward(x, bias, dy):
         return bias_gelu_backward_numpy(x, bias, dy)
     bias = _check_bias(x, bias, dy=dy)
     dx = xp.empty_like(x)
-    partials = xp.zeros((_row_blocks(x), x.shape[-1]), dtype=bias.dtype)
-    _launch_rows("bias_gelu_backward", x, bias, (dy, dx, partials))
+    if not x.size:
+        return dx, xp.zeros(x.shape[-1:], dtype=bias.dtype)
+    vec, grid, block = _rows_launch(x, bias, dy, dx)
+    partials = xp.empty((grid[1], x.shape[-1]), dtype=bias.dtype)
+    get_kernel("gelu.cu", f"bias_gelu_backward_{dtype_suffix(x.dtype)}_v{vec}")(
+        grid, block, (x, bias, dy, dx, partials, *_rows_and_cols(x)))
     return dx, column_sum(partials)
 
 
@@ -76,19 +84,17 @@ def _check_bias(x, bias, **arrays):
     return bias.astype(compute_dtype(x.dtype), copy=False)
 
 
-def _row_blocks(x):
-    rows = x.size // x.shape[-1] if x.shape[-1] else 0
-    return max(1, min(ceil_div(rows, ROW_CHUNK), MAX_ROW_BLOCKS))
-
-
-def _launch_rows(name, x, bias, arrays):
+def _rows_and_cols(x):
     cols = x.shape[-1]
-    if x.size == 0:
-        return
-    kernel = get_kernel("gelu.cu", f"{name}_{dtype_suffix(x.dtype)}")
-    kernel((ceil_div(cols, THREADS), _row_blocks(x)), (THREADS,),
-           (x, bias, *arrays, numpy.int64(x.size // cols), numpy.int32(cols),
-            numpy.int32(ROW_CHUNK)))
+    return numpy.int64(x.size // cols), numpy.int32(cols)
+
+
+def _rows_launch(x, *arrays):
+    """(vector width, grid, block) of a bias_gelu kernel over x and `arrays`."""
+    cols = x.shape[-1]
+    vec = vector_width(VECTOR_BYTES // x.itemsize, cols, (x,) + arrays)
+    return (vec,) + rows_grid(x.size // cols, cols // vec, THREADS, ROWS_PER_THREAD,
+                              MAX_ROW_BLOCKS)
 
 
 def _check(**arrays):

@@ -61,8 +61,13 @@ class DLinear(Module):
         else:
             self.bias = None
 
-    def forward(self, x):
+    def forward(self, x, residual=None):
+        """x @ weight + bias, plus `residual` when given (`ops.bias_residual_add`: the bias and
+        the residual joined in one pass, with the fp32 bias)."""
         y = ops.matmul(x, self.weight, reduce_input_grad=True)
+        if residual is not None:
+            return residual + y if self.bias is None else \
+                ops.bias_residual_add(y, self.bias, residual)
         return y + autocast_operand(self.bias) if self.bias is not None else y
 
     def parallel_layout(self, style):
@@ -98,8 +103,8 @@ class DRowLinear(DLinear):
         super().__init__(in_features, out_features, mesh, Shard(0), bias, dtype=dtype,
                          init_std=init_std)
 
-    def forward(self, x):
-        y = super().forward(x)
+    def forward(self, x, residual=None):
+        y = super().forward(x, residual)
         if any(p.is_partial() for p in y.placements):
             y = y.redistribute(tuple(Replicated() if p.is_partial() else p
                                      for p in y.placements))
@@ -158,6 +163,11 @@ class Dropout(Module):
         super().__init__()
         self.p = p
 
+    @property
+    def active(self):
+        """True when forward changes its input (training with p > 0)."""
+        return self.training and self.p > 0
+
     def forward(self, x):
         return ops.dropout(x, self.p, self.training)
 
@@ -177,10 +187,11 @@ class DMLP(Module):
                               init_std=proj_init_std or init_std)
         self.dropout = Dropout(dropout)
 
-    def forward(self, x):
+    def forward(self, x, residual=None):
+        """The MLP of x, plus `residual` when given (joined with c_proj's bias)."""
         h = ops.matmul(x, self.c_fc.weight, reduce_input_grad=True)  # (B, T, 4C/tp)
         h = ops.gelu(h) if self.c_fc.bias is None else ops.bias_gelu(h, self.c_fc.bias)
-        return self.dropout(self.c_proj(h))
+        return project(self.c_proj, self.dropout, h, residual)
 
     def parallel_plan(self):
         return {"c_fc": "colwise", "c_proj": "rowwise"}
@@ -208,17 +219,27 @@ class DAttention(Module):
         self.resid_dropout = Dropout(dropout)
         check_heads(self)
 
-    def forward(self, x):
+    def forward(self, x, residual=None):
+        """Attention over x, plus `residual` when given (joined with c_proj's bias)."""
         b, t, c = x.shape
         h = self.num_heads
         qkv = self.c_attn(x).reshape(b, t, 3, h, c // h)            # (B, T, 3, H/tp, D)
         p = self.attn_dropout.p if self.training else 0.0
         y = ops.packed_attention(qkv, causal=True, dropout_p=p)      # (B, T, H/tp, D)
         y = y.reshape(b, t, c)                                       # (B, T, C/tp)
-        return self.resid_dropout(self.c_proj(y))
+        return project(self.c_proj, self.resid_dropout, y, residual)
 
     def parallel_plan(self):
         return {"c_attn": "heads", "c_proj": "rowwise"}
+
+
+def project(proj, dropout, x, residual):
+    """dropout(proj(x)), plus `residual` when given: without dropout in effect the projection
+    adds its bias and the residual in one pass (`DLinear.forward`'s `residual`)."""
+    if residual is not None and not dropout.active:
+        return proj(x, residual)
+    y = dropout(proj(x))
+    return y if residual is None else residual + y
 
 
 def check_heads(attention):
@@ -265,8 +286,8 @@ class DBlock(Module):
                         proj_init_std)
 
     def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        x = self.attn(self.ln_1(x), residual=x)
+        return self.mlp(self.ln_2(x), residual=x)
 
 
 class DLMHead(Module):

@@ -7,7 +7,7 @@ redistribute to call.
 from cupytp.ops import methods  # noqa: F401  (DTensor's operators and math methods)
 from cupytp.ops.conversion import ShardingError
 from cupytp.ops.elementwise import (
-    add, astype, bias_gelu, div, exp, gelu, log, masked_fill, mul, neg, pow, sqrt, sub, tanh)
+    add, astype, bias_gelu, bias_residual_add, div, exp, gelu, log, masked_fill, mul, neg, pow, sqrt, sub, tanh)
 from cupytp.ops.amp import autocast
 from cupytp.ops.linalg import einsum, matmul
 from cupytp.ops.functional import (
@@ -20,6 +20,7 @@ from cupytp.tensor.redistribute import redistribute
 
 __all__ = [
     "ShardingError", "causal_softmax", "autocast", "redistribute", "add", "astype", "bias_gelu",
+    "bias_residual_add",
     "div", "exp", "gelu", "log", "masked_fill", "mul", "neg", "pow", "sqrt", "sub", "tanh",
     "einsum", "matmul",
     "cross_entropy", "dropout", "embedding", "layer_norm", "log_softmax", "packed_attention",

@@ -124,6 +124,24 @@ def _add_local(x, y):
     return x + y
 
 
+def bias_residual_add(y, bias, residual):
+    """`residual + (y + bias)`, bias (C,) along y's last dimension: a row-parallel layer's output
+    (Partial: all-reduced first), its bias and the residual stream in one pass. On a GPU, a
+    16-bit y with a bias and residual of its compute dtype (autocast's fp32 master bias and
+    residual stream) take one kernel and no 16-bit rounding of y + bias."""
+    if bias.ndim != 1 or bias.shape[0] != y.shape[-1]:
+        raise ValueError(f"bias_residual_add: bias must have shape ({y.shape[-1]},) (y's last "
+                         f"dimension), got {bias.shape}")
+    return apply("bias_residual_add", _bias_residual_local, [residual, y, bias], LINEAR_JOINTLY,
+                 lambda g, residual, y, bias, out: (g, g, g), saves=False)
+
+
+def _bias_residual_local(residual, y, bias):
+    if bias_add.residual_applies(y, bias, residual):
+        return bias_add.bias_residual_add(y, bias, residual)
+    return residual + (y + bias)
+
+
 def sub(a, b):
     return apply("sub", lambda x, y: x - y, [a, b], LINEAR_JOINTLY,
                  lambda g, a, b, out: (g, neg(g)), saves=False)

@@ -182,6 +182,28 @@ def test_bias_gelu(mesh):
             each(mesh, [R, S(2), S(0), P, S(2), R], [R, S(0), R, R, R, S(0)]), mesh)
 
 
+def test_bias_residual_add(mesh):
+    """A row-parallel output (Partial: reduced first) or a sharded one with a Replicated bias,
+    and the residual on the same layouts: values and the three gradients equal the dense op's,
+    and on one rank the dense op equals residual + (y + bias) composed of plain ops."""
+    y, bias, residual = rng_array((4, 3, 10), 31), rng_array((10,), 32), rng_array((4, 3, 10), 33)
+    run_all(ops.bias_residual_add, [y, bias, residual],
+            each(mesh, [P, R, S(0), S(2), P, S(1)], [R, R, R, S(0), R, R],
+                 [R, R, S(0), S(2), S(0), R]), mesh)
+    fused = check_against_dense(ops.bias_residual_add, [y, bias, residual],
+                                [(R,) * mesh.ndim] * 3, mesh)
+    numpy.testing.assert_allclose(fused, residual + (y + bias), rtol=1e-15)
+    dense = cupytp.tensor.factory.local_mesh()
+    grads = []
+    for fn in (ops.bias_residual_add, lambda a, b, r: r + (a + b)):
+        inputs = [lay_out(a, dense, (R,), requires_grad=True) for a in (y, bias, residual)]
+        weight = lay_out(rng_array(y.shape, 34), dense, (R,))
+        (fn(*inputs) * weight).sum().backward()
+        grads.append([full(t.grad) for t in inputs])
+    for got, want in zip(*grads):
+        numpy.testing.assert_allclose(got, want, rtol=1e-15)
+
+
 def test_vocab_parallel_cross_entropy_never_gathers(mesh1d, monkeypatch):
     """Two all-reduces (max, then the packed sums) and no all-gather, forward and backward."""
     group = mesh1d.get_process_group(0)

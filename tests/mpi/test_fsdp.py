@@ -119,9 +119,9 @@ def test_mixed_precision_gathers_bf16_and_keeps_fp32_masters(world):
     attention = model.transformer.h[0].attn
     forward = attention.forward
 
-    def spy(x):     # inside the block: what its layers see
+    def spy(x, residual=None):     # inside the block: what its layers see
         seen.append(attention.c_attn.weight.dtype)
-        return forward(x)
+        return forward(x, residual)
     object.__setattr__(attention, "forward", spy)
     got, _ = train(model, steps=3, dp_placements=(Shard(0),))
     expected, _ = train(dense, steps=3)
@@ -134,9 +134,9 @@ def test_mixed_precision_gathers_bf16_and_keeps_fp32_masters(world):
 class Probe(nn.DLinear):
     """A linear layer that keeps weak references to the parameter arrays it computes with."""
 
-    def forward(self, x):
+    def forward(self, x, residual=None):
         self.seen.extend(weakref.ref(p.to_local()) for p in (self.weight, self.bias))
-        return super().forward(x)
+        return super().forward(x, residual)
 
 
 def test_residency_is_one_nth_and_full_parameters_are_freed(world):

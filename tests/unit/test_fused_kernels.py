@@ -9,13 +9,15 @@ import pytest
 from cupytp.backend import asnumpy, bfloat16, xp
 from cupytp.launchers import compute_dtype, dtype_suffix
 from cupytp.launchers.bias_add import applies as bias_add_applies, bias_add, bias_add_numpy
+from cupytp.launchers.bias_add import bias_residual_add, bias_residual_add_numpy, residual_applies
 from cupytp.launchers.cast import applies as cast_applies, cast_rows, cast_rows_numpy, converted
-from cupytp.launchers.column_sum import MAX_ROW_BLOCKS as SUM_ROW_BLOCKS, column_sum
+from cupytp.launchers.column_sum import MAX_ROW_BLOCKS as SUM_ROW_BLOCKS, ROW_LANES, ROWS_PER_THREAD
+from cupytp.launchers.column_sum import column_sum
 from cupytp.launchers.column_sum import column_sum_numpy
 from cupytp.launchers.cross_entropy import cross_entropy_backward, cross_entropy_backward_numpy
 from cupytp.launchers.cross_entropy import cross_entropy_forward, cross_entropy_forward_numpy
 from cupytp.launchers.embedding import embedding_backward, embedding_backward_numpy
-from cupytp.launchers.gelu import MAX_ROW_BLOCKS, ROW_CHUNK, bias_gelu, bias_gelu_backward
+from cupytp.launchers.gelu import MAX_ROW_BLOCKS, THREADS, bias_gelu, bias_gelu_backward
 from cupytp.launchers.gelu import bias_gelu_backward_numpy, bias_gelu_numpy
 from test_kernels import (
     F16, F32, F64, assert_close, gelu_reference, poisoned_allocations, random, requires_gpu)
@@ -175,6 +177,30 @@ def test_bias_add_applies_only_to_a_row_bias():
         bias_add(x, random((2,), F32))
 
 
+@pytest.mark.parametrize("dtype", [F64, F32, bfloat16, F16], ids=dtype_suffix)
+def test_bias_residual_add_numpy_equals_float64_sum(dtype):
+    compute = compute_dtype(dtype)
+    x, bias = random((3, 4, 9), dtype, seed=28), random((9,), compute, seed=29)
+    residual = random((3, 4, 9), compute, seed=30)
+    out = bias_residual_add(x, bias, residual)
+    assert out.dtype == compute and out.shape == x.shape
+    expected = residual.astype(F64) + (x.astype(F64) + bias.astype(F64))
+    assert_close(out, expected, compute)
+
+
+def test_bias_residual_add_applies_to_a_compute_dtype_bias_and_residual():
+    x = random((4, 3), bfloat16)
+    bias, residual = random((3,), F32), random((4, 3), F32)
+    assert residual_applies(x, bias, residual)
+    assert not residual_applies(x, bias.astype(bfloat16), residual)          # 16-bit bias
+    assert not residual_applies(x, bias, residual.astype(bfloat16))          # 16-bit residual
+    assert not residual_applies(x, bias, random((2, 4, 3), F32))             # broadcast residual
+    assert not residual_applies(x, random((4,), F32), residual)              # not the last dim
+    assert not residual_applies(random((3, 4), bfloat16).T, bias, residual)  # not contiguous
+    with pytest.raises(ValueError, match="residual of x's shape"):
+        bias_residual_add(x, bias, residual.T)
+
+
 # ---- converting row copies twin ----------------------------------------------------------------
 
 CAST_PAIRS = [(F32, bfloat16), (bfloat16, F32), (F32, F16), (F16, F32), (F32, F32),
@@ -325,15 +351,18 @@ def test_cross_entropy_kernels_match_twin(dtype, shape, offset, vocab_size):
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("dtype", [F32, F64, bfloat16, F16], ids=dtype_suffix)
-@pytest.mark.parametrize("shape", [(1,), (3, 1), (5, 7, 33), (70, 1030),
-                                   (ROW_CHUNK * MAX_ROW_BLOCKS + 5, 3)])
-def test_bias_gelu_kernels_match_twin(dtype, shape):
+@pytest.mark.parametrize("shape", [(1,), (3, 1), (5, 7, 33), (70, 1030), (9, 3, 4096),
+                                   (THREADS * MAX_ROW_BLOCKS + 5, 3)])
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "unaligned"])
+def test_bias_gelu_kernels_match_twin(dtype, shape, offset):
+    """Vector and scalar paths, several row lanes per block and more rows than one pass."""
     x = random(shape, dtype, seed=10, scale=3.0)
     dy = random(shape, dtype, seed=11)
     bias = random(shape[-1:], compute_dtype(dtype), seed=12)
     with poisoned_allocations():
-        y = bias_gelu(xp.asarray(x), xp.asarray(bias))
-        dx, dbias = bias_gelu_backward(xp.asarray(x), xp.asarray(bias), xp.asarray(dy))
+        y = bias_gelu(_at_offset(x, offset), xp.asarray(bias))
+        dx, dbias = bias_gelu_backward(_at_offset(x, offset), xp.asarray(bias),
+                                       _at_offset(dy, offset))
     dx_twin, dbias_twin = bias_gelu_backward_numpy(x, bias, dy)
     assert y.dtype == dtype and dx.dtype == dtype and dbias.dtype == compute_dtype(dtype)
     assert_close(y, bias_gelu_numpy(x, bias), dtype)
@@ -345,15 +374,19 @@ def test_bias_gelu_kernels_match_twin(dtype, shape):
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("dtype", [F32, F64, bfloat16, F16], ids=dtype_suffix)
-@pytest.mark.parametrize("shape", [(1, 1), (3, 1), (5, 7, 33), (8, 1024, 768),
-                                   (32 * SUM_ROW_BLOCKS + 3, 65), (0, 4)])
-def test_column_sum_kernel_matches_twin(dtype, shape):
+@pytest.mark.parametrize("shape", [(1, 1), (3, 1), (5, 7, 33), (8, 1024, 768), (9, 2048),
+                                   (ROW_LANES * ROWS_PER_THREAD * SUM_ROW_BLOCKS + 3, 65),
+                                   (0, 4)])
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "unaligned"])
+def test_column_sum_kernel_matches_twin(dtype, shape, offset):
+    """Vector and scalar loads, and more rows than one pass of the grid covers."""
     x = random(shape, dtype, seed=22)
     h = random(shape, compute_dtype(dtype), seed=23)
     with poisoned_allocations():
-        plain = column_sum(xp.asarray(x))
-        product = column_sum(xp.asarray(x), xp.asarray(h), dtype=F32 if dtype != F64 else F64)
-        again = column_sum(xp.asarray(x))
+        plain = column_sum(_at_offset(x, offset))
+        product = column_sum(_at_offset(x, offset), _at_offset(h, offset),
+                             dtype=F32 if dtype != F64 else F64)
+        again = column_sum(_at_offset(x, offset))
     assert plain.dtype == dtype and product.dtype == compute_dtype(dtype)
     assert (asnumpy(again) == asnumpy(plain)).all()          # deterministic
     rows = max(1, x.size // shape[-1])
@@ -369,12 +402,39 @@ def test_column_sum_kernel_matches_twin(dtype, shape):
 @requires_gpu
 @pytest.mark.parametrize("dtype", [F32, F64, bfloat16, F16], ids=dtype_suffix)
 @pytest.mark.parametrize("shape", [(1, 1), (5, 7, 33), (8, 1024, 2304)])
-def test_bias_add_kernel_matches_twin_and_cupy(dtype, shape):
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "unaligned"])
+def test_bias_add_kernel_matches_twin_and_cupy(dtype, shape, offset):
+    """Vector and scalar paths: an offset of one element leaves no row start aligned."""
     x, bias = random(shape, dtype, seed=26), random(shape[-1:], dtype, seed=27)
     with poisoned_allocations():
-        y = bias_add(xp.asarray(x), xp.asarray(bias))
+        y = bias_add(_at_offset(x, offset), xp.asarray(bias))
     assert (asnumpy(y).astype(F64) == bias_add_numpy(x, bias).astype(F64)).all()
     assert (y == xp.asarray(x) + xp.asarray(bias)).all()          # bit-identical to CuPy's
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype", [F32, F64, bfloat16, F16], ids=dtype_suffix)
+@pytest.mark.parametrize("shape", [(1, 1), (5, 7, 33), (8, 1024, 2304)])
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "unaligned"])
+def test_bias_residual_add_kernel_matches_twin(dtype, shape, offset):
+    compute = compute_dtype(dtype)
+    x, bias = random(shape, dtype, seed=28), random(shape[-1:], compute, seed=29)
+    residual = random(shape, compute, seed=30)
+    with poisoned_allocations():
+        out = bias_residual_add(_at_offset(x, offset), xp.asarray(bias),
+                                _at_offset(residual, offset))
+    assert out.dtype == compute
+    twin = bias_residual_add_numpy(x, bias, residual)
+    assert (asnumpy(out).astype(F64) == twin.astype(F64)).all()
+
+
+def _at_offset(host, offset):
+    """A C-contiguous device copy of `host` starting `offset` elements into its buffer."""
+    flat = xp.empty(host.size + offset, host.dtype)
+    view = flat[offset:].reshape(host.shape)
+    view[...] = xp.asarray(host)
+    return view
 
 
 @pytest.mark.gpu
