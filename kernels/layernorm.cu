@@ -6,6 +6,10 @@
 // weight and bias gradients, which are column sums the caller takes). x, w, b and dx have the
 // storage dtype T (so has `add`, an optional gradient summed into dx: the residual stream's);
 // y and g have O, which is T or (under autocast) a 16-bit dtype for an fp32 x.
+// Two forms of each: *_cached_vV_nN for rows that fit the block's registers (each thread holds
+// N vectors of V elements, read from memory once, moved as vectors: the launcher picks it when
+// cols is a multiple of V, at most BLOCK_THREADS V N, and every array is aligned for vectors),
+// and a streaming form for any row, one element at a time.
 #include "common.cuh"
 #include "block_reduce.cuh"
 
@@ -58,6 +62,111 @@ __device__ void layer_norm_backward(const O* g, const C* xhat, const C* rstd, co
     }
 }
 
+// The columns of thread j-th vector in a cached row: (j * blockDim.x + threadIdx.x) * V.
+#define FOR_EACH_VECTOR(j, col)                                                                  \
+    _Pragma("unroll") for (int j = 0, col = threadIdx.x * V; j < N;                              \
+                           ++j, col += blockDim.x * V) if (col < cols)
+
+template <typename T, typename O, typename C, int V, int N>
+__device__ void layer_norm_forward_cached(const T* x, const T* w, const T* b, O* y, C* xhat,
+                                          C* rstd, int cols, C eps)
+{
+    const long long start = blockIdx.x * (long long)cols;
+    C v[N][V];
+    C sum = 0;
+    FOR_EACH_VECTOR(j, col) {
+        const Pack<T, V> p = load_pack<V>(x + start + col);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            v[j][k] = widen<C>(p.v[k]);
+            sum += v[j][k];
+        }
+    }
+    const C mean = block_reduce(sum, Sum<C>()) / C(cols);
+    C squares = 0;
+    FOR_EACH_VECTOR(j, col) {
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            v[j][k] -= mean;
+            squares += v[j][k] * v[j][k];
+        }
+    }
+    const C r = C(1) / sqrt(block_reduce(squares, Sum<C>()) / C(cols) + eps);
+    FOR_EACH_VECTOR(j, col) {
+        Pack<C, V> h;
+        Pack<O, V> out;
+        Pack<T, V> wv, bv;
+        if (w)
+            wv = load_pack<V>(w + col);
+        if (b)
+            bv = load_pack<V>(b + col);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            h.v[k] = v[j][k] * r;
+            const C scaled = w ? h.v[k] * widen<C>(wv.v[k]) : h.v[k];
+            out.v[k] = static_cast<O>(b ? scaled + widen<C>(bv.v[k]) : scaled);
+        }
+        store_pack(xhat + start + col, h);
+        store_pack(y + start + col, out);
+    }
+    if (threadIdx.x == 0)
+        rstd[blockIdx.x] = r;
+}
+
+template <typename T, typename O, typename C, int V, int N>
+__device__ void layer_norm_backward_cached(const O* g, const C* xhat, const C* rstd, const T* w,
+                                           const T* add, T* dx, int cols)
+{
+    const long long start = blockIdx.x * (long long)cols;
+    C d[N][V], h[N][V];
+    C sum = 0, dot = 0;
+    FOR_EACH_VECTOR(j, col) {
+        const Pack<O, V> gv = load_pack<V>(g + start + col);
+        const Pack<C, V> hv = load_pack<V>(xhat + start + col);
+        Pack<T, V> wv;
+        if (w)
+            wv = load_pack<V>(w + col);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            d[j][k] = w ? widen<C>(gv.v[k]) * widen<C>(wv.v[k]) : widen<C>(gv.v[k]);
+            h[j][k] = hv.v[k];
+            sum += d[j][k];
+            dot += d[j][k] * h[j][k];
+        }
+    }
+    const C mean_d = block_reduce(sum, Sum<C>()) / C(cols);
+    const C mean_dh = block_reduce(dot, Sum<C>()) / C(cols);
+    const C r = rstd[blockIdx.x];
+    FOR_EACH_VECTOR(j, col) {
+        Pack<T, V> addv, out;
+        if (add)
+            addv = load_pack<V>(add + start + col);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            const C value = r * (d[j][k] - mean_d - h[j][k] * mean_dh);
+            out.v[k] = static_cast<T>(add ? value + widen<C>(addv.v[k]) : value);
+        }
+        store_pack(dx + start + col, out);
+    }
+}
+
+#define LAYER_NORM_CACHED_KERNELS(T, O, C, SUFFIX, V, N)                                         \
+    extern "C" __global__ void layer_norm_forward_cached_##SUFFIX##_v##V##_n##N(                \
+        const T* x, const T* w, const T* b, O* y, C* xhat, C* rstd, int cols, C eps)             \
+    {                                                                                            \
+        layer_norm_forward_cached<T, O, C, V, N>(x, w, b, y, xhat, rstd, cols, eps);             \
+    }                                                                                            \
+    extern "C" __global__ void layer_norm_backward_cached_##SUFFIX##_v##V##_n##N(               \
+        const O* g, const C* xhat, const C* rstd, const T* w, const T* add, T* dx, int cols)     \
+    {                                                                                            \
+        layer_norm_backward_cached<T, O, C, V, N>(g, xhat, rstd, w, add, dx, cols);              \
+    }
+// V: 16 bytes of the narrower of x and y per vector
+#define LAYER_NORM_ALL_KERNELS(T, O, C, SUFFIX, V)                                               \
+    LAYER_NORM_KERNELS(T, O, C, SUFFIX) LAYER_NORM_CACHED_KERNELS(T, O, C, SUFFIX, V, 1)         \
+    LAYER_NORM_CACHED_KERNELS(T, O, C, SUFFIX, V, 2)                                             \
+    LAYER_NORM_CACHED_KERNELS(T, O, C, SUFFIX, V, 4)
+
 #define LAYER_NORM_KERNELS(T, O, C, SUFFIX)                                                      \
     extern "C" __global__ void layer_norm_forward_##SUFFIX(const T* x, const T* w, const T* b,  \
                                                            O* y, C* xhat, C* rstd, int cols,     \
@@ -72,9 +181,9 @@ __device__ void layer_norm_backward(const O* g, const C* xhat, const C* rstd, co
         layer_norm_backward<T, O, C>(g, xhat, rstd, w, add, dx, cols);                           \
     }
 
-LAYER_NORM_KERNELS(float, float, float, f32)
-LAYER_NORM_KERNELS(double, double, double, f64)
-LAYER_NORM_KERNELS(__nv_bfloat16, __nv_bfloat16, float, bf16)
-LAYER_NORM_KERNELS(__half, __half, float, f16)
-LAYER_NORM_KERNELS(float, __nv_bfloat16, float, f32_bf16)
-LAYER_NORM_KERNELS(float, __half, float, f32_f16)
+LAYER_NORM_ALL_KERNELS(float, float, float, f32, 4)
+LAYER_NORM_ALL_KERNELS(double, double, double, f64, 2)
+LAYER_NORM_ALL_KERNELS(__nv_bfloat16, __nv_bfloat16, float, bf16, 8)
+LAYER_NORM_ALL_KERNELS(__half, __half, float, f16, 8)
+LAYER_NORM_ALL_KERNELS(float, __nv_bfloat16, float, f32_bf16, 8)
+LAYER_NORM_ALL_KERNELS(float, __half, float, f32_f16, 8)

@@ -11,10 +11,13 @@ rounding. weight and bias may be None; when given they have x's dtype and shape 
 import numpy
 
 from cupytp.backend import xp
-from cupytp.launchers import BLOCK_THREADS, check_lists, compute_dtype, dtype_suffix, get_kernel
-from cupytp.launchers import is_device_array
+from cupytp.launchers import (
+    BLOCK_THREADS, ceil_div, check_lists, compute_dtype, dtype_suffix, get_kernel, is_device_array,
+    vector_width)
 
 NULL = numpy.uint64(0)
+VECTOR = {"f32": 4, "f64": 2, "bf16": 8, "f16": 8, "f32_bf16": 8, "f32_f16": 8}  # see the .cu
+CACHED_VECTORS = (1, 2, 4)      # vectors per thread of the cached kernels
 
 
 def _check(x, weight, bias, dtype=None):
@@ -42,10 +45,11 @@ def layer_norm_forward(x, weight, bias, eps, out_dtype=None):
     xhat = xp.empty(x.shape, dtype=compute)
     rstd = xp.empty(x.shape[:-1] + (1,), dtype=compute)
     if rows:
-        kernel = get_kernel("layernorm.cu", f"layer_norm_forward_{_suffix(x.dtype, out_dtype)}")
-        kernel((rows,), (BLOCK_THREADS,), (x, NULL if weight is None else weight,
-                                           NULL if bias is None else bias, y, xhat, rstd,
-                                           numpy.int32(cols), compute.type(eps)))
+        name = _kernel("forward", _suffix(x.dtype, out_dtype), cols, (x, weight, bias, y, xhat))
+        get_kernel("layernorm.cu", name)(
+            (rows,), (BLOCK_THREADS,), (x, NULL if weight is None else weight,
+                                        NULL if bias is None else bias, y, xhat, rstd,
+                                        numpy.int32(cols), compute.type(eps)))
     return y, xhat, rstd
 
 
@@ -65,10 +69,22 @@ def layer_norm_backward(g, xhat, rstd, weight, dx_dtype=None, add=None):
     rows = g.size // cols if cols else 0
     dx = xp.empty(g.shape, dtype=dx_dtype)
     if rows:
-        kernel = get_kernel("layernorm.cu", f"layer_norm_backward_{_suffix(dx_dtype, g.dtype)}")
-        kernel((rows,), (BLOCK_THREADS,), (g, xhat, rstd, NULL if weight is None else weight,
-                                           NULL if add is None else add, dx, numpy.int32(cols)))
+        name = _kernel("backward", _suffix(dx_dtype, g.dtype), cols, (g, xhat, weight, add, dx))
+        get_kernel("layernorm.cu", name)(
+            (rows,), (BLOCK_THREADS,), (g, xhat, rstd, NULL if weight is None else weight,
+                                        NULL if add is None else add, dx, numpy.int32(cols)))
     return dx
+
+
+def _kernel(direction, suffix, cols, arrays):
+    """The cached form when the row fits the block's registers and every array is aligned for
+    its vectors, else the streaming form."""
+    vec = VECTOR[suffix]
+    per_thread = ceil_div(cols, BLOCK_THREADS * vec)
+    vectors = next((n for n in CACHED_VECTORS if n >= per_thread), None)
+    if vectors is None or vector_width(vec, cols, [a for a in arrays if a is not None]) != vec:
+        return f"layer_norm_{direction}_{suffix}"
+    return f"layer_norm_{direction}_cached_{suffix}_v{vec}_n{vectors}"
 
 
 def _suffix(dtype, out_dtype):

@@ -585,10 +585,15 @@ def test_layer_norm_twin_with_a_16_bit_output():
 @pytest.mark.skipif(not on_gpu, reason="needs a GPU")
 @pytest.mark.parametrize("dtype,out,tol", [("float32", None, 2e-5), ("float64", None, 1e-12),
                                            ("bf16", None, 3e-2), ("float32", "bf16", 3e-2)])
-@pytest.mark.parametrize("shape,affine", [((7, 5, 768), True), ((3, 1030), False), ((1, 33), True)])
-def test_layer_norm_kernel_matches_twin(dtype, out, tol, shape, affine):
-    from cupytp.launchers.layernorm import (layer_norm_backward, layer_norm_backward_numpy,
-                                          layer_norm_forward, layer_norm_forward_numpy)
+@pytest.mark.parametrize("shape,affine,form", [
+    ((7, 5, 768), True, "cached"), ((4, 2048), True, "cached"), ((2, 4096), False, "cached"),
+    ((3, 1030), False, "streaming"), ((1, 33), True, "streaming"),
+    ((2, 16384), True, "streaming")])
+def test_layer_norm_kernel_matches_twin(dtype, out, tol, shape, affine, form):
+    """Rows held in registers (1, 2 and 4 vectors per thread) and streamed (unaligned or long)."""
+    from cupytp.launchers.layernorm import (_kernel, _suffix, layer_norm_backward,
+                                          layer_norm_backward_numpy, layer_norm_forward,
+                                          layer_norm_forward_numpy)
     dtype = bfloat16 if dtype == "bf16" else numpy.dtype(dtype)
     out = bfloat16 if out == "bf16" else dtype
     rng = numpy.random.default_rng(9)
@@ -596,6 +601,10 @@ def test_layer_norm_kernel_matches_twin(dtype, out, tol, shape, affine):
     w, b = ((rng.standard_normal(shape[-1:]).astype(dtype) if affine else None)
             for _ in range(2))
     on = lambda a: None if a is None else xp.asarray(a)
+    if dtype == numpy.float64 and shape[-1] > 2048:
+        form = "streaming"          # 2 doubles per vector: 256 threads x 4 vectors hold 2048
+    name = _kernel("forward", _suffix(dtype, out), shape[-1], [on(x)])
+    assert ("cached" in name) == (form == "cached"), name
     y, xhat, rstd = layer_norm_forward(on(x), on(w), on(b), 1e-5, out)
     y_twin, xhat_twin, rstd_twin = layer_norm_forward_numpy(x, w, b, 1e-5, out)
     assert y.dtype == out
