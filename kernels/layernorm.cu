@@ -113,40 +113,67 @@ __device__ void layer_norm_forward_cached(const T* x, const T* w, const T* b, O*
         rstd[blockIdx.x] = r;
 }
 
+// The cached backward strides over rows (block b: rows b, b + gridDim.x, ...). With `partials`
+// it also sums the weight and bias gradients of its rows per column, g xhat and g, and writes
+// them to partials[blockIdx.x][0] and partials[blockIdx.x][1] ([gridDim.x, 2, cols], summed
+// over blocks by the caller).
 template <typename T, typename O, typename C, int V, int N>
 __device__ void layer_norm_backward_cached(const O* g, const C* xhat, const C* rstd, const T* w,
-                                           const T* add, T* dx, int cols)
+                                           const T* add, T* dx, C* partials, long long rows,
+                                           int cols)
 {
-    const long long start = blockIdx.x * (long long)cols;
-    C d[N][V], h[N][V];
-    C sum = 0, dot = 0;
-    FOR_EACH_VECTOR(j, col) {
-        const Pack<O, V> gv = load_pack<V>(g + start + col);
-        const Pack<C, V> hv = load_pack<V>(xhat + start + col);
-        Pack<T, V> wv;
-        if (w)
-            wv = load_pack<V>(w + col);
+    C d[N][V], h[N][V], dw[N][V], db[N][V];
 #pragma unroll
-        for (int k = 0; k < V; ++k) {
-            d[j][k] = w ? widen<C>(gv.v[k]) * widen<C>(wv.v[k]) : widen<C>(gv.v[k]);
-            h[j][k] = hv.v[k];
-            sum += d[j][k];
-            dot += d[j][k] * h[j][k];
+    for (int j = 0; j < N; ++j)
+#pragma unroll
+        for (int k = 0; k < V; ++k)
+            dw[j][k] = db[j][k] = 0;
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        const long long start = row * cols;
+        C sum = 0, dot = 0;
+        FOR_EACH_VECTOR(j, col) {
+            const Pack<O, V> gv = load_pack<V>(g + start + col);
+            const Pack<C, V> hv = load_pack<V>(xhat + start + col);
+            Pack<T, V> wv;
+            if (w)
+                wv = load_pack<V>(w + col);
+#pragma unroll
+            for (int k = 0; k < V; ++k) {
+                const C gk = widen<C>(gv.v[k]);
+                d[j][k] = w ? gk * widen<C>(wv.v[k]) : gk;
+                h[j][k] = hv.v[k];
+                sum += d[j][k];
+                dot += d[j][k] * h[j][k];
+                dw[j][k] += gk * h[j][k];
+                db[j][k] += gk;
+            }
+        }
+        const C mean_d = block_reduce(sum, Sum<C>()) / C(cols);
+        const C mean_dh = block_reduce(dot, Sum<C>()) / C(cols);
+        const C r = rstd[row];
+        FOR_EACH_VECTOR(j, col) {
+            Pack<T, V> addv, out;
+            if (add)
+                addv = load_pack<V>(add + start + col);
+#pragma unroll
+            for (int k = 0; k < V; ++k) {
+                const C value = r * (d[j][k] - mean_d - h[j][k] * mean_dh);
+                out.v[k] = static_cast<T>(add ? value + widen<C>(addv.v[k]) : value);
+            }
+            store_pack(dx + start + col, out);
         }
     }
-    const C mean_d = block_reduce(sum, Sum<C>()) / C(cols);
-    const C mean_dh = block_reduce(dot, Sum<C>()) / C(cols);
-    const C r = rstd[blockIdx.x];
+    if (!partials)
+        return;
     FOR_EACH_VECTOR(j, col) {
-        Pack<T, V> addv, out;
-        if (add)
-            addv = load_pack<V>(add + start + col);
+        Pack<C, V> wv, bv;
 #pragma unroll
         for (int k = 0; k < V; ++k) {
-            const C value = r * (d[j][k] - mean_d - h[j][k] * mean_dh);
-            out.v[k] = static_cast<T>(add ? value + widen<C>(addv.v[k]) : value);
+            wv.v[k] = dw[j][k];
+            bv.v[k] = db[j][k];
         }
-        store_pack(dx + start + col, out);
+        store_pack(partials + 2LL * blockIdx.x * cols + col, wv);
+        store_pack(partials + (2LL * blockIdx.x + 1) * cols + col, bv);
     }
 }
 
@@ -157,9 +184,11 @@ __device__ void layer_norm_backward_cached(const O* g, const C* xhat, const C* r
         layer_norm_forward_cached<T, O, C, V, N>(x, w, b, y, xhat, rstd, cols, eps);             \
     }                                                                                            \
     extern "C" __global__ void layer_norm_backward_cached_##SUFFIX##_v##V##_n##N(               \
-        const O* g, const C* xhat, const C* rstd, const T* w, const T* add, T* dx, int cols)     \
+        const O* g, const C* xhat, const C* rstd, const T* w, const T* add, T* dx, C* partials,  \
+        long long rows, int cols)                                                                \
     {                                                                                            \
-        layer_norm_backward_cached<T, O, C, V, N>(g, xhat, rstd, w, add, dx, cols);              \
+        layer_norm_backward_cached<T, O, C, V, N>(g, xhat, rstd, w, add, dx, partials, rows,     \
+                                                  cols);                                         \
     }
 // V: 16 bytes of the narrower of x and y per vector
 #define LAYER_NORM_ALL_KERNELS(T, O, C, SUFFIX, V)                                               \

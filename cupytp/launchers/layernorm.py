@@ -6,7 +6,10 @@ result); xhat (the normalized input) and rstd (per row) in the compute dtype (fl
 for float64), kept for `layer_norm_backward(g, xhat, rstd, weight, dx_dtype=None, add=None)` → dx in
 `dx_dtype` (g's by default: x's, when g has y's 16-bit dtype), plus `add` (a gradient of x from
 elsewhere, dx's dtype and shape: the residual stream's) summed in the same pass before the one
-rounding. weight and bias may be None; when given they have x's dtype and shape (C,).
+rounding. weight and bias may be None; when given they have x's dtype and shape (C,). With
+`param_grads=True` it returns (dx, the weight's gradient, the bias's): the column sums of g xhat
+and of g in the compute dtype, summed by the kernel in the same pass where the row fits its
+registers (partial sums of `PARAM_GRAD_BLOCKS` blocks, then `column_sum`).
 """
 import numpy
 
@@ -14,8 +17,10 @@ from cupytp.backend import xp
 from cupytp.launchers import (
     BLOCK_THREADS, ceil_div, check_lists, compute_dtype, dtype_suffix, get_kernel, is_device_array,
     vector_width)
+from cupytp.launchers.column_sum import column_sum
 
 NULL = numpy.uint64(0)
+PARAM_GRAD_BLOCKS = 256     # blocks (partial sums per column) of a backward that sums them
 VECTOR = {"f32": 4, "f64": 2, "bf16": 8, "f16": 8, "f32_bf16": 8, "f32_f16": 8}  # see the .cu
 CACHED_VECTORS = (1, 2, 4)      # vectors per thread of the cached kernels
 
@@ -53,13 +58,13 @@ def layer_norm_forward(x, weight, bias, eps, out_dtype=None):
     return y, xhat, rstd
 
 
-def layer_norm_backward(g, xhat, rstd, weight, dx_dtype=None, add=None):
+def layer_norm_backward(g, xhat, rstd, weight, dx_dtype=None, add=None, param_grads=False):
     dx_dtype = numpy.dtype(dx_dtype or g.dtype)
     if add is not None and (add.dtype != dx_dtype or add.shape != g.shape):
         raise ValueError(f"layer_norm_backward: add must have dx's dtype {dx_dtype} and shape "
                          f"{g.shape}, got {add.dtype} {add.shape}")
     if not is_device_array(g):
-        return layer_norm_backward_numpy(g, xhat, rstd, weight, dx_dtype, add)
+        return layer_norm_backward_numpy(g, xhat, rstd, weight, dx_dtype, add, param_grads)
     _check(g, weight, None, dx_dtype)
     check_lists(xhat=[xhat])
     check_lists(rstd=[rstd])
@@ -68,12 +73,24 @@ def layer_norm_backward(g, xhat, rstd, weight, dx_dtype=None, add=None):
     cols = g.shape[-1]
     rows = g.size // cols if cols else 0
     dx = xp.empty(g.shape, dtype=dx_dtype)
-    if rows:
-        name = _kernel("backward", _suffix(dx_dtype, g.dtype), cols, (g, xhat, weight, add, dx))
+    name = _kernel("backward", _suffix(dx_dtype, g.dtype), cols, (g, xhat, weight, add, dx))
+    args = (g, xhat, rstd, NULL if weight is None else weight, NULL if add is None else add, dx)
+    sums = None
+    if rows and "cached" in name:
+        blocks = min(rows, PARAM_GRAD_BLOCKS) if param_grads else rows
+        partials = xp.empty((blocks, 2 * cols), xhat.dtype) if param_grads else None
         get_kernel("layernorm.cu", name)(
-            (rows,), (BLOCK_THREADS,), (g, xhat, rstd, NULL if weight is None else weight,
-                                        NULL if add is None else add, dx, numpy.int32(cols)))
-    return dx
+            (blocks,), (BLOCK_THREADS,),
+            args + (NULL if partials is None else partials, numpy.int64(rows), numpy.int32(cols)))
+        sums = column_sum(partials) if param_grads else None
+    elif rows:
+        get_kernel("layernorm.cu", name)((rows,), (BLOCK_THREADS,), args + (numpy.int32(cols),))
+    if not param_grads:
+        return dx
+    if sums is None:
+        sums = xp.concatenate([column_sum(g, xhat, dtype=xhat.dtype),
+                               column_sum(g, dtype=xhat.dtype)])
+    return dx, sums[:cols], sums[cols:]
 
 
 def _kernel(direction, suffix, cols, arrays):
@@ -109,10 +126,17 @@ def layer_norm_forward_numpy(x, weight, bias, eps, out_dtype=None):
     return y.astype(out_dtype or x.dtype), xhat, rstd.astype(compute)
 
 
-def layer_norm_backward_numpy(g, xhat, rstd, weight, dx_dtype=None, add=None):
+def layer_norm_backward_numpy(g, xhat, rstd, weight, dx_dtype=None, add=None,
+                              param_grads=False):
     compute = xhat.dtype
-    d = g.astype(compute) * weight.astype(compute) if weight is not None else g.astype(compute)
+    gc = g.astype(compute)
+    d = gc * weight.astype(compute) if weight is not None else gc
     dx = rstd * (d - d.mean(axis=-1, keepdims=True)
                  - xhat * (d * xhat).mean(axis=-1, keepdims=True))
     dx = dx if add is None else dx + add.astype(compute)
-    return dx.astype(dx_dtype or g.dtype)
+    dx = dx.astype(dx_dtype or g.dtype)
+    if not param_grads:
+        return dx
+    cols = g.shape[-1]
+    return (dx, (gc * xhat).reshape(-1, cols).sum(axis=0),
+            gc.reshape(-1, cols).sum(axis=0))

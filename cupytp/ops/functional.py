@@ -109,26 +109,22 @@ def layer_norm(x, weight, bias, eps=1e-5):
         gl = xp.ascontiguousarray(g._local).astype(out_dtype, copy=False)
         fused = given is not None and given.placements == g.placements and \
             given.dtype == x_dtype and given._local.flags.c_contiguous
-        grad_x = make(layer_norm_backward(gl, xhat, rstd, w_local, x_dtype,
-                                          given._local if fused else None),
-                      layout.mesh, layout.shape, g.placements)
+        params = weight is not None or bias is not None
+        dx = layer_norm_backward(gl, xhat, rstd, w_local, x_dtype,
+                                 given._local if fused else None, param_grads=params)
+        grad_w = grad_b = None
+        if params:          # column sums over the leading (maybe sharded) dims: Partial there
+            dx, dw, db = dx
+            summed = leading_sum_placements(g.placements, g.ndim)
+            grad_w, grad_b = (None if p is None else make(
+                local.astype(p.dtype, copy=False), p.mesh, p.shape, summed)
+                for p, local in ((weight, dw), (bias, db)))
+        grad_x = make(dx, layout.mesh, layout.shape, g.placements)
         if given is not None and not fused:
             grad_x = grad_x + given
-        grad_w = None
-        if weight is not None:
-            grad_w = _column_grad(gl, xhat, weight, g.placements)
-        grad_b = _column_grad(gl, None, bias, g.placements) if bias is not None else None
         return grad_x, grad_w, grad_b
     # sums_first: the residual stream's gradient from the block's addition joins dx in-kernel
     return engine.record(out, (x, weight, bias), backward, "layer_norm", sums_first=True)
-
-
-def _column_grad(g, xhat, param, placements):
-    """The gradient of a LayerNorm weight (xhat given) or bias: the column sum of g (times
-    xhat), Partial over the ranks that split the summed dimensions."""
-    from cupytp.launchers.column_sum import column_sum
-    return make(column_sum(g, xhat, dtype=param.dtype), param.mesh, param.shape,
-                leading_sum_placements(placements, g.ndim))
 
 
 def _as_index(op, index, like):

@@ -544,6 +544,19 @@ def test_layer_norm_twin_against_float64_formula():
                            - layer_norm_forward_numpy(minus, w, b, 1e-5)[0]) * g).sum() / (2 * eps)
     numpy.testing.assert_allclose(layer_norm_backward_numpy(g, xhat, rstd, w), numeric,
                                   rtol=1e-6, atol=1e-8)
+    # the weight and bias gradients: finite differences of the same loss
+    dx, dw, db = layer_norm_backward_numpy(g, xhat, rstd, w, param_grads=True)
+    numpy.testing.assert_array_equal(dx, layer_norm_backward_numpy(g, xhat, rstd, w))
+    for param, grad in ((w, dw), (b, db)):
+        numeric = numpy.zeros_like(param)
+        for i in range(param.size):
+            values = []
+            for step in (eps, -eps):
+                param[i] += step
+                values.append((layer_norm_forward_numpy(x, w, b, 1e-5)[0] * g).sum())
+                param[i] -= step
+            numeric[i] = (values[0] - values[1]) / (2 * eps)
+        numpy.testing.assert_allclose(grad, numeric, rtol=1e-6, atol=1e-8)
 
 
 def test_layer_norm_twin_sums_a_given_gradient_before_rounding():
@@ -587,10 +600,12 @@ def test_layer_norm_twin_with_a_16_bit_output():
                                            ("bf16", None, 3e-2), ("float32", "bf16", 3e-2)])
 @pytest.mark.parametrize("shape,affine,form", [
     ((7, 5, 768), True, "cached"), ((4, 2048), True, "cached"), ((2, 4096), False, "cached"),
+    ((600, 256), True, "cached"),
     ((3, 1031), False, "streaming"), ((1, 33), True, "streaming"),
     ((2, 16384), True, "streaming")])
 def test_layer_norm_kernel_matches_twin(dtype, out, tol, shape, affine, form):
-    """Rows held in registers (1, 2 and 4 vectors per thread) and streamed (unaligned or long)."""
+    """Rows held in registers (1, 2 and 4 vectors per thread; more rows than the backward's
+    blocks) and streamed (unaligned or long)."""
     from cupytp.launchers.layernorm import (_kernel, _suffix, layer_norm_backward,
                                           layer_norm_backward_numpy, layer_norm_forward,
                                           layer_norm_forward_numpy)
@@ -620,3 +635,12 @@ def test_layer_norm_kernel_matches_twin(dtype, out, tol, shape, affine, form):
                                       layer_norm_backward_numpy(g, xhat_twin, rstd_twin, w, dtype,
                                                                 given).astype(numpy.float64),
                                       rtol=tol, atol=tol)
+    # with the weight and bias gradients summed in the same pass (sums over many rows)
+    grads = layer_norm_backward(on(g), xp.asarray(xhat_twin), xp.asarray(rstd_twin), on(w), dtype,
+                                on(add), param_grads=True)
+    twins = layer_norm_backward_numpy(g, xhat_twin, rstd_twin, w, dtype, add, param_grads=True)
+    scale = max(1.0, numpy.sqrt(x.size // shape[-1]))
+    for got, want, unit in zip(grads, twins, (1.0, scale, scale)):
+        assert got.dtype == want.dtype
+        numpy.testing.assert_allclose(asnumpy(got).astype(numpy.float64) / unit,
+                                      want.astype(numpy.float64) / unit, rtol=tol, atol=tol)
