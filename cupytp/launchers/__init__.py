@@ -53,6 +53,12 @@ def is_device_array(array):
     return on_gpu and isinstance(array, xp.ndarray)
 
 
+@functools.cache
+def multiprocessors():
+    """The number of streaming multiprocessors of the current GPU."""
+    return xp.cuda.Device().attributes["MultiProcessorCount"]
+
+
 def vector_width(width, cols, arrays):
     """`width` when every row start of the [rows, cols] row-major `arrays` is aligned for vectors
     of `width` elements (cols a multiple of it, each base address of its vector size), else 1."""
