@@ -20,8 +20,9 @@ from cupytp.launchers import (
 from cupytp.launchers.column_sum import column_sum
 
 NULL = numpy.uint64(0)
-PARAM_GRAD_BLOCKS_PER_SM = 4  # blocks (partial sums per column) of a backward that sums them:
-                              # on an H200, 40 us at [4096, 2048] against 49 with 2 per SM, 46 with 8
+# blocks (partial sums per column) of a backward that sums the parameter gradients; on an H200,
+# 40 us at [4096, 2048] against 49 with 2 per multiprocessor and 46 with 8
+PARAM_GRAD_BLOCKS_PER_SM = 4
 VECTOR = {"f32": 4, "f64": 2, "bf16": 8, "f16": 8, "f32_bf16": 8, "f32_f16": 8}  # see the .cu
 CACHED_VECTORS = (1, 2, 4)      # vectors per thread of the cached kernels
 

@@ -7,7 +7,8 @@ redistribute to call.
 from cupytp.ops import methods  # noqa: F401  (DTensor's operators and math methods)
 from cupytp.ops.conversion import ShardingError
 from cupytp.ops.elementwise import (
-    add, astype, bias_gelu, bias_residual_add, div, exp, gelu, log, masked_fill, mul, neg, pow, sqrt, sub, tanh)
+    add, astype, bias_gelu, bias_residual_add, div, exp, gelu, log, masked_fill, mul, neg, pow,
+    sqrt, sub, tanh)
 from cupytp.ops.amp import autocast
 from cupytp.ops.linalg import einsum, matmul
 from cupytp.ops.functional import (
