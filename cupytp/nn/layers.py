@@ -87,6 +87,7 @@ class DColumnLinear(DLinear):
         self.gather_output = gather_output
 
     def forward(self, x):
+        """x @ weight + bias, Shard(-1) (all-gathered with `gather_output`)."""
         y = super().forward(x)
         if self.gather_output:
             y = y.redistribute((Replicated(),) * y.mesh.ndim)
