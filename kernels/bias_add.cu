@@ -13,12 +13,7 @@ template <typename T, typename C, typename B, typename R, int V>
 __device__ __forceinline__ void bias_rows(const T* x, const B* b, const R* r, R* out,
                                           long long rows, int cols)
 {
-    const int col = V * (blockIdx.x * blockDim.x + threadIdx.x);
-    if (col >= cols)
-        return;
-    const Pack<B, V> bias = load_pack<V>(b + col);
-    FOR_EACH_ROW(row) {
-        const long long at = row * cols + col;
+    for_each_row_vector<V>(b, rows, cols, [&](long long at, const Pack<B, V>& bias) {
         const Pack<T, V> xv = load_pack<V>(x + at);
         Pack<R, V> sum;
         if (r) {
@@ -33,7 +28,7 @@ __device__ __forceinline__ void bias_rows(const T* x, const B* b, const R* r, R*
                 sum.v[k] = static_cast<R>(widen<C>(xv.v[k]) + widen<C>(bias.v[k]));
         }
         store_pack(out + at, sum);
-    }
+    });
 }
 
 #define BIAS_ADD_KERNEL(T, C, SUFFIX, V)                                                         \

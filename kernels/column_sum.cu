@@ -14,11 +14,8 @@ template <typename T, typename C, typename O, int V>
 __device__ void column_sum(const T* x, const C* y, O* partials, long long rows, int cols)
 {
     __shared__ C lanes[CUPYTP_BLOCK_THREADS * V];
-    const int col = V * (blockIdx.x * blockDim.x + threadIdx.x);
-    C sum[V];
-#pragma unroll
-    for (int k = 0; k < V; ++k)
-        sum[k] = 0;
+    const int col = vector_column<V>();
+    C sum[V] = {};
     if (col < cols) {
         FOR_EACH_ROW(row) {
             const long long at = row * cols + col;
@@ -35,12 +32,7 @@ __device__ void column_sum(const T* x, const C* y, O* partials, long long rows, 
             }
         }
     }
-    sum_over_row_lanes<C, V>(sum, lanes);
-    if (threadIdx.y != 0 || col >= cols)
-        return;
-#pragma unroll
-    for (int k = 0; k < V; ++k)
-        partials[(long long)blockIdx.y * cols + col + k] = static_cast<O>(sum[k]);
+    store_column_sums<C, V>(sum, lanes, partials, cols);
 }
 
 #define COLUMN_SUM_KERNEL(T, C, SUFFIX, V)                                                       \

@@ -51,18 +51,42 @@ __device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& x)
     for (long long row = blockIdx.y * blockDim.y + threadIdx.y; row < rows;                      \
          row += (long long)gridDim.y * blockDim.y)
 
-// Column sums across a block's row lanes: adds the V sums of every thread (threadIdx.x, y) into
-// those of thread (threadIdx.x, 0), in the order of y. `scratch` (shared) holds
-// blockDim.x * blockDim.y * V values; every thread of the block calls this.
-template <typename C, int V>
-__device__ __forceinline__ void sum_over_row_lanes(C (&sum)[V], C* scratch)
+// The first of the V consecutive columns that thread x of a row kernel owns.
+template <int V>
+__device__ __forceinline__ int vector_column()
+{
+    return V * (blockIdx.x * blockDim.x + threadIdx.x);
+}
+
+// Calls body(at, b) for each of the thread's rows (FOR_EACH_ROW): `at` the index of the
+// thread's first column in that row, `b` the V values of `bias` (cols,) at its columns. Threads
+// past the last column return at once.
+template <int V, typename B, typename Body>
+__device__ __forceinline__ void for_each_row_vector(const B* bias, long long rows, int cols,
+                                                    Body body)
+{
+    const int col = vector_column<V>();
+    if (col >= cols)
+        return;
+    const Pack<B, V> b = load_pack<V>(bias + col);
+    FOR_EACH_ROW(row)
+        body(row * cols + col, b);
+}
+
+// A block's column sums: adds the V sums of every thread (threadIdx.x, y) into those of thread
+// (threadIdx.x, 0), in the order of y, which writes them to partials[blockIdx.y][its columns]
+// (rounded to O). `scratch` (shared) holds blockDim.x * blockDim.y * V values; every thread of
+// the block calls this.
+template <typename C, int V, typename O>
+__device__ __forceinline__ void store_column_sums(C (&sum)[V], C* scratch, O* partials, int cols)
 {
     C* mine = scratch + (threadIdx.y * blockDim.x + threadIdx.x) * V;
 #pragma unroll
     for (int k = 0; k < V; ++k)
         mine[k] = sum[k];
     __syncthreads();
-    if (threadIdx.y != 0)
+    const int col = vector_column<V>();
+    if (threadIdx.y != 0 || col >= cols)
         return;
     for (int lane = 1; lane < blockDim.y; ++lane) {
         const C* other = scratch + (lane * blockDim.x + threadIdx.x) * V;
@@ -70,4 +94,7 @@ __device__ __forceinline__ void sum_over_row_lanes(C (&sum)[V], C* scratch)
         for (int k = 0; k < V; ++k)
             sum[k] += other[k];
     }
+#pragma unroll
+    for (int k = 0; k < V; ++k)
+        partials[(long long)blockIdx.y * cols + col + k] = static_cast<O>(sum[k]);
 }

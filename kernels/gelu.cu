@@ -50,19 +50,14 @@ __device__ void gelu_backward(const T* x, const T* dy, T* dx, long long n)
 template <typename T, typename C, int V>
 __device__ void bias_gelu_forward(const T* x, const C* bias, T* y, long long rows, int cols)
 {
-    const int col = V * (blockIdx.x * blockDim.x + threadIdx.x);
-    if (col >= cols)
-        return;
-    const Pack<C, V> b = load_pack<V>(bias + col);
-    FOR_EACH_ROW(row) {
-        const long long at = row * cols + col;
+    for_each_row_vector<V>(bias, rows, cols, [&](long long at, const Pack<C, V>& b) {
         const Pack<T, V> xv = load_pack<V>(x + at);
         Pack<T, V> out;
 #pragma unroll
         for (int k = 0; k < V; ++k)
             out.v[k] = static_cast<T>(gelu_value(widen<C>(xv.v[k]) + b.v[k]));
         store_pack(y + at, out);
-    }
+    });
 }
 
 template <typename T, typename C, int V>
@@ -70,32 +65,19 @@ __device__ void bias_gelu_backward(const T* x, const C* bias, const T* dy, T* dx
                                    long long rows, int cols)
 {
     __shared__ C lanes[CUPYTP_BLOCK_THREADS * V];  // the threads' sums, reduced over threadIdx.y
-    const int col = V * (blockIdx.x * blockDim.x + threadIdx.x);
-    C sum[V];
+    C sum[V] = {};
+    for_each_row_vector<V>(bias, rows, cols, [&](long long at, const Pack<C, V>& b) {
+        const Pack<T, V> xv = load_pack<V>(x + at), dyv = load_pack<V>(dy + at);
+        Pack<T, V> out;
 #pragma unroll
-    for (int k = 0; k < V; ++k)
-        sum[k] = 0;
-    if (col < cols) {
-        const Pack<C, V> b = load_pack<V>(bias + col);
-        FOR_EACH_ROW(row) {
-            const long long at = row * cols + col;
-            const Pack<T, V> xv = load_pack<V>(x + at), dyv = load_pack<V>(dy + at);
-            Pack<T, V> out;
-#pragma unroll
-            for (int k = 0; k < V; ++k) {
-                const C d = widen<C>(dyv.v[k]) * gelu_slope(widen<C>(xv.v[k]) + b.v[k]);
-                out.v[k] = static_cast<T>(d);
-                sum[k] += d;
-            }
-            store_pack(dx + at, out);
+        for (int k = 0; k < V; ++k) {
+            const C d = widen<C>(dyv.v[k]) * gelu_slope(widen<C>(xv.v[k]) + b.v[k]);
+            out.v[k] = static_cast<T>(d);
+            sum[k] += d;
         }
-    }
-    sum_over_row_lanes<C, V>(sum, lanes);
-    if (threadIdx.y != 0 || col >= cols)
-        return;
-#pragma unroll
-    for (int k = 0; k < V; ++k)
-        partials[(long long)blockIdx.y * cols + col + k] = sum[k];
+        store_pack(dx + at, out);
+    });
+    store_column_sums<C, V>(sum, lanes, partials, cols);
 }
 
 #define GELU_KERNELS(T, C, SUFFIX)                                                               \

@@ -52,7 +52,9 @@ def layer_norm_forward(x, weight, bias, eps, out_dtype=None):
     xhat = xp.empty(x.shape, dtype=compute)
     rstd = xp.empty(x.shape[:-1] + (1,), dtype=compute)
     if rows:
-        name = _kernel("forward", _suffix(x.dtype, out_dtype), cols, (x, weight, bias, y, xhat))
+        suffix = _suffix(x.dtype, out_dtype)
+        name = _cached_kernel("forward", suffix, cols, (x, weight, bias, y, xhat)) or \
+            f"layer_norm_forward_{suffix}"
         get_kernel("layernorm.cu", name)(
             (rows,), (BLOCK_THREADS,), (x, NULL if weight is None else weight,
                                         NULL if bias is None else bias, y, xhat, rstd,
@@ -75,35 +77,35 @@ def layer_norm_backward(g, xhat, rstd, weight, dx_dtype=None, add=None, param_gr
     cols = g.shape[-1]
     rows = g.size // cols if cols else 0
     dx = xp.empty(g.shape, dtype=dx_dtype)
-    name = _kernel("backward", _suffix(dx_dtype, g.dtype), cols, (g, xhat, weight, add, dx))
+    suffix = _suffix(dx_dtype, g.dtype)
     args = (g, xhat, rstd, NULL if weight is None else weight, NULL if add is None else add, dx)
-    sums = None
-    if rows and "cached" in name:
-        blocks = min(rows, PARAM_GRAD_BLOCKS_PER_SM * multiprocessors()) if param_grads \
-            else rows
-        partials = xp.empty((blocks, 2 * cols), xhat.dtype) if param_grads else None
-        get_kernel("layernorm.cu", name)(
-            (blocks,), (BLOCK_THREADS,),
-            args + (NULL if partials is None else partials, numpy.int64(rows), numpy.int32(cols)))
-        sums = column_sum(partials) if param_grads else None
-    elif rows:
-        get_kernel("layernorm.cu", name)((rows,), (BLOCK_THREADS,), args + (numpy.int32(cols),))
+    cached = _cached_kernel("backward", suffix, cols, (g, xhat, weight, add, dx))
+    if cached is None or not rows:       # streaming: the parameter gradients by column sums
+        if rows:
+            get_kernel("layernorm.cu", f"layer_norm_backward_{suffix}")(
+                (rows,), (BLOCK_THREADS,), args + (numpy.int32(cols),))
+        if not param_grads:
+            return dx
+        return dx, column_sum(g, xhat, dtype=xhat.dtype), column_sum(g, dtype=xhat.dtype)
+    blocks = min(rows, PARAM_GRAD_BLOCKS_PER_SM * multiprocessors()) if param_grads else rows
+    partials = xp.empty((blocks, 2 * cols), xhat.dtype) if param_grads else None
+    get_kernel("layernorm.cu", cached)(
+        (blocks,), (BLOCK_THREADS,),
+        args + (NULL if partials is None else partials, numpy.int64(rows), numpy.int32(cols)))
     if not param_grads:
         return dx
-    if sums is None:
-        sums = xp.concatenate([column_sum(g, xhat, dtype=xhat.dtype),
-                               column_sum(g, dtype=xhat.dtype)])
+    sums = column_sum(partials)
     return dx, sums[:cols], sums[cols:]
 
 
-def _kernel(direction, suffix, cols, arrays):
-    """The cached form when the row fits the block's registers and every array is aligned for
-    its vectors, else the streaming form."""
+def _cached_kernel(direction, suffix, cols, arrays):
+    """The name of the cached form when the row fits the block's registers and every array is
+    aligned for its vectors, else None (the streaming form serves)."""
     vec = VECTOR[suffix]
     per_thread = ceil_div(cols, BLOCK_THREADS * vec)
     vectors = next((n for n in CACHED_VECTORS if n >= per_thread), None)
     if vectors is None or vector_width(vec, cols, [a for a in arrays if a is not None]) != vec:
-        return f"layer_norm_{direction}_{suffix}"
+        return None
     return f"layer_norm_{direction}_cached_{suffix}_v{vec}_n{vectors}"
 
 

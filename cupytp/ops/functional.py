@@ -116,9 +116,11 @@ def layer_norm(x, weight, bias, eps=1e-5):
         if params:          # column sums over the leading (maybe sharded) dims: Partial there
             dx, dw, db = dx
             summed = leading_sum_placements(g.placements, g.ndim)
-            grad_w, grad_b = (None if p is None else make(
-                local.astype(p.dtype, copy=False), p.mesh, p.shape, summed)
-                for p, local in ((weight, dw), (bias, db)))
+            if weight is not None:
+                grad_w = make(dw.astype(weight.dtype, copy=False), weight.mesh, weight.shape,
+                              summed)
+            if bias is not None:
+                grad_b = make(db.astype(bias.dtype, copy=False), bias.mesh, bias.shape, summed)
         grad_x = make(dx, layout.mesh, layout.shape, g.placements)
         if given is not None and not fused:
             grad_x = grad_x + given

@@ -398,13 +398,20 @@ def test_column_sum_kernel_matches_twin(dtype, shape, offset):
                      numpy.asarray(expected).astype(F64) / scale, kind)
 
 
-@pytest.mark.gpu
-@requires_gpu
-@pytest.mark.parametrize("dtype", [F32, F64, bfloat16, F16], ids=dtype_suffix)
-@pytest.mark.parametrize("shape", [(1, 1), (5, 7, 33), (8, 1024, 2304)])
-@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "unaligned"])
+def bias_row_cases(test):
+    """The bias kernels' GPU cases: dtypes, shapes (vector and scalar paths) and an offset of one
+    element that leaves no row start aligned."""
+    for mark in reversed((pytest.mark.gpu, requires_gpu,
+                          pytest.mark.parametrize("dtype", [F32, F64, bfloat16, F16],
+                                                  ids=dtype_suffix),
+                          pytest.mark.parametrize("shape", [(1, 1), (5, 7, 33), (8, 1024, 2304)]),
+                          pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "unaligned"]))):
+        test = mark(test)
+    return test
+
+
+@bias_row_cases
 def test_bias_add_kernel_matches_twin_and_cupy(dtype, shape, offset):
-    """Vector and scalar paths: an offset of one element leaves no row start aligned."""
     x, bias = random(shape, dtype, seed=26), random(shape[-1:], dtype, seed=27)
     with poisoned_allocations():
         y = bias_add(_at_offset(x, offset), xp.asarray(bias))
@@ -412,11 +419,7 @@ def test_bias_add_kernel_matches_twin_and_cupy(dtype, shape, offset):
     assert (y == xp.asarray(x) + xp.asarray(bias)).all()          # bit-identical to CuPy's
 
 
-@pytest.mark.gpu
-@requires_gpu
-@pytest.mark.parametrize("dtype", [F32, F64, bfloat16, F16], ids=dtype_suffix)
-@pytest.mark.parametrize("shape", [(1, 1), (5, 7, 33), (8, 1024, 2304)])
-@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "unaligned"])
+@bias_row_cases
 def test_bias_residual_add_kernel_matches_twin(dtype, shape, offset):
     compute = compute_dtype(dtype)
     x, bias = random(shape, dtype, seed=28), random(shape[-1:], compute, seed=29)
