@@ -97,7 +97,7 @@ def main():
         backward = time.perf_counter()
         clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
+        optimizer.zero_grad()
         phases.append((forward - start, backward - forward, time.perf_counter() - backward))
         cpu.append(time.process_time() - cpu_start)
         return loss

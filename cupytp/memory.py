@@ -477,9 +477,13 @@ class Allocation:
         self.pool, self.block = pool, block
 
     def __del__(self):
-        if _origins is not None:
-            _origins.pop(self.block.address, None)
-        self.pool.free(self.block)
+        _give_back_block(self.pool, self.block)
+
+
+def _give_back_block(pool, block):
+    if _origins is not None:
+        _origins.pop(block.address, None)
+    pool.free(block)
 
 
 def record_origins(enabled=True):
@@ -522,14 +526,19 @@ def current_pool():
 
 def allocate(nbytes, stream=0):
     """An `Allocation` of `nbytes` on `stream` from the current pool."""
+    return Allocation(*_take(nbytes, stream))
+
+
+def _take(nbytes, stream):
+    """(the current pool, a block of `nbytes` on `stream` from it)."""
     pool = current_pool()
     if pool is None:
         raise RuntimeError("no memory pool is in use: cupytp.init() installs one on a GPU "
                            "(unless CUPYTP_ALLOCATOR=cupy); on the CPU, use set_default_pool()")
-    allocation = Allocation(pool, pool.malloc(nbytes, stream))
+    block = pool.malloc(nbytes, stream)
     if _origins is not None:
-        _origins[allocation.block.address] = (allocation.block.size, _where())
-    return allocation
+        _origins[block.address] = (block.size, _where())
+    return pool, block
 
 
 @contextlib.contextmanager
@@ -600,15 +609,24 @@ def uninstall():
 
 
 def _cupy_allocator(cupy, device_id):
-    """CuPy's allocator function: the memory of each array is an Allocation from the current
-    pool on the current stream, owned by the array (given back when CuPy drops it)."""
-    memory_pointer, unowned_memory = cupy.cuda.MemoryPointer, cupy.cuda.memory.UnownedMemory
+    """CuPy's allocator function: the memory of each array is a block of the current pool on
+    the current stream, held by a `PooledMemory` (CuPy's BaseMemory) that gives the block back
+    when CuPy drops it: one object per allocation besides CuPy's MemoryPointer."""
+    memory_pointer = cupy.cuda.MemoryPointer
     current_stream = cupy.cuda.get_current_stream
 
+    class PooledMemory(cupy.cuda.memory.BaseMemory):
+        __slots__ = ("pool", "block")
+
+        def __del__(self):
+            _give_back_block(self.pool, self.block)
+
     def allocate_for_cupy(nbytes):
-        allocation = allocate(nbytes, current_stream().ptr)
-        return memory_pointer(
-            unowned_memory(allocation.block.address, nbytes, allocation, device_id), 0)
+        pool, block = _take(nbytes, current_stream().ptr)
+        memory = PooledMemory()
+        memory.ptr, memory.size, memory.device_id = block.address, nbytes, device_id
+        memory.pool, memory.block = pool, block
+        return memory_pointer(memory, 0)
 
     return allocate_for_cupy
 

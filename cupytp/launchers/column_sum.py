@@ -38,10 +38,13 @@ def column_sum(x, y=None, dtype=None):
     operands = (x,) if y is None else (x, y)
     vec = vector_width(VECTOR_BYTES // x.itemsize, cols, operands)
     row_blocks = max(1, min(ceil_div(rows, ROW_LANES * ROWS_PER_THREAD), MAX_ROW_BLOCKS))
-    partials = xp.empty((row_blocks, cols), dtype=compute)
+    one_pass = row_blocks == 1 and out.dtype == compute   # the one partial sum is the result
+    partials = out if one_pass else xp.empty((row_blocks, cols), dtype=compute)
     get_kernel("column_sum.cu", f"column_sum_{suffix}_v{vec}")(
         (ceil_div(cols // vec, LANES), row_blocks), (LANES, ROW_LANES),
         (x, NULL if y is None else y, partials, numpy.int64(rows), numpy.int32(cols)))
+    if one_pass:
+        return out.astype(dtype, copy=False)
     vec = vector_width(VECTOR_BYTES // partials.itemsize, cols, (partials, out))
     finish = f"column_sum_finish_{suffix}" if out.dtype == x.dtype else \
         f"column_sum_{dtype_suffix(compute)}"

@@ -1,5 +1,6 @@
-"""Matrix products through cuBLAS (`cublasGemmStridedBatchedEx`), called directly rather than
-through CuPy's wrappers, which refuse to run while a stream is being captured into a CUDA graph.
+"""Matrix products through cuBLAS (`cublasGemmEx`, `cublasGemmStridedBatchedEx`): through CuPy's
+bindings, and called directly (ctypes) while a stream is being captured into a CUDA graph, where
+CuPy's bindings refuse to run. A `Product` holds one product's arguments, worked out once.
 
 `matmul(a, b)`: a (..., M, K), b (K, N) or (..., K, N) with the same batch dims, one float dtype
 (float64, float32, bfloat16 or float16); either may be a transposed view of a C-contiguous array
@@ -24,6 +25,7 @@ _COMPUTE_32F, _COMPUTE_64F, _COMPUTE_32F_FAST_TF32 = 68, 70, 74
 _OP_N, _OP_T = 0, 1
 _GEMM_DEFAULT = -1
 
+_kept = []      # the host scalars whose addresses `_scalars` hands out
 _TYPES = {numpy.dtype(numpy.float32): _CUDA_R_32F, numpy.dtype(numpy.float64): _CUDA_R_64F,
           numpy.dtype(numpy.float16): _CUDA_R_16F, backend.bfloat16: _CUDA_R_16BF}
 
@@ -67,19 +69,26 @@ def _cublas():
         ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_longlong,
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_longlong,
         ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.cublasGemmEx.argtypes = [
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     return lib
 
 
 @functools.cache
 def _scalars(dtype):
-    """(alpha, beta, compute type) for `dtype`; alpha and beta live as long as the process."""
+    """(address of alpha, address of beta, compute type) for `dtype`: host scalars that live
+    as long as the process (kept by this cache)."""
     if dtype == numpy.float64:
         one, zero, compute = numpy.ones(1), numpy.zeros(1), _COMPUTE_64F
     else:
         tf32 = dtype == numpy.float32 and os.environ.get("CUPY_TF32", "0") == "1"
         one, zero = numpy.ones(1, numpy.float32), numpy.zeros(1, numpy.float32)
         compute = _COMPUTE_32F_FAST_TF32 if tf32 else _COMPUTE_32F
-    return one, zero, compute
+    _kept.extend((one, zero))
+    return one.ctypes.data, zero.ctypes.data, compute
 
 
 def _operand(x):
@@ -97,44 +106,95 @@ def matmul(a, b, out_dtype=None, shape=None):
     """a @ b, written as `out_dtype` (see the module docstring). `shape`: the result's shape when
     it is to be a reshape of (..., M, N) (same elements in the same order), made with that shape
     rather than as a view of another array (so nothing else holds its memory)."""
-    out_dtype = _out_dtype(a.dtype, b.dtype, out_dtype)
-    if a.shape[-1] != b.shape[-2] or (b.ndim > 2 and b.shape[:-2] != a.shape[:-2]):
-        raise ValueError(f"gemm.matmul: shapes {a.shape} and {b.shape} do not multiply")
-    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
-    batch = a.shape[:-2]
-    count = math.prod(batch)
-    shape = batch + (m, n) if shape is None else tuple(shape)
-    if math.prod(shape) != count * m * n:
-        raise ValueError(f"gemm.matmul: the product of {a.shape} and {b.shape} has "
-                         f"{count * m * n} elements, not the {math.prod(shape)} of shape {shape}")
+    out_dtype, shape = _checked(a, b, out_dtype, shape)
     if not is_device_array(a):
         return matmul_numpy(a, b, out_dtype).reshape(shape)
     xp = backend.xp
-    out = xp.empty(shape, dtype=out_dtype)
-    if out.size == 0:
-        return out
-    if k == 0:
-        out[...] = 0
-        return out
+    if not math.prod(shape):
+        return xp.empty(shape, dtype=out_dtype)
+    if a.shape[-1] == 0:
+        return xp.zeros(shape, dtype=out_dtype)
     a_mem, a_t = _operand(a)
     b_mem, b_t = _operand(b)
-    if b.ndim == 2 and not a_t:           # fold the batch into M: one plain GEMM
-        m, count = m * count, 1
-    # row-major C = A B is column-major Cᵀ = Bᵀ Aᵀ: cuBLAS gets B first
-    lda = k if b_t else n
-    ldb = m if a_t else k
-    kind = _TYPES[a.dtype]
-    alpha, beta, compute = _scalars(a.dtype)
-    lib = _cublas()
-    handle = xp.cuda.device.get_cublas_handle()
-    _check(lib.cublasSetStream_v2(handle, xp.cuda.get_current_stream().ptr))
-    _check(lib.cublasGemmStridedBatchedEx(
-        handle, _OP_T if b_t else _OP_N, _OP_T if a_t else _OP_N, n, m, k,
-        alpha.ctypes.data, b_mem.data.ptr, kind, lda, 0 if b.ndim == 2 else k * n,
-        a_mem.data.ptr, kind, ldb, m * k,
-        beta.ctypes.data, out.data.ptr, _TYPES[out_dtype], n, m * n, count, compute,
-        _GEMM_DEFAULT))
-    return out
+    return Product(a, b, a_t, b_t, out_dtype, shape).run(a_mem.data.ptr, b_mem.data.ptr)
+
+
+def product(a, b, out_dtype=None, shape=None):
+    """The `Product` that computes `matmul(a, b, out_dtype, shape)` for any arrays of a's and
+    b's shapes, strides and dtypes, reading them in place (from a.data.ptr and b.data.ptr), or
+    None when it cannot: an operand that is neither contiguous nor a transposed contiguous
+    array, an empty product or K = 0 (`matmul` handles those)."""
+    out_dtype, shape = _checked(a, b, out_dtype, shape)
+    if not math.prod(shape) or a.shape[-1] == 0:
+        return None
+    flags = []
+    for x in (a, b):
+        if not (x.flags.c_contiguous or backend.xp.swapaxes(x, -1, -2).flags.c_contiguous):
+            return None
+        flags.append(not x.flags.c_contiguous)
+    return Product(a, b, flags[0], flags[1], out_dtype, shape)
+
+
+def _checked(a, b, out_dtype, shape):
+    """(output dtype, output shape) of a @ b after checking the operands."""
+    out_dtype = _out_dtype(a.dtype, b.dtype, out_dtype)
+    if a.shape[-1] != b.shape[-2] or (b.ndim > 2 and b.shape[:-2] != a.shape[:-2]):
+        raise ValueError(f"gemm.matmul: shapes {a.shape} and {b.shape} do not multiply")
+    m, n = a.shape[-2], b.shape[-1]
+    count = math.prod(a.shape[:-2])
+    shape = a.shape[:-2] + (m, n) if shape is None else tuple(shape)
+    if math.prod(shape) != count * m * n:
+        raise ValueError(f"gemm.matmul: the product of {a.shape} and {b.shape} has "
+                         f"{count * m * n} elements, not the {math.prod(shape)} of shape {shape}")
+    return out_dtype, shape
+
+
+class Product:
+    """One cuBLAS product with its arguments worked out once: `run(a_ptr, b_ptr)` multiplies
+    the row-major operands at those addresses (a transposed when `a_t`, i.e. its memory holds
+    aᵀ contiguously; b likewise) into a new array of `shape` and `out_dtype`. A product with a
+    2-D b folds a's batch into M: one plain GEMM."""
+    __slots__ = ("shape", "out_dtype", "batched", "head", "middle", "tail")
+
+    def __init__(self, a, b, a_t, b_t, out_dtype, shape):
+        m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+        count = math.prod(a.shape[:-2])
+        if b.ndim == 2 and not a_t:
+            m, count = m * count, 1
+        # row-major C = A B is column-major Cᵀ = Bᵀ Aᵀ: cuBLAS gets B first
+        lda, ldb = (k if b_t else n), (m if a_t else k)
+        kind = _TYPES[a.dtype]
+        alpha, beta, compute = _scalars(a.dtype)
+        self.shape, self.out_dtype, self.batched = shape, out_dtype, count > 1
+        self.head = (_OP_T if b_t else _OP_N, _OP_T if a_t else _OP_N, n, m, k, alpha)
+        if self.batched:
+            self.middle = ((kind, lda, 0 if b.ndim == 2 else k * n), (kind, ldb, m * k), beta)
+            self.tail = (_TYPES[out_dtype], n, m * n, count, compute, _GEMM_DEFAULT)
+        else:
+            self.middle = ((kind, lda), (kind, ldb), beta)
+            self.tail = (_TYPES[out_dtype], n, compute, _GEMM_DEFAULT)
+
+    def run(self, a_ptr, b_ptr):
+        out = backend.xp.empty(self.shape, dtype=self.out_dtype)
+        b_args, a_args, beta = self.middle
+        args = self.head + (b_ptr,) + b_args + (a_ptr,) + a_args + (beta, out.data.ptr) + \
+            self.tail
+        handle = backend.xp.cuda.device.get_cublas_handle()
+        try:        # CuPy's binding (the cheaper call) refuses to run inside a stream capture
+            (_cupy_cublas().gemmStridedBatchedEx if self.batched else _cupy_cublas().gemmEx)(
+                handle, *args)
+        except NotImplementedError:
+            lib = _cublas()
+            _check(lib.cublasSetStream_v2(handle, backend.xp.cuda.get_current_stream().ptr))
+            _check((lib.cublasGemmStridedBatchedEx if self.batched else lib.cublasGemmEx)(
+                handle, *args))
+        return out
+
+
+@functools.cache
+def _cupy_cublas():
+    from cupy_backends.cuda.libs import cublas
+    return cublas
 
 
 def _check(status):

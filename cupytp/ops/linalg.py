@@ -114,12 +114,18 @@ def _tensordot(x, y, axes_x, axes_y, out_dtype=None):
     orders are copied."""
     if not backend.on_gpu and x.dtype.itemsize != 2:
         return backend.xp.tensordot(x, y, axes=(axes_x, axes_y))
+    a, b, shape = _tensordot_operands(x, y, axes_x, axes_y)
+    return _matmul(a, b, out_dtype, shape)
+
+
+def _tensordot_operands(x, y, axes_x, axes_y):
+    """(x as a matrix, y as a matrix, the result's shape) of tensordot as one matmul."""
     keep_x = [d for d in range(x.ndim) if d not in axes_x]
     keep_y = [d for d in range(y.ndim) if d not in axes_y]
     inner = math.prod(x.shape[d] for d in axes_x)
-    return _matmul(_as_matrix(x, list(axes_x), contracted_last=True, inner=inner),
-                   _as_matrix(y, list(axes_y), contracted_last=False, inner=inner), out_dtype,
-                   tuple([x.shape[d] for d in keep_x] + [y.shape[d] for d in keep_y]))
+    return (_as_matrix(x, list(axes_x), contracted_last=True, inner=inner),
+            _as_matrix(y, list(axes_y), contracted_last=False, inner=inner),
+            tuple([x.shape[d] for d in keep_x] + [y.shape[d] for d in keep_y]))
 
 
 def _as_matrix(v, axes, contracted_last, inner):
@@ -162,20 +168,66 @@ def _contraction(sa, sb, out):
 def _local_einsum(sa, sb, out, x, y, out_dtype=None):
     """The local contraction through BLAS: a tensordot when nothing shared is kept, a (batched,
     possibly transposed or swapped) matmul; einsum only for anything else. `out_dtype`: a wider
-    float dtype to write the result in (float32 sums of 16-bit operands unrounded)."""
+    float dtype to write the result in (float32 sums of 16-bit operands unrounded). On the GPU a
+    contraction that reads both operands in place runs the cuBLAS product planned for its
+    signature (spec, shapes, strides, dtypes) the first time it was seen."""
+    if backend.on_gpu:
+        key = (sa, sb, out, x.shape, x.strides, y.shape, y.strides, x.dtype, y.dtype, out_dtype)
+        planned = _products.get(key)
+        if planned is None:
+            if len(_products) >= 4096:
+                _products.clear()
+            planned = _products[key] = _plan_product(sa, sb, out, x, y, out_dtype)
+        if planned:
+            product, swap, perm = planned
+            result = product.run(*((y.data.ptr, x.data.ptr) if swap else
+                                   (x.data.ptr, y.data.ptr)))
+            return result if perm is None else backend.xp.transpose(result, perm)
     xp = backend.xp
     plan = _contraction(sa, sb, out)
-    wide = out_dtype if out_dtype is not None and out_dtype != x.dtype else None
+    wide = _wide(x, out_dtype)
     if plan[0] == "einsum" or (wide is not None and (wide != xp.float32 or x.dtype.itemsize != 2)):
         result = xp.einsum(f"{sa},{sb}->{out}", x, y) if plan[0] == "einsum" else \
             _local_einsum(sa, sb, out, x, y)
         return result if wide is None else result.astype(wide)
     first, second = (y, x) if plan[1] else (x, y)
     if plan[0] == "matmul":
-        return _matmul(xp.swapaxes(first, -1, -2) if plan[2] else first,
-                       xp.swapaxes(second, -1, -2) if plan[3] else second, wide)
+        return _matmul(*_matmul_operands(plan, first, second), wide)
     result = _tensordot(first, second, plan[2], plan[3], wide)
     return result if plan[4] is None else xp.transpose(result, plan[4])
+
+
+_products = {}      # contraction signature -> (gemm.Product, swap, permutation) or False
+
+
+def _wide(x, out_dtype):
+    return out_dtype if out_dtype is not None and out_dtype != x.dtype else None
+
+
+def _matmul_operands(plan, first, second):
+    xp = backend.xp
+    return (xp.swapaxes(first, -1, -2) if plan[2] else first,
+            xp.swapaxes(second, -1, -2) if plan[3] else second)
+
+
+def _plan_product(sa, sb, out, x, y, out_dtype):
+    """(gemm.Product, swap, output permutation) running `sa,sb->out` on arrays like x and y
+    with one cuBLAS call reading both in place, else False (the general path serves)."""
+    from cupytp.launchers.gemm import product
+    plan = _contraction(sa, sb, out)
+    wide = _wide(x, out_dtype)
+    if plan[0] == "einsum" or x.dtype != y.dtype or (
+            wide is not None and (wide != backend.xp.float32 or x.dtype.itemsize != 2)):
+        return False
+    first, second = (y, x) if plan[1] else (x, y)
+    if plan[0] == "matmul":
+        a, b, shape, perm = *_matmul_operands(plan, first, second), None, None
+    else:
+        (a, b, shape), perm = _tensordot_operands(first, second, plan[2], plan[3]), plan[4]
+    if a.data.ptr != first.data.ptr or b.data.ptr != second.data.ptr:
+        return False                # an operand was copied: not read in place
+    made = product(a, b, wide, shape)
+    return False if made is None else (made, plan[1], perm)
 
 
 def _operand(spec, x, targets, operands):

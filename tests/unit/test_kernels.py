@@ -469,6 +469,36 @@ def test_gemm_writes_the_shape_asked():
         matmul(a, b, shape=(5, 7))
 
 
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("spec,shape_a,shape_b,transposed", [
+    ("btc,cd->btd", (2, 5, 8), (8, 6), False),               # batch folded into M
+    ("btd,cd->btc", (2, 5, 6), (8, 6), False),               # the second operand transposed
+    ("btc,btd->cd", (2, 5, 8), (2, 5, 6), False),            # leading contracted axes
+    ("bhtd,bhsd->bhts", (2, 3, 5, 4), (2, 3, 7, 4), False),  # batched products
+    ("btc,cd->btd", (2, 5, 8), (8, 6), True),                # a transposed view read in place
+    ("td,dt->", (3, 4), (4, 3), False),                      # a full contraction to a scalar
+])
+@pytest.mark.parametrize("out_dtype", [None, F32])
+def test_planned_contraction_matches_the_general_path(spec, shape_a, shape_b, transposed,
+                                                      out_dtype):
+    from cupytp.ops import linalg
+    a, b = _bf16(shape_a, 7), _bf16(shape_b, 8)
+    da, db = xp.asarray(a), xp.asarray(b)
+    if transposed:
+        db = xp.swapaxes(xp.ascontiguousarray(xp.swapaxes(db, -1, -2)), -1, -2)
+    (sa, sb), out = spec.split("->")[0].split(","), spec.split("->")[1]
+    linalg._products.clear()
+    first = linalg._local_einsum(sa, sb, out, da, db, out_dtype)      # plans, then runs
+    assert len(linalg._products) == 1
+    second = linalg._local_einsum(sa, sb, out, da, db, out_dtype)     # the planned product
+    assert second.dtype == first.dtype == (out_dtype or bfloat16)
+    numpy.testing.assert_array_equal(asnumpy(second), asnumpy(first))
+    exact = numpy.einsum(spec, a.astype(numpy.float64), b.astype(numpy.float64))
+    numpy.testing.assert_allclose(asnumpy(second).astype(numpy.float64), exact, rtol=2e-2,
+                                  atol=2e-2)
+
+
 # ---- causal softmax ---------------------------------------------------------------------------
 def _masked_softmax_reference(x, scale):
     """Independent float64 reference: -inf above the causal diagonal, then softmax."""
