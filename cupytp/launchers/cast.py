@@ -9,6 +9,7 @@ rows are contiguous (any row pitch: a block of columns of a wider array). Four e
 thread with vector loads and stores where every row start allows it: a strided bf16 <-> fp32
 copy at memory bandwidth, where CuPy's elementwise copy indexes every element.
 """
+import functools
 import math
 
 import numpy
@@ -63,8 +64,31 @@ def converted(array, dtype):
         with numpy.errstate(over="ignore"):     # out-of-range values become inf, as on GPUs
             return array.astype(dtype)
     out = xp.empty(array.shape, dtype)
-    assign(out.reshape(-1), array.reshape(-1))
+    flat = _flat_launch(array.size, array.dtype, out.dtype,
+                        array.data.ptr % (VECTOR * array.itemsize) == 0)
+    if flat is None:
+        assign(out.reshape(-1), array.reshape(-1))
+    else:
+        kernel, grid, pitch, rows = flat
+        kernel(grid, (THREADS,), (array, pitch, out, pitch, pitch, rows, numpy.int32(0)))
     return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _flat_launch(size, src_dtype, dst_dtype, aligned):
+    """(kernel, grid, pitch, rows) of `cast_rows` over `size` contiguous elements as one row
+    (`aligned`: the source's address allows vectors; the new destination's always does), or
+    None for a pair the kernel is not built for or no elements."""
+    try:
+        pair = (dtype_suffix(src_dtype), dtype_suffix(dst_dtype))
+    except ValueError:
+        return None
+    if pair not in PAIRS or not size:
+        return None
+    vec = VECTOR if aligned and size % VECTOR == 0 else 1
+    grid = (min(ceil_div(size // vec, THREADS), MAX_BLOCKS),)
+    return (get_kernel("cast.cu", f"cast_rows_{pair[0]}_{pair[1]}_v{vec}"), grid,
+            numpy.int64(size), numpy.int64(1))
 
 
 def cast_rows(dst, src, add=False):

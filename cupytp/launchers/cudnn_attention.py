@@ -72,8 +72,8 @@ def attention_forward(q, k, v, causal, scale, dropout=None):
     b, h, t, d = q.shape
     o = like_output(q)
     stats = xp.empty((b, h, t, 1), dtype=xp.float32)
-    graph, tensors, workspace = _forward_graph(*_geometry(q, k, v, o), causal, float(scale))
-    _execute(graph, tensors, (q, k, v, o, stats), workspace)
+    graph, uids, workspace = _forward_graph(*_geometry(q, k, v, o), causal, float(scale))
+    _execute(graph, uids, (q, k, v, o, stats), workspace)
     return o, stats.reshape(b, h, t)
 
 
@@ -84,9 +84,9 @@ def attention_backward(q, k, v, o, lse, do, causal, scale, dropout=None, grads=N
     o, do = _laid_out(o), _laid_out(do)     # one layout for both, as the graph wants
     check_lse(lse, q)
     stats = xp.ascontiguousarray(lse).reshape(b, h, t, 1)
-    graph, tensors, workspace = _backward_graph(*_geometry(q, k, v, o, do, dq, dk, dv), causal,
-                                                float(scale))
-    _execute(graph, tensors, (q, k, v, o, do, stats, dq, dk, dv), workspace)
+    graph, uids, workspace = _backward_graph(*_geometry(q, k, v, o, do, dq, dk, dv), causal,
+                                             float(scale))
+    _execute(graph, uids, (q, k, v, o, do, stats, dq, dk, dv), workspace)
     return dq, dk, dv
 
 
@@ -106,16 +106,24 @@ def _laid_out(a):
 
 
 def _geometry(*arrays):
-    """(dtype, ((shape, element strides), ...)): the hashable key of a graph."""
-    return arrays[0].dtype, tuple((a.shape, tuple(s // a.itemsize for s in a.strides))
-                                  for a in arrays)
+    """(dtype, ((shape, byte strides), ...)): the hashable key of a graph."""
+    return arrays[0].dtype, tuple([(a.shape, a.strides) for a in arrays])
 
 
-def _execute(graph, tensors, arrays, workspace_size):
+def _in_elements(dtype, layouts):
+    """The layouts of a `_geometry` key with strides in elements, as cuDNN takes them."""
+    size = dtype.itemsize
+    return tuple((shape, tuple(s // size for s in strides)) for shape, strides in layouts)
+
+
+def _execute(graph, uids, arrays, workspace_size):
+    """Run `graph` on `arrays` (bare addresses in the order of `uids`: the frontend's cheapest
+    form of a call)."""
     cudnn, handle = _frontend(False)
     cudnn.set_stream(handle=handle, stream=xp.cuda.get_current_stream().ptr)
     workspace = xp.empty(max(workspace_size, 1), dtype=xp.uint8)
-    graph.execute(dict(zip(tensors, arrays)), workspace, handle=handle)
+    graph.execute(tuple([a.data.ptr for a in arrays]), workspace.data.ptr, handle=handle,
+                  tensor_uids=uids)
 
 
 def _new_graph(dtype):
@@ -154,17 +162,19 @@ def _stats_layout(q_layout):
 
 @functools.cache
 def _forward_graph(dtype, layouts, causal, scale):
+    layouts = _in_elements(dtype, layouts)
     cudnn, graph, tensor, io = _new_graph(dtype)
     q, k, v = (tensor(name, layout) for name, layout in zip("qkv", layouts))
     o, stats = graph.sdpa(name="sdpa", q=q, k=k, v=v, generate_stats=True, attn_scale=scale,
                           **_mask(cudnn, causal))
     workspace = _finish(cudnn, graph, [(o, layouts[3], io),
                                        (stats, _stats_layout(layouts[0]), cudnn.data_type.FLOAT)])
-    return graph, (q, k, v, o, stats), workspace
+    return graph, _uids(q, k, v, o, stats), workspace
 
 
 @functools.cache
 def _backward_graph(dtype, layouts, causal, scale):
+    layouts = _in_elements(dtype, layouts)
     cudnn, graph, tensor, io = _new_graph(dtype)
     q, k, v, o, do = (tensor(name, layout) for name, layout in zip(("q", "k", "v", "o", "do"),
                                                                     layouts))
@@ -173,4 +183,8 @@ def _backward_graph(dtype, layouts, causal, scale):
                                      stats=stats, attn_scale=scale, **_mask(cudnn, causal))
     workspace = _finish(cudnn, graph, [(grad, layout, io)
                                        for grad, layout in zip((dq, dk, dv), layouts[5:])])
-    return graph, (q, k, v, o, do, stats, dq, dk, dv), workspace
+    return graph, _uids(q, k, v, o, do, stats, dq, dk, dv), workspace
+
+
+def _uids(*tensors):
+    return tuple(tensor.get_uid() for tensor in tensors)

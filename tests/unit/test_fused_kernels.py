@@ -224,9 +224,12 @@ def test_cast_rows_numpy_writes_and_adds_into_a_block_of_columns(src_dtype, dst_
 @pytest.mark.parametrize("src_dtype,dst_dtype", CAST_PAIRS + [(F64, F32), (F32, F64)],
                          ids=lambda d: dtype_suffix(d))
 def test_converted_is_astype_bit_for_bit(src_dtype, dst_dtype):
-    """On either backend, the kernel's pairs and the rest alike, and for strided arrays."""
+    """On either backend, the kernel's pairs and the rest alike, for strided arrays, and for
+    contiguous ones with and without vector alignment."""
     host = random((7, 130), src_dtype, seed=34, scale=100.0)
-    for array in (xp.asarray(host), xp.asarray(host)[:, ::3]):
+    flat = xp.asarray(random((1028,), src_dtype, seed=35, scale=100.0))
+    for array in (xp.asarray(host), xp.asarray(host)[:, ::3], flat[:1024].reshape(8, 128),
+                  flat[1:1025]):
         got = converted(array, dst_dtype)
         assert got.dtype == dst_dtype and got.shape == array.shape
         assert (asnumpy(got).astype(F64) == asnumpy(array.astype(dst_dtype)).astype(F64)).all()
