@@ -91,15 +91,12 @@ def _scalars(dtype):
     return one.ctypes.data, zero.ctypes.data, compute
 
 
-def _operand(x):
-    """(array with C-contiguous memory, transposed?) for one operand."""
-    xp = backend.xp
+def _transposed(x):
+    """False for a C-contiguous x, True for a transposed C-contiguous array (the last two axes
+    swapped), which cuBLAS reads in place; None for anything else."""
     if x.flags.c_contiguous:
-        return x, False
-    swapped = xp.swapaxes(x, -1, -2)
-    if swapped.flags.c_contiguous:
-        return swapped, True
-    return xp.ascontiguousarray(x), False
+        return False
+    return True if backend.xp.swapaxes(x, -1, -2).flags.c_contiguous else None
 
 
 def matmul(a, b, out_dtype=None, shape=None):
@@ -114,9 +111,12 @@ def matmul(a, b, out_dtype=None, shape=None):
         return xp.empty(shape, dtype=out_dtype)
     if a.shape[-1] == 0:
         return xp.zeros(shape, dtype=out_dtype)
-    a_mem, a_t = _operand(a)
-    b_mem, b_t = _operand(b)
-    return Product(a, b, a_t, b_t, out_dtype, shape).run(a_mem.data.ptr, b_mem.data.ptr)
+    a_t, b_t = _transposed(a), _transposed(b)
+    if a_t is None:
+        a, a_t = xp.ascontiguousarray(a), False
+    if b_t is None:
+        b, b_t = xp.ascontiguousarray(b), False
+    return Product(a, b, a_t, b_t, out_dtype, shape).run(a.data.ptr, b.data.ptr)
 
 
 def product(a, b, out_dtype=None, shape=None):
@@ -127,12 +127,10 @@ def product(a, b, out_dtype=None, shape=None):
     out_dtype, shape = _checked(a, b, out_dtype, shape)
     if not math.prod(shape) or a.shape[-1] == 0:
         return None
-    flags = []
-    for x in (a, b):
-        if not (x.flags.c_contiguous or backend.xp.swapaxes(x, -1, -2).flags.c_contiguous):
-            return None
-        flags.append(not x.flags.c_contiguous)
-    return Product(a, b, flags[0], flags[1], out_dtype, shape)
+    a_t, b_t = _transposed(a), _transposed(b)
+    if a_t is None or b_t is None:
+        return None
+    return Product(a, b, a_t, b_t, out_dtype, shape)
 
 
 def _checked(a, b, out_dtype, shape):

@@ -186,7 +186,7 @@ def _local_einsum(sa, sb, out, x, y, out_dtype=None):
     xp = backend.xp
     plan = _contraction(sa, sb, out)
     wide = _wide(x, out_dtype)
-    if plan[0] == "einsum" or (wide is not None and (wide != xp.float32 or x.dtype.itemsize != 2)):
+    if _not_one_product(plan, x, wide):
         result = xp.einsum(f"{sa},{sb}->{out}", x, y) if plan[0] == "einsum" else \
             _local_einsum(sa, sb, out, x, y)
         return result if wide is None else result.astype(wide)
@@ -204,6 +204,13 @@ def _wide(x, out_dtype):
     return out_dtype if out_dtype is not None and out_dtype != x.dtype else None
 
 
+def _not_one_product(plan, x, wide):
+    """True for a contraction that is not one BLAS product of x's dtype: an einsum, or a wider
+    output other than the float32 sums of 16-bit operands."""
+    return plan[0] == "einsum" or (
+        wide is not None and (wide != backend.xp.float32 or x.dtype.itemsize != 2))
+
+
 def _matmul_operands(plan, first, second):
     xp = backend.xp
     return (xp.swapaxes(first, -1, -2) if plan[2] else first,
@@ -216,8 +223,7 @@ def _plan_product(sa, sb, out, x, y, out_dtype):
     from cupytp.launchers.gemm import product
     plan = _contraction(sa, sb, out)
     wide = _wide(x, out_dtype)
-    if plan[0] == "einsum" or x.dtype != y.dtype or (
-            wide is not None and (wide != backend.xp.float32 or x.dtype.itemsize != 2)):
+    if _not_one_product(plan, x, wide) or x.dtype != y.dtype:
         return False
     first, second = (y, x) if plan[1] else (x, y)
     if plan[0] == "matmul":
