@@ -189,7 +189,11 @@ class DMLP(Module):
         self.dropout = Dropout(dropout)
 
     def forward(self, x, residual=None):
-        """The MLP of x, plus `residual` when given (joined with c_proj's bias)."""
+        """The MLP of x, plus `residual` when given (joined with c_proj's bias; one fused op,
+        `ops.mlp_residual`, when both biases are there and no dropout is in effect)."""
+        if residual is not None and _fusable(self.c_fc, self.c_proj, self.dropout):
+            return ops.mlp_residual(x, residual, self.c_fc.weight, self.c_fc.bias,
+                                    self.c_proj.weight, self.c_proj.bias)
         h = ops.matmul(x, self.c_fc.weight, reduce_input_grad=True)  # (B, T, 4C/tp)
         h = ops.gelu(h) if self.c_fc.bias is None else ops.bias_gelu(h, self.c_fc.bias)
         return project(self.c_proj, self.dropout, h, residual)
@@ -221,17 +225,27 @@ class DAttention(Module):
         check_heads(self)
 
     def forward(self, x, residual=None):
-        """Attention over x, plus `residual` when given (joined with c_proj's bias)."""
+        """Attention over x, plus `residual` when given (joined with c_proj's bias; one fused
+        op, `ops.attention_residual`, when both biases are there and the output has no
+        dropout)."""
         b, t, c = x.shape
         h = self.num_heads
-        qkv = self.c_attn(x).reshape(b, t, 3, h, c // h)            # (B, T, 3, H/tp, D)
         p = self.attn_dropout.p if self.training else 0.0
+        if residual is not None and _fusable(self.c_attn, self.c_proj, self.resid_dropout):
+            return ops.attention_residual(x, residual, self.c_attn.weight, self.c_attn.bias,
+                                          self.c_proj.weight, self.c_proj.bias, h, p)
+        qkv = self.c_attn(x).reshape(b, t, 3, h, c // h)            # (B, T, 3, H/tp, D)
         y = ops.packed_attention(qkv, causal=True, dropout_p=p)      # (B, T, H/tp, D)
         y = y.reshape(b, t, c)                                       # (B, T, C/tp)
         return project(self.c_proj, self.resid_dropout, y, residual)
 
     def parallel_plan(self):
         return {"c_attn": "heads", "c_proj": "rowwise"}
+
+
+def _fusable(first, proj, dropout):
+    """True when a sublayer (first layer → proj → dropout) may run as one fused op."""
+    return first.bias is not None and proj.bias is not None and not dropout.active
 
 
 def project(proj, dropout, x, residual):

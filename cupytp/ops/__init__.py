@@ -14,6 +14,7 @@ from cupytp.ops.linalg import einsum, matmul
 from cupytp.ops.functional import (
     causal_softmax, cross_entropy, dropout, embedding, layer_norm, log_softmax,
     packed_attention, scaled_dot_product_attention, softmax, take_along_last)
+from cupytp.ops.fused import attention_residual, fusion, mlp_residual
 from cupytp.ops.reduction import broadcast_to, max, mean, sum, sum_to_shape
 from cupytp.ops.shape import (
     concat, getitem, permute, reshape, split, stack, transpose, unsqueeze)
@@ -27,5 +28,5 @@ __all__ = [
     "cross_entropy", "dropout", "embedding", "layer_norm", "log_softmax", "packed_attention",
     "scaled_dot_product_attention", "softmax", "take_along_last", "broadcast_to", "max", "mean",
     "sum", "sum_to_shape", "concat", "getitem", "permute", "reshape", "split", "stack",
-    "transpose", "unsqueeze",
+    "transpose", "unsqueeze", "attention_residual", "fusion", "mlp_residual",
 ]

@@ -89,3 +89,19 @@ def autocast_operand(x):
     cast = astype(x, dtype)
     _state.cache[key] = (x, x._local, cast)
     return cast
+
+
+def operand_dtype(x):
+    """The dtype a contraction reads `x` in: the autocast dtype where x is cast, else x's."""
+    return _state.dtype if _wants_cast(x, _state.dtype) else x.dtype
+
+
+def autocast_local(x):
+    """The local array a contraction reads for `x`, recording nothing (a fused op records its
+    inputs themselves): inside `autocast` x's cast (a parameter's made once per region, as
+    `master_cast`'s), else x's own array."""
+    dtype = _state.dtype
+    if not _wants_cast(x, dtype):
+        return x._local
+    cast = master_cast(x)
+    return converted(x._local, dtype) if cast is None else cast._local

@@ -106,11 +106,11 @@ def apply(op, fn, operands, linear, backward_fn=None, saves=True):
 
 # ---- binary -------------------------------------------------------------------------------------
 def add(a, b):
-    return apply("add", _add_local, [a, b], LINEAR_JOINTLY, lambda g, a, b, out: (g, g),
+    return apply("add", add_local, [a, b], LINEAR_JOINTLY, lambda g, a, b, out: (g, g),
                  saves=False)
 
 
-def _add_local(x, y):
+def add_local(x, y):
     """x + y; a bias over the trailing dimensions of a GPU array (a linear layer's (C,), the
     q|k|v projection's (3, C)) goes through the bias_add kernel (the same sum, without CuPy's
     broadcast indexing)."""
@@ -132,11 +132,11 @@ def bias_residual_add(y, bias, residual):
     if bias.ndim != 1 or bias.shape[0] != y.shape[-1]:
         raise ValueError(f"bias_residual_add: bias must have shape ({y.shape[-1]},) (y's last "
                          f"dimension), got {bias.shape}")
-    return apply("bias_residual_add", _bias_residual_local, [residual, y, bias], LINEAR_JOINTLY,
+    return apply("bias_residual_add", bias_residual_local, [residual, y, bias], LINEAR_JOINTLY,
                  lambda g, residual, y, bias, out: (g, g, g), saves=False)
 
 
-def _bias_residual_local(residual, y, bias):
+def bias_residual_local(residual, y, bias):
     if bias_add.residual_applies(y, bias, residual):
         return bias_add.bias_residual_add(y, bias, residual)
     return residual + (y + bias)

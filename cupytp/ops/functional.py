@@ -376,7 +376,7 @@ def _flash_attention(q, k, v, causal, dropout_p, generator):
     same_mesh("scaled_dot_product_attention", inputs)
     placements = _attention_placements(q, k, v)
     q, k, v = (convert("scaled_dot_product_attention", x, placements, inputs) for x in inputs)
-    kernels, scale, drop = _attention_setup(q._local, k._local, dropout_p, generator,
+    kernels, scale, drop = attention_setup(q._local, k._local, dropout_p, generator,
                                             q.shape[:3] + k.shape[2:3], q.layout.offsets[:2])
     o, lse = kernels.attention_forward(q._local, k._local, v._local, causal, scale, drop)
     out = make(o, q.mesh, q.shape, placements)                   # (B, H/tp, T, D)
@@ -391,7 +391,7 @@ def _flash_attention(q, k, v, causal, dropout_p, generator):
     return engine.record(out, (q, k, v), backward, "scaled_dot_product_attention")
 
 
-def _attention_setup(q, k, dropout_p, generator, shape, offsets):
+def attention_setup(q, k, dropout_p, generator, shape, offsets):
     """(kernels, scale, dropout) for flash attention on local (B, H, T, D) arrays of a global
     (B, H, T, S) problem at (batch, head) `offsets`: cuDNN's kernels where they apply, else the
     RawKernel's; the dropout draws counters of the global problem."""
@@ -419,15 +419,15 @@ def packed_attention(qkv, causal=True, dropout_p=0.0, generator=None):
     if not 0 <= dropout_p < 1:
         raise ValueError(f"attention dropout probability must be in [0, 1), got {dropout_p}")
     qkv = autocast_operand(qkv)
-    if not supported(*_unpacked(qkv._local)) or cudnn_attention.choice() == "matmul":
+    if not supported(*unpacked(qkv._local)) or cudnn_attention.choice() == "matmul":
         q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
         y = scaled_dot_product_attention(q, k, v, causal, dropout_p, generator)
         return y.transpose(1, 2)
     placements = tuple(p if p in (Shard(0), Shard(3)) else Replicated() for p in qkv.placements)
     qkv = convert("packed_attention", qkv, placements, [qkv])
     b, t, _, h, d = qkv.shape
-    views = _unpacked(qkv._local)
-    kernels, scale, drop = _attention_setup(views[0], views[1], dropout_p, generator,
+    views = unpacked(qkv._local)
+    kernels, scale, drop = attention_setup(views[0], views[1], dropout_p, generator,
                                             (b, h, t, t), qkv.layout.offsets[::3][:2])
     o, lse = kernels.attention_forward(*views, causal, scale, drop)   # (B, H, T, D) view
     out = make(o.transpose(0, 2, 1, 3), qkv.mesh, (b, t, h, d),
@@ -438,11 +438,11 @@ def packed_attention(qkv, causal=True, dropout_p=0.0, generator=None):
         grad = backend.xp.empty_like(qkv._local)
         do = g._local.astype(o.dtype, copy=False).transpose(0, 2, 1, 3)
         kernels.attention_backward(*views, o, lse, do, causal, scale, drop,
-                                   grads=_unpacked(grad))
+                                   grads=unpacked(grad))
         return (make(grad, qkv.mesh, qkv.shape, placements),)
     return engine.record(out, (qkv,), backward, "packed_attention")
 
 
-def _unpacked(qkv):
+def unpacked(qkv):
     """(q, k, v) as (B, H, T, D) views of a local (B, T, 3, H, D) array."""
     return tuple(qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))

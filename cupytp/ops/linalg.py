@@ -165,7 +165,7 @@ def _contraction(sa, sb, out):
     return ("einsum",)
 
 
-def _local_einsum(sa, sb, out, x, y, out_dtype=None):
+def local_einsum(sa, sb, out, x, y, out_dtype=None):
     """The local contraction through BLAS: a tensordot when nothing shared is kept, a (batched,
     possibly transposed or swapped) matmul; einsum only for anything else. `out_dtype`: a wider
     float dtype to write the result in (float32 sums of 16-bit operands unrounded). On the GPU a
@@ -188,7 +188,7 @@ def _local_einsum(sa, sb, out, x, y, out_dtype=None):
     wide = _wide(x, out_dtype)
     if _not_one_product(plan, x, wide):
         result = xp.einsum(f"{sa},{sb}->{out}", x, y) if plan[0] == "einsum" else \
-            _local_einsum(sa, sb, out, x, y)
+            local_einsum(sa, sb, out, x, y)
         return result if wide is None else result.astype(wide)
     first, second = (y, x) if plan[1] else (x, y)
     if plan[0] == "matmul":
@@ -260,7 +260,7 @@ def einsum(spec, a, b, out_dtype=None, reduce_input_grad=False):
         (_rule, spec, a.shape, a.placements, b.shape, b.placements), _rule, spec, sa, sb, out, a, b)
     a, input_a = _operand(spec, a, targets_a, [a, b])
     b, input_b = _operand(spec, b, targets_b, [a, b])
-    local = _local_einsum(sa, sb, out, a._local, b._local, out_dtype)
+    local = local_einsum(sa, sb, out, a._local, b._local, out_dtype)
     result = make(local, a.mesh, shape, placements)
     dtype = result.dtype if out_dtype is None else a.dtype   # a dtype: the tape keeps no values
     a_dtype, b_dtype = input_a.dtype, input_b.dtype

@@ -47,11 +47,11 @@ def sum(x, dim=None, keepdim=False):
     x = convert("sum", x, [p if p.is_shard() or p == Partial("sum") else Replicated()
                            for p in x.placements], [x])
     shape, placements = _reduced_layout(x, dims, keepdim, "sum")
-    out = make(_local_sum(x._local, dims, keepdim), x.mesh, shape, placements)
+    out = make(local_sum(x._local, dims, keepdim), x.mesh, shape, placements)
     return engine.record(out, (x,), lambda g: (_expand_grad(g, x, dims, keepdim),), "sum")
 
 
-def _local_sum(v, dims, keepdim):
+def local_sum(v, dims, keepdim):
     """xp.sum, except that a sum of a contiguous GPU float array over leading dimensions (a bias
     gradient) runs as the column-sum kernel, many times faster than CuPy's strided reduction."""
     lead = len(dims)

@@ -489,9 +489,9 @@ def test_planned_contraction_matches_the_general_path(spec, shape_a, shape_b, tr
         db = xp.swapaxes(xp.ascontiguousarray(xp.swapaxes(db, -1, -2)), -1, -2)
     (sa, sb), out = spec.split("->")[0].split(","), spec.split("->")[1]
     linalg._products.clear()
-    first = linalg._local_einsum(sa, sb, out, da, db, out_dtype)      # plans, then runs
+    first = linalg.local_einsum(sa, sb, out, da, db, out_dtype)      # plans, then runs
     assert len(linalg._products) == 1
-    second = linalg._local_einsum(sa, sb, out, da, db, out_dtype)     # the planned product
+    second = linalg.local_einsum(sa, sb, out, da, db, out_dtype)     # the planned product
     assert second.dtype == first.dtype == (out_dtype or bfloat16)
     numpy.testing.assert_array_equal(asnumpy(second), asnumpy(first))
     exact = numpy.einsum(spec, a.astype(numpy.float64), b.astype(numpy.float64))

@@ -1,0 +1,218 @@
+"""Fused sublayers of a pre-LayerNorm transformer block: one op and one tape node each, for what
+is otherwise a chain of five to nine ops.
+
+    mlp_residual(x, residual, fc_weight, fc_bias, proj_weight, proj_bias)
+        = residual + (gelu(x @ fc_weight + fc_bias) @ proj_weight + proj_bias)
+    attention_residual(x, residual, qkv_weight, qkv_bias, proj_weight, proj_bias, num_heads)
+        = residual + (attention(x · qkv_weight + qkv_bias) @ proj_weight + proj_bias)
+
+A fused op runs the local math of the chain it replaces (`matmul`, `bias_gelu` or
+`packed_attention`, `bias_residual_add`): the same kernels, casts and roundings, so the same
+numbers, for the host work of one op. A step of a small model is host-bound, and every op of a
+chain costs its own sharding rule, tensors and tape node.
+
+The layouts it takes, per mesh dimension (worked out once per layout signature):
+- tensor-parallel (Megatron's pair), at most one such dimension: fc_weight Shard(1) and fc_bias
+  Shard(0), or qkv_weight Shard(2) and qkv_bias Shard(1) (whole heads); proj_weight Shard(0),
+  proj_bias Replicated; x and residual Replicated. The projection is all-reduced in forward, and
+  x's gradient in backward, on the communication stream while the first weight's gradient is
+  computed.
+- data-parallel or dense: every parameter Replicated, x and residual both Replicated or both
+  sharded on the batch (Shard(0)); the parameters' gradients are Partial there.
+Any other layout, or attention the flash kernels do not take, runs the chain of ops, as does
+everything inside `fusion(False)` (or with CUPYTP_FUSED=0).
+"""
+import os
+from contextlib import contextmanager
+
+from cupytp.launchers import cudnn_attention, flash_attention
+from cupytp.launchers.cast import converted
+from cupytp.launchers.gelu import bias_gelu as bias_gelu_local, bias_gelu_backward
+from cupytp.ops.amp import autocast_local, autocast_operand, operand_dtype
+from cupytp.ops.conversion import (
+    Layout, Partial, Replicated, Shard, backend, cached, engine, linear_grad, make)
+from cupytp.ops.elementwise import add_local, bias_gelu, bias_residual_add, bias_residual_local
+from cupytp.ops.functional import attention_setup, packed_attention, unpacked
+from cupytp.ops.linalg import einsum, local_einsum, matmul
+from cupytp.ops.reduction import local_sum
+from cupytp.tensor.redistribute import redistribute_local
+
+_enabled = os.environ.get("CUPYTP_FUSED", "1") != "0"
+
+# the tensor-parallel placements of (first weight, its bias, proj_weight, proj_bias)
+MLP_SPLIT = (Shard(1), Shard(0), Shard(0), Replicated())
+ATTENTION_SPLIT = (Shard(2), Shard(1), Shard(0), Replicated())
+
+
+@contextmanager
+def fusion(enabled=True):
+    """Inside `fusion(False)` the fused ops run their chains of ops (to compare, or debug)."""
+    global _enabled
+    previous, _enabled = _enabled, enabled
+    try:
+        yield
+    finally:
+        _enabled = previous
+
+
+def _plan(split, x, residual, params, extra=()):
+    """(tensor-parallel mesh dim or None, the parameters' gradient placements) when the fused
+    form takes these inputs, else None."""
+    if not _enabled:
+        return None
+    key = (split, x.shape, x.placements, id(x.mesh), residual.shape, residual.placements,
+           id(residual.mesh), operand_dtype(x), extra,
+           *[(p.shape, p.placements, id(p.mesh), operand_dtype(p)) for p in params])
+    return cached(key, _layouts, split, x, residual, params) or None
+
+
+def _layouts(split, x, residual, params):
+    mesh = x.mesh
+    same = residual.mesh == mesh and all(p.mesh == mesh for p in params)
+    dtypes = {operand_dtype(t) for t in (x, params[0], params[2])}
+    if not same or x.shape != residual.shape or x.ndim != 3 or len(dtypes) > 1:
+        return False
+    tp, grads = None, [[] for _ in params]
+    for dim, (px, pr) in enumerate(zip(x.placements, residual.placements)):
+        own = tuple(p.placements[dim] for p in params)
+        if own == split and px == pr == Replicated() and tp is None:
+            tp = dim
+            for grad, placement in zip(grads, own):
+                grad.append(placement)
+        elif all(p == Replicated() for p in own) and px == pr and px in (Replicated(), Shard(0)):
+            for grad in grads:
+                grad.append(Partial() if px == Shard(0) else Replicated())
+        else:
+            return False
+    return tp, tuple(tuple(grad) for grad in grads)
+
+
+def _reduces(tp, mesh):
+    """True when a Partial sum along mesh dim `tp` must move data (more than one rank)."""
+    return tp is not None and mesh.shape[tp] > 1
+
+
+def _all_reduced(local, tp, layout, async_op=False):
+    """`local`, a Partial sum along mesh dim `tp` of a value laid out as `layout`, all-reduced
+    there; with `async_op`, a Work whose wait() gives it."""
+    partial = layout.placements[:tp] + (Partial(),) + layout.placements[tp + 1:]
+    return redistribute_local(local, Layout.trusted(layout.mesh, layout.shape, partial),
+                              layout.placements, async_op)[0]
+
+
+def _project(a, w, bias, residual, tp):
+    """residual + (a @ w + bias) on local arrays, the product all-reduced along `tp` first."""
+    y = local_einsum("axy", "yz", "axz", a, w)
+    if _reduces(tp, residual.mesh):
+        y = _all_reduced(y, tp, residual.layout)
+    return bias_residual_local(residual._local, y, bias._local)
+
+
+def _project_backward(g, a, w, bias, weight):
+    """(the product's input gradient, the weight's, the bias's) of `_project` given the
+    output's gradient `g` (local)."""
+    gy = g if g.dtype == a.dtype else converted(g, a.dtype)
+    ga = local_einsum("axz", "yz", "axy", gy, w, a.dtype)
+    gw = local_einsum("axy", "axz", "yz", a, gy, weight.dtype) if weight.requires_grad else None
+    return ga, gw, local_sum(g, (0, 1), False) if bias.requires_grad else None
+
+
+def _input_backward(spec, g, x_local, w, x, weight, tp):
+    """(x's gradient, the first weight's) of the first product `spec` given its output's
+    gradient `g`: x's is all-reduced along `tp` while the weight's is computed."""
+    sa, sb, out = spec
+    gx = reducing = None
+    if x.requires_grad:
+        gx = local_einsum(out, sb, sa, g, w, x.dtype)
+        if _reduces(tp, x.mesh):
+            reducing = _all_reduced(gx, tp, x.layout, async_op=True)
+    gw = local_einsum(sa, out, sb, x_local, g, weight.dtype) if weight.requires_grad else None
+    return (gx if reducing is None else reducing.wait()), gw
+
+
+def _recorded(out, inputs, grads_of, name, placements):
+    """`out` with the fused node recorded: `grads_of(g)` gives the local gradients of x and the
+    four parameters (None where not needed), the residual's is the output's; `placements`: the
+    parameters' gradient placements."""
+    x, residual, *params = inputs
+    layout = residual.layout
+    strict = range(layout.mesh.ndim)
+
+    def backward(g):
+        g = linear_grad(g, layout.placements, strict=strict)
+        gx, *grads = grads_of(g._local)
+        return (None if gx is None else make(gx, x.mesh, x.shape, x.placements),
+                g if residual.requires_grad else None,
+                *[None if local is None else make(local, p.mesh, p.shape, grad_placements)
+                  for local, p, grad_placements in zip(grads, params, placements)])
+    return engine.record(out, inputs, backward, name)
+
+
+def mlp_residual(x, residual, fc_weight, fc_bias, proj_weight, proj_bias):
+    """residual + (gelu(x @ fc_weight + fc_bias) @ proj_weight + proj_bias) for x and residual
+    (B, T, C), fc_weight (C, H), proj_weight (H, C): a GPT-2 MLP and its residual addition,
+    fused (module docstring); inside `autocast` the products run in its dtype."""
+    params = (fc_weight, fc_bias, proj_weight, proj_bias)
+    plan = _plan(MLP_SPLIT, x, residual, params)
+    if plan is None:
+        h = bias_gelu(matmul(x, fc_weight, reduce_input_grad=True), fc_bias)
+        return bias_residual_add(matmul(h, proj_weight), proj_bias, residual)
+    tp, placements = plan
+    xp = backend.xp
+    x_local, w1, w2 = autocast_local(x), autocast_local(fc_weight), autocast_local(proj_weight)
+    b1 = xp.ascontiguousarray(fc_bias._local)
+    h = local_einsum("axy", "yz", "axz", x_local, w1)
+    u = bias_gelu_local(h, b1)
+    out = make(_project(u, w2, proj_bias, residual, tp), residual.mesh, residual.shape,
+               residual.placements)
+
+    def grads_of(g):
+        gu, gw2, gb2 = _project_backward(g, u, w2, proj_bias, proj_weight)
+        dh, gb1 = bias_gelu_backward(h, b1, gu)
+        gx, gw1 = _input_backward(("axy", "yz", "axz"), dh, x_local, w1, x, fc_weight, tp)
+        return gx, gw1, gb1.astype(fc_bias.dtype, copy=False), gw2, gb2
+    return _recorded(out, (x, residual, *params), grads_of, "mlp_residual", placements)
+
+
+def attention_residual(x, residual, qkv_weight, qkv_bias, proj_weight, proj_bias, num_heads,
+                       dropout_p=0.0, generator=None):
+    """residual + (attention(x · qkv_weight + qkv_bias) @ proj_weight + proj_bias): causal
+    multi-head self-attention over x and residual (B, T, C), qkv_weight (C, 3, C) with the
+    heads on its last axis, qkv_bias (3, C), proj_weight (C, C); attention dropout
+    `dropout_p`. A GPT-2 attention and its residual addition, fused (module docstring)."""
+    params = (qkv_weight, qkv_bias, proj_weight, proj_bias)
+    b, t, c = x.shape
+    d = c // num_heads
+    flash = operand_dtype(x) in flash_attention.DTYPES and d in flash_attention.HEAD_DIMS \
+        and c % num_heads == 0 and cudnn_attention.choice() != "matmul"
+    plan = _plan(ATTENTION_SPLIT, x, residual, params, num_heads) if flash else None
+    if plan is None:
+        qkv = einsum("btc,cjd->btjd", x, qkv_weight, reduce_input_grad=True) + \
+            autocast_operand(qkv_bias)
+        y = packed_attention(qkv.reshape(b, t, 3, num_heads, d), True, dropout_p, generator)
+        return bias_residual_add(matmul(y.reshape(b, t, c), proj_weight), proj_bias, residual)
+    tp, placements = plan
+    x_local, wq, wp = autocast_local(x), autocast_local(qkv_weight), autocast_local(proj_weight)
+    qkv = add_local(local_einsum("btc", "cjd", "btjd", x_local, wq), autocast_local(qkv_bias))
+    heads = qkv.shape[-1] // d
+    views = unpacked(qkv.reshape(b, t, 3, heads, d))
+    kernels, scale, drop = attention_setup(
+        views[0], views[1], dropout_p, generator, (b, num_heads, t, t),
+        (x.layout.offsets[0], qkv_weight.layout.offsets[2] // d))
+    o, lse = kernels.attention_forward(*views, True, scale, drop)        # (B, H/tp, T, D)
+    a = o.transpose(0, 2, 1, 3).reshape(b, t, heads * d)                 # (B, T, C/tp)
+    out = make(_project(a, wp, proj_bias, residual, tp), residual.mesh, residual.shape,
+               residual.placements)
+
+    def grads_of(g):
+        ga, gwp, gbp = _project_backward(g, a, wp, proj_bias, proj_weight)
+        grad = backend.xp.empty_like(qkv).reshape(b, t, 3, heads, d)
+        do = ga.reshape(b, t, heads, d).astype(o.dtype, copy=False).transpose(0, 2, 1, 3)
+        kernels.attention_backward(*views, o, lse, do, True, scale, drop, grads=unpacked(grad))
+        grad = grad.reshape(qkv.shape)
+        gbq = local_sum(grad, (0, 1), False) if qkv_bias.requires_grad else None
+        if gbq is not None and gbq.dtype != qkv_bias.dtype:
+            gbq = converted(gbq, qkv_bias.dtype)
+        gx, gwq = _input_backward(("btc", "cjd", "btjd"), grad, x_local, wq, x, qkv_weight, tp)
+        return gx, gwq, gbq, gwp, gbp
+    return _recorded(out, (x, residual, *params), grads_of, "attention_residual", placements)
