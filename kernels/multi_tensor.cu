@@ -6,7 +6,9 @@
 //   sum_partials:            *out = sum of partials[0:n], one block (fixed order: deterministic);
 //   scale:                   x *= *factor, the factor read from device memory (no host sync);
 //   unscale_check:           x *= *inv_scale, and *found_inf = 1 where a result is not finite
-//                            (dynamic loss scaling; found_inf is only ever set, never cleared).
+//                            (dynamic loss scaling; found_inf is only ever set, never cleared);
+//   cast:                    dst = src converted to dst's dtype (through float), a second table
+//                            row of pointers (autocast's casts of a model's parameters).
 // The two reductions run with BLOCK_THREADS threads per block (block_reduce.cuh).
 #include "common.cuh"
 #include "block_reduce.cuh"
@@ -69,6 +71,17 @@ __device__ void unscale_check(T* const* arrays, const long long* blocks, const f
         *found_inf = 1.0f;
 }
 
+template <typename S, typename D>
+__device__ void cast(const S* const* sources, D* const* targets, const long long* blocks)
+{
+    const long long* chunk = blocks + 3 * blockIdx.x;  // (tensor, start, end)
+    const S* src = sources[chunk[0]];
+    D* dst = targets[chunk[0]];
+    for (long long i = chunk[1] + threadIdx.x; i < chunk[2]; i += blockDim.x) {
+        dst[i] = static_cast<D>(widen<float>(src[i]));
+    }
+}
+
 #define MULTI_TENSOR_KERNELS(T, C, SUFFIX)                                                       \
     extern "C" __global__ void sum_of_squares_partials_##SUFFIX(                                 \
         const T* const* arrays, const long long* blocks, C* partials)                            \
@@ -96,5 +109,14 @@ MULTI_TENSOR_KERNELS(float, float, f32)
 MULTI_TENSOR_KERNELS(double, double, f64)
 MULTI_TENSOR_KERNELS(__nv_bfloat16, float, bf16)
 MULTI_TENSOR_KERNELS(__half, float, f16)
+#define CAST_KERNEL(S, D, NAME)                                                                  \
+    extern "C" __global__ void cast_##NAME(const S* const* sources, D* const* targets,           \
+                                           const long long* blocks)                              \
+    {                                                                                            \
+        cast<S, D>(sources, targets, blocks);                                                    \
+    }
+
 SUM_PARTIALS_KERNEL(float, f32)
 SUM_PARTIALS_KERNEL(double, f64)
+CAST_KERNEL(float, __nv_bfloat16, f32_bf16)
+CAST_KERNEL(float, __half, f32_f16)

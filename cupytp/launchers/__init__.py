@@ -96,6 +96,12 @@ def check_lists(**lists):
     C-contiguous and of one array type (NumPy or CuPy), and each list must hold a single dtype.
     Empty lists give {}.
     """
+    if len(lists) == 1:             # one array, as most launchers check: nothing to compare
+        (name, arrays), = lists.items()
+        if len(arrays) == 1:
+            if not arrays[0].flags.c_contiguous:
+                raise ValueError(f"{name}[0] is not C-contiguous")
+            return {name: arrays[0].dtype}
     names = list(lists)
     first = lists[names[0]]
     for name, arrays in lists.items():

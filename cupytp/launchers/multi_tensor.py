@@ -7,8 +7,8 @@ arrays every step copies nothing from the host after its first step. A table fir
 CUDA graph is being captured (gradients made inside the step) is copied by the graph itself, from
 pinned host memory, at the start of every replay.
 
-`sum_of_squares` (for gradient norms), `scale_` (for clipping) and `unscale_check_` (for dynamic
-loss scaling) run `multi_tensor.cu` on CuPy arrays and NumPy twins otherwise; the optimizers (`adamw.py`, `sgd.py`) use the tables too.
+`sum_of_squares` (for gradient norms), `scale_` (for clipping), `unscale_check_` (for dynamic
+loss scaling) and `cast_` (autocast's casts of the parameters, refreshed in one launch) run `multi_tensor.cu` on CuPy arrays and NumPy twins otherwise; the optimizers (`adamw.py`, `sgd.py`) use the tables too.
 """
 import collections
 import dataclasses
@@ -183,6 +183,42 @@ def unscale_check_(arrays, inv_scale, found_inf):
     if table.num_blocks:
         get_kernel("multi_tensor.cu", f"unscale_check_{dtype_suffix(dtype)}")(
             (table.num_blocks,), (THREADS,), (table.rows[0], table.blocks, inv_scale, found_inf))
+
+
+CAST_PAIRS = {("f32", "bf16"), ("f32", "f16")}
+
+
+def cast_(sources, targets):
+    """targets[i][...] = sources[i] converted to the targets' dtype (float32 sources, bfloat16
+    or float16 targets of the same shapes), one launch for the lists; the rounding of
+    `cast.converted`."""
+    if not (sources and is_device_array(sources[0])):
+        cast_numpy(sources, targets)
+        return
+    pair = _cast_pair(sources, targets)
+    table = tensor_table([sources, targets])
+    if table.num_blocks:
+        get_kernel("multi_tensor.cu", f"cast_{pair}")(
+            (table.num_blocks,), (THREADS,), (table.rows[0], table.rows[1], table.blocks))
+
+
+def _cast_pair(sources, targets):
+    """The kernel suffix of a cast between two lists, after checking them."""
+    dtypes = check_lists(sources=sources, targets=targets)
+    pair = "_".join(dtype_suffix(dtypes[name]) for name in ("sources", "targets"))
+    if tuple(pair.split("_")) not in CAST_PAIRS:
+        raise ValueError(f"cast_ takes float32 sources and bfloat16 or float16 targets, got "
+                         f"{dtypes['sources']} and {dtypes['targets']}")
+    return pair
+
+
+def cast_numpy(sources, targets):
+    """NumPy twin of `cast_`."""
+    if not sources:
+        return
+    _cast_pair(sources, targets)
+    for source, target in zip(sources, targets):
+        target[...] = source.astype(target.dtype)
 
 
 def _check_flag(name, array):

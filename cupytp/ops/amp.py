@@ -8,21 +8,35 @@ gradients. As in PyTorch's autocast, a parameter (a leaf that requires a gradien
 per autocast region: a weight used twice in a forward pass is one cast node, whose backward
 casts the summed gradient once. A contraction takes a parameter's cast without a node
 (`master_cast`) and writes its gradient in the parameter's dtype itself (cuBLAS's fp32 output
-of 16-bit operands), so no cast pass runs over weight gradients. The cache is dropped when the outermost region exits and when an
-optimizer steps (`clear_cache`), so a cast never outlives the values it was made from.
+of 16-bit operands), so no cast pass runs over weight gradients.
+
+A region's casts are dropped when the outermost region exits and when an optimizer steps, so a
+cast never outlives the values it was made from. The memory of an fp32 parameter's bf16 or fp16
+cast is kept between regions, though: the first parameter cast of a region rewrites all of them
+from their parameters' current values in one launch (`multi_tensor.cast_`), where one cast and
+one allocation per parameter would cost the host more than the device. `clear_cache()` frees
+them.
 """
+import sys
 import threading
+import weakref
 from contextlib import contextmanager
 
-from cupytp import backend
+import numpy
+
+from cupytp import backend, graph
 from cupytp.autograd import engine
 from cupytp.launchers.cast import converted
+from cupytp.launchers.multi_tensor import cast_
 from cupytp.ops.elementwise import astype
 
 
 class _State(threading.local):
-    dtype = None            # the autocast dtype (None: off)
-    cache = None            # (id(parameter), dtype, grad mode) -> (parameter, its local, cast)
+    def __init__(self):
+        self.dtype = None       # the autocast dtype (None: off)
+        self.cache = None       # (id(parameter), dtype, grad mode) -> (parameter, its local, cast)
+        self.kept = {}          # (id(parameter), dtype) -> (weak reference, its local, cast)
+        self.fresh = False      # whether this region's kept casts hold the current values
 
 
 _state = _State()
@@ -36,7 +50,7 @@ def autocast(dtype="bf16"):
     previous, previous_cache = _state.dtype, _state.cache
     _state.dtype = None if dtype is None else backend.dtype(dtype)
     if _state.cache is None:
-        _state.cache = {}
+        _state.cache, _state.fresh = {}, False
     try:
         yield
     finally:
@@ -49,9 +63,17 @@ def autocast_dtype():
 
 
 def clear_cache():
-    """Forget the casts of parameters made so far (an optimizer calls it when it steps)."""
+    """Forget the casts of parameters made so far and free the memory kept for them."""
+    parameters_changed()
+    _state.kept.clear()
+
+
+def parameters_changed():
+    """The parameters' values changed (an optimizer calls it when it steps): their casts are
+    made again when next needed."""
     if _state.cache:
         _state.cache.clear()
+    _state.fresh = False
 
 
 def _wants_cast(x, dtype):
@@ -67,11 +89,35 @@ def master_cast(x):
         return None
     key = (id(x), dtype, "master")
     hit = _state.cache.get(key)
+    if hit is None and not _state.fresh:
+        _refresh(dtype)
+        hit = _state.cache.get(key)
     if hit is not None and hit[0] is x and hit[1] is x._local:
         return hit[2]
     cast = type(x)._make(converted(x._local, dtype), x.layout)     # no node: nothing records it
     _state.cache[key] = (x, x._local, cast)
+    if x.dtype == numpy.float32 and dtype.itemsize == 2 and not graph.is_capturing():
+        _state.kept[(id(x), dtype)] = (weakref.ref(x), x._local, cast)
     return cast
+
+
+def _refresh(dtype):
+    """Rewrite the kept casts to `dtype` from their parameters' current values, in one launch,
+    and enter them in this region's cache (a kept cast whose parameter is gone or holds another
+    array is dropped)."""
+    _state.fresh = True
+    sources, targets = [], []
+    for key, entry in list(_state.kept.items()):
+        ref, local, cast = entry
+        x = ref()
+        if x is None or x._local is not local or _holders(entry) != _SOLE_HOLDERS:
+            del _state.kept[key]        # gone, replaced, or still read by an unfinished graph
+        elif key[1] == dtype:
+            sources.append(local)
+            targets.append(cast._local)
+            graph.keep_alive(cast._local)      # a captured step writes it on every replay
+            _state.cache[(key[0], dtype, "master")] = (x, local, cast)
+    cast_(sources, targets)
 
 
 def autocast_operand(x):
@@ -89,6 +135,21 @@ def autocast_operand(x):
     cast = astype(x, dtype)
     _state.cache[key] = (x, x._local, cast)
     return cast
+
+
+def _holders(entry):
+    """(references to the cast of a kept `entry`, references to its array) as seen here: more
+    than `_SOLE_HOLDERS` when a recorded op still holds it (a backward not yet run)."""
+    cast = entry[2]
+    return sys.getrefcount(cast), sys.getrefcount(cast._local)
+
+
+class _Cast:
+    def __init__(self):
+        self._local = bytearray()
+
+
+_SOLE_HOLDERS = _holders((None, None, _Cast()))     # a cast only its entry holds
 
 
 def operand_dtype(x):

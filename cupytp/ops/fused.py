@@ -194,20 +194,20 @@ def attention_residual(x, residual, qkv_weight, qkv_bias, proj_weight, proj_bias
     tp, placements = plan
     x_local, wq, wp = autocast_local(x), autocast_local(qkv_weight), autocast_local(proj_weight)
     qkv = add_local(local_einsum("btc", "cjd", "btjd", x_local, wq), autocast_local(qkv_bias))
-    heads = qkv.shape[-1] // d
-    views = unpacked(qkv.reshape(b, t, 3, heads, d))
+    rows, heads = qkv.shape[0], qkv.shape[-1] // d          # this rank's batch and heads
+    views = unpacked(qkv.reshape(rows, t, 3, heads, d))
     kernels, scale, drop = attention_setup(
         views[0], views[1], dropout_p, generator, (b, num_heads, t, t),
         (x.layout.offsets[0], qkv_weight.layout.offsets[2] // d))
     o, lse = kernels.attention_forward(*views, True, scale, drop)        # (B, H/tp, T, D)
-    a = o.transpose(0, 2, 1, 3).reshape(b, t, heads * d)                 # (B, T, C/tp)
+    a = o.transpose(0, 2, 1, 3).reshape(rows, t, heads * d)              # (B, T, C/tp)
     out = make(_project(a, wp, proj_bias, residual, tp), residual.mesh, residual.shape,
                residual.placements)
 
     def grads_of(g):
         ga, gwp, gbp = _project_backward(g, a, wp, proj_bias, proj_weight)
-        grad = backend.xp.empty_like(qkv).reshape(b, t, 3, heads, d)
-        do = ga.reshape(b, t, heads, d).astype(o.dtype, copy=False).transpose(0, 2, 1, 3)
+        grad = backend.xp.empty_like(qkv).reshape(rows, t, 3, heads, d)
+        do = ga.reshape(rows, t, heads, d).astype(o.dtype, copy=False).transpose(0, 2, 1, 3)
         kernels.attention_backward(*views, o, lse, do, True, scale, drop, grads=unpacked(grad))
         grad = grad.reshape(qkv.shape)
         gbq = local_sum(grad, (0, 1), False) if qkv_bias.requires_grad else None

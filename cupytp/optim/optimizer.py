@@ -111,7 +111,7 @@ class Optimizer(graph.GraphState):
         (autocast's casts of the old values are dropped). `found_inf` (a float32 device scalar,
         from `GradScaler`): when it holds a non-zero value as the kernels run, this step changes
         no parameter or state and counts as not taken (decided on the device: no host sync)."""
-        amp.clear_cache()
+        amp.parameters_changed()
         record = graph.join(self)
         for index, group in enumerate(self.param_groups):
             buckets = self._buckets(group)

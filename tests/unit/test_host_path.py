@@ -134,6 +134,36 @@ def test_autocast_cache_lives_one_region_and_one_optimizer_step():
         assert amp.master_cast(w) is not second_master
 
 
+def test_a_parameters_cast_keeps_its_memory_between_regions():
+    """The bf16 cast of an fp32 parameter is the same array in the next region, rewritten from
+    the parameter's new values; a cast that an unfinished graph still reads is not rewritten
+    (that graph's gradient uses the values it saw); clear_cache frees the kept casts."""
+    def address(array):
+        return array.data.ptr if backend.on_gpu else array.ctypes.data
+
+    w = dt(numpy.full((4, 4), 1.5, numpy.float32))
+    x = dt(numpy.ones((2, 4), numpy.float32))
+    with ops.autocast("bf16"):
+        (x @ w).astype("fp32").sum().backward()
+        first = address(amp.master_cast(w).to_local())
+    SGD([w], lr=0.5).step()                                     # w = 1.5 - 0.5 * 2 = 0.5
+    with ops.autocast("bf16"):
+        cast = amp.master_cast(w).to_local()
+        assert address(cast) == first
+        numpy.testing.assert_array_equal(backend.asnumpy(cast).astype(numpy.float32),
+                                         backend.asnumpy(w.to_local()))
+        del cast
+        y = x @ w                                     # its backward reads w's cast later
+    w.to_local()[...] = 7.0                           # in place, as an optimizer does
+    with ops.autocast("bf16"):
+        assert float(amp.master_cast(w).to_local()[0, 0]) == 7.0
+    x.grad = None
+    y.astype("fp32").sum().backward()
+    numpy.testing.assert_array_equal(backend.asnumpy(x.grad.to_local()), 4 * 0.5)   # old w
+    amp.clear_cache()
+    assert not amp._state.kept
+
+
 LAYERS = {"nn": "nn+parallel", "parallel": "nn+parallel"}   # one layer in docs/design.md
 
 

@@ -11,7 +11,8 @@ from cupytp.backend import asnumpy, bfloat16, on_gpu, xp
 from cupytp.launchers import ceil_div, compute_dtype, dtype_suffix, get_kernel, sources
 from cupytp.launchers.adamw import adamw_scalars, adamw_step, adamw_step_numpy
 from cupytp.launchers.gelu import gelu, gelu_backward, gelu_backward_numpy, gelu_numpy
-from cupytp.launchers.multi_tensor import CHUNK, chunk_blocks, scale_, scale_numpy
+from cupytp.launchers.multi_tensor import CHUNK, cast_, cast_numpy, chunk_blocks, scale_
+from cupytp.launchers.multi_tensor import scale_numpy
 from cupytp.launchers.multi_tensor import sum_of_squares, sum_of_squares_numpy, tensor_table
 from cupytp.launchers.sgd import sgd_scalars, sgd_step, sgd_step_numpy
 from cupytp.launchers.values import write_values
@@ -288,6 +289,19 @@ def test_scale_numpy_multiplies_in_place(dtype):
         scale_numpy(arrays, numpy.ones(2))
 
 
+@pytest.mark.parametrize("dtype", [bfloat16, F16], ids=dtype_suffix)
+def test_cast_numpy_rounds_as_astype(dtype):
+    sources = [random(shape, F32, seed=i, scale=300.0) for i, shape in enumerate(SMALL_SHAPES)]
+    targets = [numpy.full(a.shape, numpy.nan, dtype) for a in sources]
+    cast_(sources, targets)
+    for source, target in zip(sources, targets):
+        numpy.testing.assert_array_equal(target.astype(F64), source.astype(dtype).astype(F64))
+    with pytest.raises(ValueError, match="float32 sources"):
+        cast_numpy([a.astype(F64) for a in sources], targets)
+    with pytest.raises(ValueError, match="shape"):
+        cast_numpy(sources, targets[::-1])
+
+
 # ---- GPU: each kernel against its twin ----------------------------------------------------------
 
 SIZES = [1, 7, 1000, 65536 * 4 + 3, 65537, 3]
@@ -397,6 +411,20 @@ def test_scale_kernel_matches_twin_exactly(dtype):
     scale_numpy(arrays, factor)
     scale_(device, xp.asarray(factor))
     for host, on_device in zip(arrays, device):
+        numpy.testing.assert_array_equal(asnumpy(on_device).astype(F64), host.astype(F64))
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype", [bfloat16, F16], ids=dtype_suffix)
+def test_cast_kernel_matches_twin_exactly(dtype):
+    sources = [random((n,), F32, seed=i, scale=300.0) for i, n in enumerate(SIZES + [0])]
+    targets = [numpy.empty(a.shape, dtype) for a in sources]
+    cast_numpy(sources, targets)
+    with poisoned_allocations():
+        device = [xp.empty(a.shape, dtype) for a in sources]
+    cast_(upload(sources), device)
+    for host, on_device in zip(targets, device):
         numpy.testing.assert_array_equal(asnumpy(on_device).astype(F64), host.astype(F64))
 
 

@@ -1,0 +1,124 @@
+"""The fused sublayers (ops.mlp_residual, ops.attention_residual): one tape node each, the same
+outputs and gradients as their chains of ops bit for bit (bf16 with the flash attention path,
+float64), and equal to the dense single-rank block, on 1-D and 2-D meshes with uneven batch
+shards; layouts they do not take run the chain."""
+import numpy
+import pytest
+
+import cupytp
+from cupytp import nn, ops
+from cupytp.autograd import engine
+from cupytp.tensor import Replicated, Shard, local_mesh
+from dense_reference import full, lay_out, rng_array
+from test_layers import build, compare, skip_unless_heads_split
+
+WIDTH, HEADS = 128, 2          # head dim 64: bf16 attention takes the flash path (the twin)
+
+
+def run(block, x, w, mesh, placements, fused, dtype="bf16"):
+    """(output, {name: gradient}, names of the recorded nodes) of sum(block(x) * w)."""
+    for p in block.parameters():
+        p.grad = None
+    xt = lay_out(x, mesh, placements, requires_grad=True)
+    names = []
+    record = engine.record
+
+    def spy(output, inputs, backward, name, sums_first=False):
+        names.append(name)
+        return record(output, inputs, backward, name, sums_first)
+    engine.record = spy
+    try:
+        with ops.fusion(fused), ops.autocast(dtype):
+            y = block(xt)
+    finally:
+        engine.record = record
+    (y.astype("fp32") * lay_out(w, mesh, placements)).sum().backward()
+    grads = {name: full(p.grad) for name, p in block.named_parameters()}
+    grads["input"] = full(xt.grad)
+    return full(y), grads, names
+
+
+def placements_of(mesh, batch_sharded):
+    if batch_sharded and mesh.ndim == 2:
+        return (Shard(0), Replicated())
+    return (Replicated(),) * mesh.ndim
+
+
+@pytest.mark.parametrize("batch_sharded", [False, True])
+def test_fused_block_equals_its_chain_bit_for_bit(mesh, batch_sharded):
+    """A bf16 block on the mesh: both sublayers fused (two nodes beside the two LayerNorms), the
+    same bits as the chain of ops, in the output and every gradient; uneven batch over dp."""
+    skip_unless_heads_split(mesh, HEADS)
+    x = rng_array((3, 4, WIDTH), 1).astype(numpy.float32)
+    w = rng_array((3, 4, WIDTH), 2).astype(numpy.float32)
+    block = build(lambda m: nn.DBlock(WIDTH, HEADS, m), mesh)
+    for p in block.parameters():            # nonzero biases and LayerNorm parameters
+        p.to_local()[...] += cupytp.backend.asarray(
+            0.1 * rng_array(p.to_local().shape, 3).astype(p.dtype))
+    placements = placements_of(mesh, batch_sharded)
+    y, grads, names = run(block, x, w, mesh, placements, fused=True)
+    y_chain, grads_chain, names_chain = run(block, x, w, mesh, placements, fused=False)
+    assert names == ["layer_norm", "attention_residual", "layer_norm", "mlp_residual"]
+    assert "packed_attention" in names_chain and "bias_gelu" in names_chain
+    numpy.testing.assert_array_equal(y, y_chain)
+    for name in grads:
+        assert grads[name].dtype == grads_chain[name].dtype, name
+        numpy.testing.assert_array_equal(grads[name], grads_chain[name], err_msg=name)
+
+
+def test_fused_block_matches_the_dense_fp32_block(mesh):
+    """The sharded bf16 block (fused) within bf16 accuracy of the dense fp32 block, output and
+    gradients, the fp32 parameters getting fp32 gradients."""
+    skip_unless_heads_split(mesh, HEADS)
+    x = rng_array((2, 4, WIDTH), 4).astype(numpy.float32)
+    w = rng_array((2, 4, WIDTH), 5).astype(numpy.float32)
+    dense = build(lambda m: nn.DBlock(WIDTH, HEADS, m), local_mesh())
+    block = build(lambda m: nn.DBlock(WIDTH, HEADS, m), mesh)
+    y, grads, _ = run(block, x, w, mesh, (Replicated(),) * mesh.ndim, fused=True)
+    y_dense, grads_dense, _ = run(dense, x, w, local_mesh(), (Replicated(),), fused=False,
+                                  dtype=None)
+    numpy.testing.assert_allclose(y.astype(numpy.float64), y_dense, rtol=5e-2, atol=5e-2)
+    for name, want in grads_dense.items():
+        assert grads[name].dtype == numpy.float32, name
+        numpy.testing.assert_allclose(grads[name], want, rtol=5e-2,
+                                      atol=5e-2 * numpy.abs(want).max(), err_msg=name)
+
+
+def test_fused_mlp_in_float64_equals_dense(mesh):
+    """float64: the fused MLP (attention takes the chain: no flash kernel for float64) equals the
+    dense block to rounding, on 1-D and 2-D meshes with the batch sharded over dp."""
+    skip_unless_heads_split(mesh, 4)
+    x = rng_array((5, 3, 8), 6)
+    dense = build(lambda m: nn.DBlock(8, 4, m, dtype="fp64"), local_mesh())
+    block = build(lambda m: nn.DBlock(8, 4, m, dtype="fp64"), mesh)
+    compare(dense, block, x, mesh, x_placement=placements_of(mesh, True))
+
+
+def test_layouts_it_does_not_take_run_the_chain(world):
+    """A residual sharded on its features (no fused layout) runs the chain of ops: same values
+    as the fused form on Replicated inputs."""
+    mesh = cupytp.DeviceMesh((world.world_size,), ("tp",))
+    mlp = build(lambda m: nn.DMLP(6, 8 * world.world_size, mesh=m, dtype="fp64"), mesh)
+    x = rng_array((2, 3, 6), 7)
+    replicated = (Replicated(),)
+    y = mlp(lay_out(x, mesh, replicated), residual=lay_out(x, mesh, replicated))
+    nodes = []
+    record = engine.record
+    engine.record = lambda out, inputs, backward, name, sums_first=False: (
+        nodes.append(name) or record(out, inputs, backward, name, sums_first))
+    try:
+        sharded = mlp(lay_out(x, mesh, replicated, requires_grad=True),
+                      residual=lay_out(x, mesh, (Shard(2),), requires_grad=True))
+    finally:
+        engine.record = record
+    assert "mlp_residual" not in nodes and "bias_gelu" in nodes
+    numpy.testing.assert_allclose(full(sharded), full(y), rtol=1e-12, atol=1e-12)
+
+
+def test_fusion_can_be_turned_off(world):
+    """Inside fusion(False) a block records its chain of ops; the switch is restored after."""
+    mlp = build(lambda m: nn.DMLP(6, 8, mesh=m, dtype="fp64"), local_mesh())
+    x = lay_out(rng_array((2, 3, 6), 8), local_mesh(), (Replicated(),), requires_grad=True)
+    with ops.fusion(False):
+        assert mlp(x, residual=x)._node.name == "bias_residual_add"
+    assert mlp(x, residual=x)._node.name == "mlp_residual"
