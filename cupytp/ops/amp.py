@@ -108,11 +108,11 @@ def _refresh(dtype):
     _state.fresh = True
     sources, targets = [], []
     for key, entry in list(_state.kept.items()):
-        ref, local, cast = entry
-        x = ref()
+        x, local = entry[0](), entry[1]
         if x is None or x._local is not local or _holders(entry) != _SOLE_HOLDERS:
             del _state.kept[key]        # gone, replaced, or still read by an unfinished graph
         elif key[1] == dtype:
+            cast = entry[2]
             sources.append(local)
             targets.append(cast._local)
             graph.keep_alive(cast._local)      # a captured step writes it on every replay
