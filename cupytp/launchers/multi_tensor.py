@@ -2,10 +2,10 @@
 
 A `TensorTable` is the device-side description of parallel lists of arrays (params, grads, ...):
 a row of data pointers per list, and per block the (tensor, start, end) of the chunk it works on.
-Tables are cached by the arrays' data pointers and sizes, so a training loop that updates the same
-arrays every step copies nothing from the host after its first step. A table first needed while a
-CUDA graph is being captured (gradients made inside the step) is copied by the graph itself, from
-pinned host memory, at the start of every replay.
+Rows are kept by their pointers and chunk lists by the sizes, so a training loop copies only the
+row of a list whose arrays are new (its gradients, when they move) from pinned host memory, with
+no host synchronization. A row first needed while a CUDA graph is being captured is copied by the
+graph itself, from pinned host memory, at the start of every replay.
 
 `sum_of_squares` (for gradient norms), `scale_` (for clipping), `unscale_check_` (for dynamic
 loss scaling) and `cast_` (autocast's casts of the parameters, refreshed in one launch) run `multi_tensor.cu` on CuPy arrays and NumPy twins otherwise; the optimizers (`adamw.py`, `sgd.py`) use the tables too.
@@ -22,8 +22,10 @@ from cupytp.launchers import get_kernel, is_device_array
 
 CHUNK = 65536  # elements per block
 THREADS = 512  # multi-tensor apply; the reductions run with BLOCK_THREADS
-MAX_TABLES = 64
-_TABLES = collections.OrderedDict()  # (pointers per list, sizes) -> TensorTable, oldest first
+MAX_TABLES = 64        # pointer rows, and chunk lists, kept (least recently used dropped)
+_ROWS = collections.OrderedDict()      # data pointers of one list -> int64 device row
+_CHUNKS = collections.OrderedDict()    # sizes -> int64 device (num_blocks, 3)
+_UPLOADS = collections.deque()         # (event, pinned host buffer) of copies in flight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,26 +42,35 @@ class TensorTable:
 
 
 def tensor_table(lists):
-    """The cached TensorTable of parallel lists of CuPy arrays: one host->device copy the first
-    time a set of (pointer, size) is seen, none after. Inside a capture a new table is the
-    graph's own (see the module docstring)."""
+    """The TensorTable of parallel lists of CuPy arrays. Each list's row of pointers and the
+    chunks of the sizes are kept apart, so a list of arrays new every step (gradients) costs one
+    small asynchronous copy and the others none. Inside a capture a new row is the graph's own
+    (see the module docstring)."""
     sizes = tuple(array.size for array in lists[0])
-    key = (tuple(tuple(array.data.ptr for array in arrays) for arrays in lists), sizes)
-    table = _TABLES.get(key)
-    if table is not None:
-        _TABLES.move_to_end(key)
-        graph.keep_alive(table)     # a graph replays the table's addresses: it must outlive the cache
-        return table
+    rows = tuple(_kept(_ROWS, tuple(array.data.ptr for array in arrays)) for arrays in lists)
+    blocks = _kept(_CHUNKS, sizes)
+    return TensorTable(rows, blocks, len(blocks))
+
+
+def _kept(cache, key):
+    """The device array of `key` (pointers, or sizes to chunk) from `cache`, uploaded the first
+    time; one that a capture reads stays alive as long as its graph."""
+    value = cache.get(key)
+    if value is not None:
+        cache.move_to_end(key)
+        graph.keep_alive(value)
+        return value
+    host = numpy.array(key, dtype=numpy.int64) if cache is _ROWS else chunk_blocks(key)
     memo = graph.capture_memo()
     if memo is None:
-        table = _TABLES[key] = _build_table(lists, sizes)
-        if len(_TABLES) > MAX_TABLES:
-            _TABLES.popitem(last=False)
-        return table
-    table = memo.get((tensor_table, key))
-    if table is None:               # its values reach the device only when the graph runs
-        table = memo[(tensor_table, key)] = _build_table(lists, sizes, in_capture=True)
-    return table
+        value = cache[key] = _upload(host)
+        if len(cache) > MAX_TABLES:
+            cache.popitem(last=False)
+        return value
+    value = memo.get((id(cache), key))
+    if value is None:               # its values reach the device only when the graph runs
+        value = memo[(id(cache), key)] = _upload(host, in_capture=True)
+    return value
 
 
 def chunk_blocks(sizes, chunk=CHUNK):
@@ -74,24 +85,25 @@ def chunk_blocks(sizes, chunk=CHUNK):
     return numpy.stack([tensor, start, end], axis=1)
 
 
-def _build_table(lists, sizes, in_capture=False):
-    pointers = numpy.array([[array.data.ptr for array in arrays] for arrays in lists],
-                           dtype=numpy.int64)  # (num_lists, num_tensors)
-    blocks = chunk_blocks(sizes)
-    host = numpy.concatenate([pointers.ravel(), blocks.ravel()])
-    if in_capture:                  # a copy node of the graph, from memory that lives with it
-        import cupyx
-        pinned = cupyx.empty_pinned(host.shape, host.dtype)
-        pinned[...] = host
-        device = xp.empty(host.shape, host.dtype)
-        runtime = xp.cuda.runtime       # CuPy's own copies refuse to run while capturing
-        runtime.memcpyAsync(device.data.ptr, pinned.ctypes.data, host.nbytes,
-                            runtime.memcpyHostToDevice, xp.cuda.get_current_stream().ptr)
+def _upload(host, in_capture=False):
+    """A device copy of `host`, made on the current stream from pinned memory: no host
+    synchronization, and legal while capturing (then the graph copies it at every replay, and
+    keeps the pinned buffer). Outside a capture the buffer is kept until its copy is done."""
+    import cupyx
+    pinned = cupyx.empty_pinned(host.shape, host.dtype)
+    pinned[...] = host
+    device = xp.empty(host.shape, host.dtype)
+    runtime = xp.cuda.runtime       # CuPy's own copies refuse to run while capturing
+    stream = xp.cuda.get_current_stream()
+    runtime.memcpyAsync(device.data.ptr, pinned.ctypes.data, host.nbytes,
+                        runtime.memcpyHostToDevice, stream.ptr)
+    if in_capture:
         graph.keep_alive((pinned, device))
     else:
-        device = xp.asarray(host)
-    rows = tuple(device[k * len(sizes):(k + 1) * len(sizes)] for k in range(len(lists)))
-    return TensorTable(rows, device[pointers.size:].reshape(-1, 3), len(blocks))
+        while _UPLOADS and _UPLOADS[0][0].done:
+            _UPLOADS.popleft()
+        _UPLOADS.append((stream.record(), pinned))
+    return device
 
 
 def check_optimizer_lists(params, grads, **states):

@@ -433,11 +433,16 @@ def test_cast_kernel_matches_twin_exactly(dtype):
 def test_tensor_table_is_cached_and_points_at_the_arrays():
     arrays = upload([random((n,), F32, seed=i) for i, n in enumerate(SIZES)])
     table = tensor_table([arrays])
-    assert tensor_table([arrays]) is table
+    again = tensor_table([arrays])
+    assert again.rows[0] is table.rows[0] and again.blocks is table.blocks
     numpy.testing.assert_array_equal(asnumpy(table.rows[0]), [a.data.ptr for a in arrays])
     numpy.testing.assert_array_equal(asnumpy(table.blocks),
                                      chunk_blocks([a.size for a in arrays]))
-    assert tensor_table([arrays[:-1]]) is not table
+    fresh = upload([random((n,), F32, seed=9) for n in SIZES])        # new pointers, same sizes
+    both = tensor_table([arrays, fresh])
+    assert both.rows[0] is table.rows[0] and both.blocks is table.blocks
+    numpy.testing.assert_array_equal(asnumpy(both.rows[1]), [a.data.ptr for a in fresh])
+    assert tensor_table([arrays[:-1]]).blocks is not table.blocks
 
 
 # ---- GEMM (cuBLAS) and its NumPy twin -------------------------------------------------------------
