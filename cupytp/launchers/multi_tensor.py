@@ -8,7 +8,9 @@ no host synchronization. A row first needed while a CUDA graph is being captured
 graph itself, from pinned host memory, at the start of every replay.
 
 `sum_of_squares` (for gradient norms), `scale_` (for clipping), `unscale_check_` (for dynamic
-loss scaling) and `cast_` (autocast's casts of the parameters, refreshed in one launch) run `multi_tensor.cu` on CuPy arrays and NumPy twins otherwise; the optimizers (`adamw.py`, `sgd.py`) use the tables too.
+loss scaling) and `cast_` (autocast's casts of the parameters, refreshed in one launch) run
+`multi_tensor.cu` on CuPy arrays and NumPy twins otherwise; the optimizers (`adamw.py`,
+`sgd.py`) use the tables too.
 """
 import collections
 import dataclasses
