@@ -97,7 +97,8 @@ def master_cast(x):
     cast = type(x)._make(converted(x._local, dtype), x.layout)     # no node: nothing records it
     _state.cache[key] = (x, x._local, cast)
     if x.dtype == numpy.float32 and dtype.itemsize == 2 and not graph.is_capturing():
-        _state.kept[(id(x), dtype)] = (weakref.ref(x), x._local, cast)
+        kept, key = _state.kept, (id(x), dtype)     # dropped with its parameter
+        kept[key] = (weakref.ref(x, lambda _: kept.pop(key, None)), x._local, cast)
     return cast
 
 

@@ -158,6 +158,12 @@ def test_a_parameters_cast_keeps_its_memory_between_regions():
     x.grad = None
     y.astype("fp32").sum().backward()
     numpy.testing.assert_array_equal(backend.asnumpy(x.grad.to_local()), 4 * 0.5)   # old w
+    v = dt(numpy.ones((4, 4), numpy.float32))
+    with ops.autocast("bf16"):
+        amp.master_cast(v)
+    kept = len(amp._state.kept)
+    del v
+    assert len(amp._state.kept) == kept - 1           # a parameter's cast goes with it
     amp.clear_cache()
     assert not amp._state.kept
 

@@ -398,6 +398,7 @@ def test_an_array_survives_while_referenced():
 @requires_gpu
 def test_the_limit_applies_to_cupy_arrays():
     pool = memory.install()
+    pool.empty_cache()              # no free segment left by earlier tests serves the request
     pool.set_memory_limit(pool.stats()["reserved_bytes"] + 40 * MiB)
     try:
         with pytest.raises(OutOfMemoryError, match="past the limit"):
