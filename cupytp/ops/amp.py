@@ -12,10 +12,10 @@ of 16-bit operands), so no cast pass runs over weight gradients.
 
 A region's casts are dropped when the outermost region exits and when an optimizer steps, so a
 cast never outlives the values it was made from. The memory of an fp32 parameter's bf16 or fp16
-cast is kept between regions, though: the first parameter cast of a region rewrites all of them
-from their parameters' current values in one launch (`multi_tensor.cast_`), where one cast and
-one allocation per parameter would cost the host more than the device. `clear_cache()` frees
-them.
+cast is kept between regions, though (up to KEEP_BYTES in all): the first parameter cast of a
+region rewrites them from their parameters' current values in one launch (`multi_tensor.cast_`),
+where one cast and one allocation per parameter would cost a small model's host more than its
+device. `clear_cache()` frees them.
 """
 import sys
 import threading
@@ -31,11 +31,38 @@ from cupytp.launchers.multi_tensor import cast_
 from cupytp.ops.elementwise import astype
 
 
+KEEP_BYTES = 256 * 2 ** 20      # the most memory of casts kept between regions, per thread
+
+
+class _Kept(dict):
+    """The kept casts: (id(parameter), dtype) -> (weak reference to the parameter, its local
+    array, cast), up to KEEP_BYTES of casts in all (a small model's, whose step is host-bound;
+    a large model's memory stays its own). An entry goes with its parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.nbytes = 0
+
+    def keep(self, key, x, cast):
+        if self.nbytes + cast._local.nbytes <= KEEP_BYTES:
+            self.nbytes += cast._local.nbytes
+            self[key] = (weakref.ref(x, lambda _: self.drop(key)), x._local, cast)
+
+    def drop(self, key):
+        entry = self.pop(key, None)
+        if entry is not None:
+            self.nbytes -= entry[2]._local.nbytes
+
+    def clear(self):
+        super().clear()
+        self.nbytes = 0
+
+
 class _State(threading.local):
     def __init__(self):
         self.dtype = None       # the autocast dtype (None: off)
         self.cache = None       # (id(parameter), dtype, grad mode) -> (parameter, its local, cast)
-        self.kept = {}          # (id(parameter), dtype) -> (weak reference, its local, cast)
+        self.kept = _Kept()     # (id(parameter), dtype) -> (weak reference, its local, cast)
         self.fresh = False      # whether this region's kept casts hold the current values
 
 
@@ -97,8 +124,7 @@ def master_cast(x):
     cast = type(x)._make(converted(x._local, dtype), x.layout)     # no node: nothing records it
     _state.cache[key] = (x, x._local, cast)
     if x.dtype == numpy.float32 and dtype.itemsize == 2 and not graph.is_capturing():
-        kept, key = _state.kept, (id(x), dtype)     # dropped with its parameter
-        kept[key] = (weakref.ref(x, lambda _: kept.pop(key, None)), x._local, cast)
+        _state.kept.keep((id(x), dtype), x, cast)
     return cast
 
 
@@ -111,7 +137,7 @@ def _refresh(dtype):
     for key, entry in list(_state.kept.items()):
         x, local = entry[0](), entry[1]
         if x is None or x._local is not local or _holders(entry) != _SOLE_HOLDERS:
-            del _state.kept[key]        # gone, replaced, or still read by an unfinished graph
+            _state.kept.drop(key)       # gone, replaced, or still read by an unfinished graph
         elif key[1] == dtype:
             cast = entry[2]
             sources.append(local)

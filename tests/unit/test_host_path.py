@@ -220,3 +220,17 @@ def test_packages_import_without_cycles():
 
     for package in sorted(edges):
         visit(package)
+
+
+def test_casts_kept_between_regions_stay_within_their_budget(monkeypatch):
+    """Past KEEP_BYTES a parameter's cast is made anew in each region, as before (a large
+    model's memory is not spent on kept casts)."""
+    amp.clear_cache()
+    monkeypatch.setattr(amp, "KEEP_BYTES", 3 * 16 * 2)           # three (4, 4) bf16 casts
+    params = [dt(numpy.full((4, 4), i, numpy.float32)) for i in range(5)]
+    with ops.autocast("bf16"):
+        for p in params:
+            amp.master_cast(p)
+    assert len(amp._state.kept) == 3 and amp._state.kept.nbytes == 96
+    amp.clear_cache()
+    assert amp._state.kept.nbytes == 0
