@@ -119,13 +119,15 @@ def _project_backward(g, a, w, bias, weight):
 
 def _input_backward(spec, g, x_local, w, x, weight, tp):
     """(x's gradient, the first weight's) of the first product `spec` given its output's
-    gradient `g`: x's is all-reduced along `tp` while the weight's is computed."""
+    gradient `g`; `x`: (requires a gradient?, dtype, layout) of the input. x's gradient is
+    all-reduced along `tp` while the weight's is computed."""
     sa, sb, out = spec
+    needed, dtype, layout = x
     gx = reducing = None
-    if x.requires_grad:
-        gx = local_einsum(out, sb, sa, g, w, x.dtype)
-        if _reduces(tp, x.mesh):
-            reducing = _all_reduced(gx, tp, x.layout, async_op=True)
+    if needed:
+        gx = local_einsum(out, sb, sa, g, w, dtype)
+        if _reduces(tp, layout.mesh):
+            reducing = _all_reduced(gx, tp, layout, async_op=True)
     gw = local_einsum(sa, out, sb, x_local, g, weight.dtype) if weight.requires_grad else None
     return (gx if reducing is None else reducing.wait()), gw
 
@@ -133,16 +135,18 @@ def _input_backward(spec, g, x_local, w, x, weight, tp):
 def _recorded(out, inputs, grads_of, name, placements):
     """`out` with the fused node recorded: `grads_of(g)` gives the local gradients of x and the
     four parameters (None where not needed), the residual's is the output's; `placements`: the
-    parameters' gradient placements."""
+    parameters' gradient placements. The closure keeps layouts, not x or the residual (the
+    residual stream is not held for backward)."""
     x, residual, *params = inputs
-    layout = residual.layout
+    x_layout, layout, residual_needed = x.layout, residual.layout, residual.requires_grad
     strict = range(layout.mesh.ndim)
 
     def backward(g):
         g = linear_grad(g, layout.placements, strict=strict)
         gx, *grads = grads_of(g._local)
-        return (None if gx is None else make(gx, x.mesh, x.shape, x.placements),
-                g if residual.requires_grad else None,
+        return (None if gx is None else make(gx, x_layout.mesh, x_layout.shape,
+                                             x_layout.placements),
+                g if residual_needed else None,
                 *[None if local is None else make(local, p.mesh, p.shape, grad_placements)
                   for local, p, grad_placements in zip(grads, params, placements)])
     return engine.record(out, inputs, backward, name)
@@ -165,11 +169,13 @@ def mlp_residual(x, residual, fc_weight, fc_bias, proj_weight, proj_bias):
     u = bias_gelu_local(h, b1)
     out = make(_project(u, w2, proj_bias, residual, tp), residual.mesh, residual.shape,
                residual.placements)
+    x_info = (x.requires_grad, x.dtype, x.layout)
 
     def grads_of(g):
         gu, gw2, gb2 = _project_backward(g, u, w2, proj_bias, proj_weight)
         dh, gb1 = bias_gelu_backward(h, b1, gu)
-        gx, gw1 = _input_backward(("axy", "yz", "axz"), dh, x_local, w1, x, fc_weight, tp)
+        gx, gw1 = _input_backward(("axy", "yz", "axz"), dh, x_local, w1, x_info, fc_weight,
+                                   tp)
         return gx, gw1, gb1.astype(fc_bias.dtype, copy=False), gw2, gb2
     return _recorded(out, (x, residual, *params), grads_of, "mlp_residual", placements)
 
@@ -203,6 +209,7 @@ def attention_residual(x, residual, qkv_weight, qkv_bias, proj_weight, proj_bias
     a = o.transpose(0, 2, 1, 3).reshape(rows, t, heads * d)              # (B, T, C/tp)
     out = make(_project(a, wp, proj_bias, residual, tp), residual.mesh, residual.shape,
                residual.placements)
+    x_info = (x.requires_grad, x.dtype, x.layout)
 
     def grads_of(g):
         ga, gwp, gbp = _project_backward(g, a, wp, proj_bias, proj_weight)
@@ -213,6 +220,7 @@ def attention_residual(x, residual, qkv_weight, qkv_bias, proj_weight, proj_bias
         gbq = local_sum(grad, (0, 1), False) if qkv_bias.requires_grad else None
         if gbq is not None and gbq.dtype != qkv_bias.dtype:
             gbq = converted(gbq, qkv_bias.dtype)
-        gx, gwq = _input_backward(("btc", "cjd", "btjd"), grad, x_local, wq, x, qkv_weight, tp)
+        gx, gwq = _input_backward(("btc", "cjd", "btjd"), grad, x_local, wq, x_info,
+                                   qkv_weight, tp)
         return gx, gwq, gbq, gwp, gbp
     return _recorded(out, (x, residual, *params), grads_of, "attention_residual", placements)
