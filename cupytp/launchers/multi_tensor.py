@@ -219,11 +219,11 @@ def cast_(sources, targets):
 def _cast_pair(sources, targets):
     """The kernel suffix of a cast between two lists, after checking them."""
     dtypes = check_lists(sources=sources, targets=targets)
-    pair = "_".join(dtype_suffix(dtypes[name]) for name in ("sources", "targets"))
-    if tuple(pair.split("_")) not in CAST_PAIRS:
+    pair = (dtype_suffix(dtypes["sources"]), dtype_suffix(dtypes["targets"]))
+    if pair not in CAST_PAIRS:
         raise ValueError(f"cast_ takes float32 sources and bfloat16 or float16 targets, got "
                          f"{dtypes['sources']} and {dtypes['targets']}")
-    return pair
+    return "_".join(pair)
 
 
 def cast_numpy(sources, targets):

@@ -44,6 +44,7 @@ class _Kept(dict):
         self.nbytes = 0
 
     def keep(self, key, x, cast):
+        self.drop(key)                  # a cast made again (its parameter's array replaced)
         if self.nbytes + cast._local.nbytes <= KEEP_BYTES:
             self.nbytes += cast._local.nbytes
             self[key] = (weakref.ref(x, lambda _: self.drop(key)), x._local, cast)

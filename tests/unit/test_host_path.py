@@ -231,6 +231,10 @@ def test_casts_kept_between_regions_stay_within_their_budget(monkeypatch):
     with ops.autocast("bf16"):
         for p in params:
             amp.master_cast(p)
+        assert len(amp._state.kept) == 3 and amp._state.kept.nbytes == 96
+        params[0]._local = params[0]._local.copy()              # its cast is made again
+        amp.master_cast(params[0])
     assert len(amp._state.kept) == 3 and amp._state.kept.nbytes == 96
+    assert amp._state.kept[(id(params[0]), backend.bfloat16)][1] is params[0].to_local()
     amp.clear_cache()
     assert amp._state.kept.nbytes == 0
