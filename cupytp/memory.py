@@ -12,7 +12,8 @@ Sizes and segments, as PyTorch's CUDACachingAllocator chooses them:
   segments shared by several blocks; a larger one gets a segment of its own, rounded up to
   2 MiB. Small and large blocks never share a segment, so small ones do not fragment large ones;
 - a free block is split when the rest would be at least 512 B (small) or 1 MiB (large), and a
-  freed block merges with the free neighbours of its segment.
+  freed block merges with the free neighbours of its segment: once an allocation finds no free
+  block of its exact size (see `_FreeList`).
 
 Finding a block: the free blocks of one stream and one size class are bucketed by size, so a
 loop that allocates the same sizes every step finds each in one dict lookup; otherwise best fit
@@ -48,6 +49,7 @@ HUGE_REQUEST = 10 * MiB         # requests from here on get a segment of their o
 HUGE_ROUNDING = 2 * MiB         # ... rounded up to a multiple of this
 LARGE_SEGMENT = 20 * MiB        # other large requests share segments of this size
 LARGE_SPLIT = 1 * MiB           # a large block is split only when the rest is at least this
+MERGE_BACKLOG = 1024            # freed blocks waiting to merge before a merge is forced
 
 CUDA_ERROR_MEMORY_ALLOCATION = 2
 
@@ -105,11 +107,17 @@ class _FreeList:
     """The free blocks of one stream and one size class: a bucket per size (a dict used as an
     ordered set, last freed first out) and the bucket sizes in order, for best fit. A bucket
     emptied by an allocation stays until a best-fit search passes it, so a size that is
-    allocated and freed every step is one lookup each way."""
-    __slots__ = ("stream", "buckets", "sizes")
+    allocated and freed every step is one lookup each way.
+
+    Merging is deferred: a freed block waits in `unmerged` until an allocation finds no block
+    of its exact size (or MERGE_BACKLOG frees have waited), and only then merges with the free
+    neighbours of its segment. A loop that frees and allocates the same sizes every step thus
+    neither merges nor splits; any other request sees the blocks merged, as if merging were
+    immediate."""
+    __slots__ = ("stream", "buckets", "sizes", "unmerged")
 
     def __init__(self, stream):
-        self.stream, self.buckets, self.sizes = stream, {}, []
+        self.stream, self.buckets, self.sizes, self.unmerged = stream, {}, [], []
 
     def add(self, block):
         bucket = self.buckets.get(block.size)
@@ -121,11 +129,16 @@ class _FreeList:
     def discard(self, block):
         del self.buckets[block.size][block]
 
-    def take(self, size):
-        """The free block of exactly `size`, else the smallest larger one, else None."""
+    def exact(self, size):
+        """A free block of exactly `size`, or None."""
         bucket = self.buckets.get(size)
-        if bucket:
-            return bucket.popitem()[0]
+        return bucket.popitem()[0] if bucket else None
+
+    def take(self, size):
+        """After merging the waiting frees: the free block of exactly `size`, else the smallest
+        larger one, else None."""
+        if self.unmerged:
+            self.merge()
         buckets, sizes = self.buckets, self.sizes
         i = bisect_left(sizes, size)
         while i < len(sizes):
@@ -135,8 +148,32 @@ class _FreeList:
             del buckets[sizes[i]], sizes[i]          # an emptied bucket: drop it
         return None
 
+    def merge(self):
+        """Merge each waiting freed block that is still free with its free neighbours."""
+        unmerged, self.unmerged = self.unmerged, []
+        for block in unmerged:
+            if not block.free or block.segment is None:     # taken again, or merged away
+                continue
+            while block.prev is not None and block.prev.free:   # the free run's first block
+                block = block.prev
+            after = block.next
+            if after is None or not after.free:
+                continue
+            self.discard(block)
+            while after is not None and after.free:             # absorbs the rest of the run
+                self.discard(after)
+                block.size += after.size
+                after.segment = None
+                after = after.next
+            block.next = after
+            if after is not None:
+                after.prev = block
+            self.add(block)
+
     def whole_segments(self):
-        """The free blocks that span their whole segment."""
+        """The free blocks that span their whole segment (after merging the waiting frees)."""
+        if self.unmerged:
+            self.merge()
         return [block for bucket in self.buckets.values() for block in bucket
                 if block.prev is None and block.next is None]
 
@@ -229,7 +266,8 @@ class CachingAllocator:
         family = self._family
         with family.lock:
             free_list = (self._small if small else self._large).get(stream)
-            block = None if free_list is None else free_list.take(size)
+            block = None if free_list is None else (free_list.exact(size) or
+                                                    free_list.take(size))
             if block is None:
                 block = self._new_segment(size, small, stream)
             else:
@@ -272,21 +310,10 @@ class CachingAllocator:
         self._family.allocated -= block.size
         self._active -= 1
         free_list = block.segment.free_list
-        prev, after = block.prev, block.next
-        if prev is not None and prev.free:           # merge into the free block before
-            free_list.discard(prev)
-            prev.size += block.size
-            prev.next = after
-            if after is not None:
-                after.prev = prev
-            block = prev
-        if after is not None and after.free:         # and absorb the free block after
-            free_list.discard(after)
-            block.size += after.size
-            block.next = after.next
-            if after.next is not None:
-                after.next.prev = block
         free_list.add(block)
+        free_list.unmerged.append(block)
+        if len(free_list.unmerged) > MERGE_BACKLOG:
+            free_list.merge()
 
     def _split(self, block, size):
         """Keep the first `size` bytes of `block`; the rest becomes a free block."""
@@ -295,7 +322,10 @@ class CachingAllocator:
             block.next.prev = rest
         block.next = rest
         block.size = size
-        block.segment.free_list.add(rest)
+        free_list = block.segment.free_list
+        free_list.add(rest)
+        if rest.next is not None and rest.next.free:     # a neighbour whose merge is deferred
+            free_list.unmerged.append(rest)
 
     def _new_segment(self, size, small, stream):
         """A free block spanning a new segment for a request of `size` (lock held)."""
@@ -533,12 +563,16 @@ def _take(nbytes, stream):
     """(the current pool, a block of `nbytes` on `stream` from it)."""
     pool = current_pool()
     if pool is None:
-        raise RuntimeError("no memory pool is in use: cupytp.init() installs one on a GPU "
-                           "(unless CUPYTP_ALLOCATOR=cupy); on the CPU, use set_default_pool()")
+        _no_pool()
     block = pool.malloc(nbytes, stream)
     if _origins is not None:
         _origins[block.address] = (block.size, _where())
     return pool, block
+
+
+def _no_pool():
+    raise RuntimeError("no memory pool is in use: cupytp.init() installs one on a GPU (unless "
+                       "CUPYTP_ALLOCATOR=cupy); on the CPU, use set_default_pool()")
 
 
 @contextlib.contextmanager
@@ -611,18 +645,28 @@ def uninstall():
 def _cupy_allocator(cupy, device_id):
     """CuPy's allocator function: the memory of each array is a block of the current pool on
     the current stream, held by a `PooledMemory` (CuPy's BaseMemory) that gives the block back
-    when CuPy drops it: one object per allocation besides CuPy's MemoryPointer."""
+    when CuPy drops it: one object per allocation besides CuPy's MemoryPointer. (`allocate`'s
+    steps inlined: this runs for every array.)"""
     memory_pointer = cupy.cuda.MemoryPointer
     current_stream = cupy.cuda.get_current_stream
+    routing = _routing
 
     class PooledMemory(cupy.cuda.memory.BaseMemory):
         __slots__ = ("pool", "block")
 
         def __del__(self):
-            _give_back_block(self.pool, self.block)
+            if _origins is not None:
+                _origins.pop(self.block.address, None)
+            self.pool.free(self.block)
 
     def allocate_for_cupy(nbytes):
-        pool, block = _take(nbytes, current_stream().ptr)
+        pools = routing.pools
+        pool = pools[-1] if pools else _default
+        if pool is None:
+            _no_pool()
+        block = pool.malloc(nbytes, current_stream().ptr)
+        if _origins is not None:
+            _origins[block.address] = (block.size, _where())
         memory = PooledMemory()
         memory.ptr, memory.size, memory.device_id = block.address, nbytes, device_id
         memory.pool, memory.block = pool, block

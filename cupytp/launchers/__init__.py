@@ -59,6 +59,17 @@ def multiprocessors():
     return xp.cuda.Device().attributes["MultiProcessorCount"]
 
 
+def lasting_buffer(nbytes):
+    """A device buffer of `nbytes` for the rest of the process (a library's workspace): from the
+    framework's default memory pool even while a CUDA graph's private pool is in use, so that it
+    holds no graph's memory; the caller keeps the array."""
+    import contextlib
+    from cupytp import memory
+    pool = memory.default_pool()
+    with contextlib.nullcontext() if pool is None else memory.use_pool(pool):
+        return xp.empty(max(nbytes, 1), dtype=numpy.uint8)
+
+
 def vector_width(width, cols, arrays):
     """`width` when every row start of the [rows, cols] row-major `arrays` is aligned for vectors
     of `width` elements (cols a multiple of it, each base address of its vector size), else 1."""

@@ -8,12 +8,19 @@ default: cuDNN where it applies and imports, it measured faster; else the RawKer
 (`ops.scaled_dot_product_attention` materializes the scores: for comparisons). One graph
 per shape, strides, dtype, mask and scale, built on first use: outside a CUDA-graph capture,
 whose eager warm-up call builds it. The NumPy twin of this math is flash_attention's.
+
+A built graph runs through its backend plan on an array of raw addresses sorted by tensor uid:
+what the frontend's own `execute` does in the end, reached without the per-call Python that
+describes each operand again (three times the host cost of the call at small shapes). A frontend
+without that entry point gets the public `execute`.
 """
 import functools
 import os
 
+import numpy
+
 from cupytp.backend import bfloat16, xp
-from cupytp.launchers import is_device_array
+from cupytp.launchers import is_device_array, lasting_buffer
 from cupytp.launchers.flash_attention import DTYPES, HEAD_DIMS, check_grads, check_lse
 from cupytp.launchers.flash_attention import like_output
 
@@ -72,8 +79,7 @@ def attention_forward(q, k, v, causal, scale, dropout=None):
     b, h, t, d = q.shape
     o = like_output(q)
     stats = xp.empty((b, h, t, 1), dtype=xp.float32)
-    graph, uids, workspace = _forward_graph(*_geometry(q, k, v, o), causal, float(scale))
-    _execute(graph, uids, (q, k, v, o, stats), workspace)
+    _forward_graph(*_geometry(q, k, v, o), causal, float(scale)).run((q, k, v, o, stats))
     return o, stats.reshape(b, h, t)
 
 
@@ -84,9 +90,8 @@ def attention_backward(q, k, v, o, lse, do, causal, scale, dropout=None, grads=N
     o, do = _laid_out(o), _laid_out(do)     # one layout for both, as the graph wants
     check_lse(lse, q)
     stats = xp.ascontiguousarray(lse).reshape(b, h, t, 1)
-    graph, uids, workspace = _backward_graph(*_geometry(q, k, v, o, do, dq, dk, dv), causal,
-                                             float(scale))
-    _execute(graph, uids, (q, k, v, o, do, stats, dq, dk, dv), workspace)
+    _backward_graph(*_geometry(q, k, v, o, do, dq, dk, dv), causal, float(scale)).run(
+        (q, k, v, o, do, stats, dq, dk, dv))
     return dq, dk, dv
 
 
@@ -116,14 +121,47 @@ def _in_elements(dtype, layouts):
     return tuple((shape, tuple(s // size for s in strides)) for shape, strides in layouts)
 
 
-def _execute(graph, uids, arrays, workspace_size):
-    """Run `graph` on `arrays` (bare addresses in the order of `uids`: the frontend's cheapest
-    form of a call)."""
-    cudnn, handle = _frontend(False)
-    cudnn.set_stream(handle=handle, stream=xp.cuda.get_current_stream().ptr)
-    workspace = xp.empty(max(workspace_size, 1), dtype=xp.uint8)
-    graph.execute(tuple([a.data.ptr for a in arrays]), workspace.data.ptr, handle=handle,
-                  tensor_uids=uids)
+class _Runner:
+    """A built graph and how to call it: `run(arrays)`, the arrays in the order of `uids`, on
+    the current stream, with a workspace of `workspace_size` bytes per stream that lives as long
+    as the graph (a CUDA graph that captured it may replay it)."""
+
+    def __init__(self, graph, uids, workspace_size):
+        self.graph, self.uids, self.workspace_size = graph, uids, workspace_size
+        self.workspaces = {}            # stream pointer -> (workspace array, its address)
+        self.raw = self._raw_entry()
+
+    def _raw_entry(self):
+        """(the backend's raw-address execute, plan index, the positions in `uids` of the
+        sorted uids), or None where this frontend does not have it."""
+        graph = self.graph
+        try:
+            order = list(graph._variant_pack_uids())
+            plan = graph._materialize_backend_plan(graph._plan_index)
+            execute = graph._lowered_graph._execute_with_raw_ptrs
+            python_engine = graph.selected_engine is not None
+        except AttributeError:
+            return None
+        if python_engine or sorted(order) != sorted(self.uids):
+            return None
+        index = -1 if plan.cpp_index is None else plan.cpp_index
+        return execute, index, [self.uids.index(uid) for uid in order]
+
+    def run(self, arrays):
+        cudnn, handle = _frontend(False)
+        stream = xp.cuda.get_current_stream().ptr
+        cudnn.set_stream(handle=handle, stream=stream)
+        workspace = self.workspaces.get(stream)
+        if workspace is None:
+            array = lasting_buffer(self.workspace_size)
+            workspace = self.workspaces[stream] = (array, array.data.ptr)
+        if self.raw is None:
+            self.graph.execute(tuple([a.data.ptr for a in arrays]), workspace[1], handle=handle,
+                               tensor_uids=self.uids)
+            return
+        execute, index, positions = self.raw
+        addresses = numpy.array([arrays[i].data.ptr for i in positions], dtype=numpy.uint64)
+        execute(addresses.ctypes.data, len(positions), workspace[1], handle.backend_handle, index)
 
 
 def _new_graph(dtype):
@@ -169,7 +207,7 @@ def _forward_graph(dtype, layouts, causal, scale):
                           **_mask(cudnn, causal))
     workspace = _finish(cudnn, graph, [(o, layouts[3], io),
                                        (stats, _stats_layout(layouts[0]), cudnn.data_type.FLOAT)])
-    return graph, _uids(q, k, v, o, stats), workspace
+    return _Runner(graph, _uids(q, k, v, o, stats), workspace)
 
 
 @functools.cache
@@ -183,7 +221,7 @@ def _backward_graph(dtype, layouts, causal, scale):
                                      stats=stats, attn_scale=scale, **_mask(cudnn, causal))
     workspace = _finish(cudnn, graph, [(grad, layout, io)
                                        for grad, layout in zip((dq, dk, dv), layouts[5:])])
-    return graph, _uids(q, k, v, o, do, stats, dq, dk, dv), workspace
+    return _Runner(graph, _uids(q, k, v, o, do, stats, dq, dk, dv), workspace)
 
 
 def _uids(*tensors):

@@ -1,6 +1,11 @@
-"""Matrix products through cuBLAS (`cublasGemmEx`, `cublasGemmStridedBatchedEx`): through CuPy's
-bindings, and called directly (ctypes) while a stream is being captured into a CUDA graph, where
-CuPy's bindings refuse to run. A `Product` holds one product's arguments, worked out once.
+"""Matrix products through cuBLASLt (`cublasLtMatmul`, called through ctypes): a `Product` holds
+one product's descriptors and the algorithm cuBLASLt's heuristic chose for it, worked out once,
+so that a call is one C call with nothing to decide (cuBLAS's `cublasGemmEx` decides again on
+every call, which costs a small product more host time than its device time). A workspace of
+WORKSPACE_BYTES per stream lives as long as the process. Where cuBLASLt offers no algorithm, or
+with CUPYTP_CUBLASLT=0, the product runs through `cublasGemmEx` / `cublasGemmStridedBatchedEx`:
+CuPy's bindings, or the library called directly while a stream is being captured into a CUDA
+graph, where CuPy's bindings refuse to run.
 
 `matmul(a, b)`: a (..., M, K), b (K, N) or (..., K, N) with the same batch dims, one float dtype
 (float64, float32, bfloat16 or float16); either may be a transposed view of a C-contiguous array
@@ -17,7 +22,7 @@ import os
 import numpy
 
 from cupytp import backend
-from cupytp.launchers import is_device_array
+from cupytp.launchers import is_device_array, lasting_buffer
 
 # cudaDataType, cublasComputeType_t, cublasOperation_t, cublasGemmAlgo_t
 _CUDA_R_32F, _CUDA_R_64F, _CUDA_R_16F, _CUDA_R_16BF = 0, 1, 2, 14
@@ -51,17 +56,22 @@ def _out_dtype(a_dtype, b_dtype, out_dtype):
     return out_dtype
 
 
+def _loaded_library(name):
+    """The shared library `name` (e.g. 'libcublas.so') as this process loaded it, found in its
+    memory map (CuPy loads cuBLAS, which loads cuBLASLt)."""
+    backend.xp.cuda.device.get_cublas_handle()          # makes CuPy load the libraries
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps
+                 if os.path.basename(line.split()[-1]).startswith(name)}
+    if not paths:
+        raise RuntimeError(f"{name} is not loaded in this process: cannot call it")
+    return ctypes.CDLL(sorted(paths)[0])
+
+
 @functools.cache
 def _cublas():
-    """libcublas as CuPy loaded it (found in this process's memory map), with the two entry
-    points typed."""
-    backend.xp.cuda.device.get_cublas_handle()          # makes CuPy load the library
-    with open("/proc/self/maps") as maps:
-        paths = {line.split()[-1] for line in maps if "libcublas.so" in line
-                 and "libcublasLt" not in line}
-    if not paths:
-        raise RuntimeError("cuBLAS is not loaded in this process: cannot find libcublas")
-    lib = ctypes.CDLL(sorted(paths)[0])
+    """libcublas with the two entry points typed."""
+    lib = _loaded_library("libcublas.so")
     lib.cublasSetStream_v2.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     lib.cublasGemmStridedBatchedEx.argtypes = [
         ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
@@ -89,6 +99,132 @@ def _scalars(dtype):
         compute = _COMPUTE_32F_FAST_TF32 if tf32 else _COMPUTE_32F
     _kept.extend((one, zero))
     return one.ctypes.data, zero.ctypes.data, compute
+
+
+
+# ---- cuBLASLt -----------------------------------------------------------------------------------
+# attributes of cublasLt.h: matmul descriptor, matrix layout, preference
+_DESC_TRANSA, _DESC_TRANSB = 3, 4
+_LAYOUT_BATCH_COUNT, _LAYOUT_BATCH_STRIDE = 5, 6
+_PREF_MAX_WORKSPACE_BYTES = 1
+_HEURISTIC_RESULT_BYTES = 96    # cublasLtMatmulHeuristicResult_t: the algorithm's 64 bytes first
+_ALGO_STATE_OFFSET = 72         # ... then size_t workspaceSize, cublasStatus_t state
+_LT_ALIGNMENT = 256             # the operand alignment the chosen algorithms may assume
+WORKSPACE_BYTES = 32 * 2 ** 20
+_workspaces = {}                # stream pointer -> the address of that stream's workspace
+_workspace_arrays = []          # ... kept for the life of the process
+
+
+def use_cublaslt():
+    """CUPYTP_CUBLASLT: '1' (the default: products through cuBLASLt) or '0' (cublasGemmEx)."""
+    choice = os.environ.get("CUPYTP_CUBLASLT", "1").strip() or "1"
+    if choice not in ("0", "1"):
+        raise ValueError(f"CUPYTP_CUBLASLT={choice!r} is not understood: use 1 (cuBLASLt, the "
+                         "default) or 0 (cublasGemmEx)")
+    return choice == "1"
+
+
+class _Lt:
+    """libcublasLt with its entry points typed, one handle and one heuristic preference (at most
+    WORKSPACE_BYTES of workspace)."""
+
+    def __init__(self):
+        lib = _loaded_library("libcublasLt.so")
+        p, i32, u64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_uint64
+        lib.cublasLtCreate.argtypes = [ctypes.POINTER(p)]
+        lib.cublasLtMatmulDescCreate.argtypes = [ctypes.POINTER(p), i32, i32]
+        lib.cublasLtMatmulDescSetAttribute.argtypes = [p, i32, p, ctypes.c_size_t]
+        lib.cublasLtMatmulDescDestroy.argtypes = [p]
+        lib.cublasLtMatrixLayoutCreate.argtypes = [ctypes.POINTER(p), i32, u64, u64,
+                                                   ctypes.c_int64]
+        lib.cublasLtMatrixLayoutSetAttribute.argtypes = [p, i32, p, ctypes.c_size_t]
+        lib.cublasLtMatrixLayoutDestroy.argtypes = [p]
+        lib.cublasLtMatmulPreferenceCreate.argtypes = [ctypes.POINTER(p)]
+        lib.cublasLtMatmulPreferenceSetAttribute.argtypes = [p, i32, p, ctypes.c_size_t]
+        lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [p, p, p, p, p, p, p, i32, p,
+                                                       ctypes.POINTER(i32)]
+        lib.cublasLtMatmul.argtypes = [p, p, p, p, p, p, p, p, p, p, p, p, p, p, ctypes.c_size_t,
+                                       p]
+        self.lib, self.matmul = lib, lib.cublasLtMatmul
+        self.handle = self._made(lib.cublasLtCreate)
+        self.preference = self._made(lib.cublasLtMatmulPreferenceCreate)
+        self._set(lib.cublasLtMatmulPreferenceSetAttribute, self.preference,
+                  _PREF_MAX_WORKSPACE_BYTES, ctypes.c_uint64(WORKSPACE_BYTES))
+
+    @staticmethod
+    def _made(create, *args):
+        out = ctypes.c_void_p()
+        _check(create(ctypes.byref(out), *args))
+        return out.value
+
+    @staticmethod
+    def _set(setter, target, attribute, value):
+        _check(setter(target, attribute, ctypes.byref(value), ctypes.sizeof(value)))
+
+    def layout(self, kind, rows, cols, ld, count, stride):
+        """A column-major matrix layout: `count` matrices `stride` elements apart."""
+        layout = self._made(self.lib.cublasLtMatrixLayoutCreate, kind, rows, cols, ld)
+        if count > 1:
+            setter = self.lib.cublasLtMatrixLayoutSetAttribute
+            self._set(setter, layout, _LAYOUT_BATCH_COUNT, ctypes.c_int32(count))
+            self._set(setter, layout, _LAYOUT_BATCH_STRIDE, ctypes.c_int64(stride))
+        return layout
+
+
+@functools.cache
+def _lt():
+    return _Lt()
+
+
+class _LtPlan:
+    """One cuBLASLt product, column-major as cuBLAS sees it: D (rows x cols) = op(first)
+    op(second), its descriptors and the algorithm the heuristic chose (None: it offered none)."""
+    __slots__ = ("args", "descriptors", "__weakref__")
+
+    def __init__(self, ops, rows, cols, k, first, second, out, count, compute, scalars):
+        lt, (op_first, op_second), (alpha, beta) = _lt(), ops, scalars
+        self.args = self.descriptors = None
+        scale = _CUDA_R_64F if compute == _COMPUTE_64F else _CUDA_R_32F
+        desc = lt._made(lt.lib.cublasLtMatmulDescCreate, compute, scale)
+        for attribute, op in ((_DESC_TRANSA, op_first), (_DESC_TRANSB, op_second)):
+            lt._set(lt.lib.cublasLtMatmulDescSetAttribute, desc, attribute, ctypes.c_int32(op))
+        stored_first = (k, rows) if op_first == _OP_T else (rows, k)
+        stored_second = (cols, k) if op_second == _OP_T else (k, cols)
+        layouts = [lt.layout(kind, *stored, ld, count, stride) for stored, (kind, ld, stride)
+                   in ((stored_first, first), (stored_second, second), ((rows, cols), out))]
+        self.descriptors = (lt.lib, desc, layouts)
+        result, found = ctypes.create_string_buffer(_HEURISTIC_RESULT_BYTES), ctypes.c_int32(0)
+        _check(lt.lib.cublasLtMatmulAlgoGetHeuristic(
+            lt.handle, desc, layouts[0], layouts[1], layouts[2], layouts[2], lt.preference, 1,
+            result, ctypes.byref(found)))
+        state = int.from_bytes(result.raw[_ALGO_STATE_OFFSET:_ALGO_STATE_OFFSET + 4], "little")
+        if found.value and not state:
+            self.args = (lt.matmul, lt.handle, desc, alpha, layouts[0], layouts[1], beta,
+                         layouts[2], ctypes.addressof(result), result)
+
+    def run(self, first_ptr, second_ptr, out_ptr):
+        """D = op(first) op(second) into out_ptr on the current stream (operands aligned to
+        _LT_ALIGNMENT bytes)."""
+        matmul, handle, desc, alpha, first, second, beta, out, algo, _ = self.args
+        stream = backend.xp.cuda.get_current_stream().ptr
+        workspace = _workspaces.get(stream) or _workspace(stream)
+        _check(matmul(handle, desc, alpha, first_ptr, first, second_ptr, second, beta, out_ptr,
+                      out, out_ptr, out, algo, workspace, WORKSPACE_BYTES, stream))
+
+    def __del__(self):
+        if self.descriptors is not None:
+            lib, desc, layouts = self.descriptors
+            lib.cublasLtMatmulDescDestroy(desc)
+            for layout in layouts:
+                lib.cublasLtMatrixLayoutDestroy(layout)
+
+
+def _workspace(stream):
+    """The cuBLASLt workspace of `stream`, made at its first product."""
+    array = lasting_buffer(WORKSPACE_BYTES)
+    _workspace_arrays.append(array)
+    _workspaces[stream] = array.data.ptr
+    return array.data.ptr
 
 
 def _transposed(x):
@@ -152,7 +288,7 @@ class Product:
     the row-major operands at those addresses (a transposed when `a_t`, i.e. its memory holds
     aᵀ contiguously; b likewise) into a new array of `shape` and `out_dtype`. A product with a
     2-D b folds a's batch into M: one plain GEMM."""
-    __slots__ = ("shape", "out_dtype", "batched", "head", "middle", "tail")
+    __slots__ = ("shape", "out_dtype", "batched", "head", "middle", "tail", "lt")
 
     def __init__(self, a, b, a_t, b_t, out_dtype, shape):
         m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
@@ -165,15 +301,24 @@ class Product:
         alpha, beta, compute = _scalars(a.dtype)
         self.shape, self.out_dtype, self.batched = shape, out_dtype, count > 1
         self.head = (_OP_T if b_t else _OP_N, _OP_T if a_t else _OP_N, n, m, k, alpha)
+        first = (kind, lda, 0 if b.ndim == 2 else k * n)
+        second, out = (kind, ldb, m * k), (_TYPES[out_dtype], n, m * n)
         if self.batched:
-            self.middle = ((kind, lda, 0 if b.ndim == 2 else k * n), (kind, ldb, m * k), beta)
-            self.tail = (_TYPES[out_dtype], n, m * n, count, compute, _GEMM_DEFAULT)
+            self.middle, self.tail = (first, second, beta), out + (count, compute, _GEMM_DEFAULT)
         else:
-            self.middle = ((kind, lda), (kind, ldb), beta)
-            self.tail = (_TYPES[out_dtype], n, compute, _GEMM_DEFAULT)
+            self.middle = (first[:2], second[:2], beta)
+            self.tail = out[:2] + (compute, _GEMM_DEFAULT)
+        self.lt = None
+        if is_device_array(a) and use_cublaslt():
+            plan = _LtPlan(self.head[:2], n, m, k, first, second, out, count, compute,
+                           (alpha, beta))
+            self.lt = plan if plan.args is not None else None
 
     def run(self, a_ptr, b_ptr):
         out = backend.xp.empty(self.shape, dtype=self.out_dtype)
+        if self.lt is not None and not (a_ptr | b_ptr) % _LT_ALIGNMENT:
+            self.lt.run(b_ptr, a_ptr, out.data.ptr)
+            return out
         b_args, a_args, beta = self.middle
         args = self.head + (b_ptr,) + b_args + (a_ptr,) + a_args + (beta, out.data.ptr) + \
             self.tail

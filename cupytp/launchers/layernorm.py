@@ -95,7 +95,10 @@ def layer_norm_backward(g, xhat, rstd, weight, dx_dtype=None, add=None, param_gr
     if not param_grads:
         return dx
     sums = column_sum(partials)
-    return dx, sums[:cols], sums[cols:]
+    # two arrays over the two halves, not views: each is the one array over its bytes, so the
+    # parameters take them as their gradients without a copy
+    return dx, xp.ndarray((cols,), sums.dtype, sums.data), \
+        xp.ndarray((cols,), sums.dtype, sums.data + cols * sums.itemsize)
 
 
 def _cached_kernel(direction, suffix, cols, arrays):

@@ -291,6 +291,26 @@ def test_cudnn_attention_matches_twin(b, h, t, d, causal, dtype):
 
 @pytest.mark.gpu
 @requires_gpu
+def test_cudnn_raw_entry_gives_the_public_executes_bits():
+    """The frontend the GPU machines carry has the raw-address entry, and it computes what the
+    public execute computes."""
+    pytest.importorskip("cudnn")
+    _, device = strided_qkv(2, 3, 100, 64, bfloat16, seed=5)
+    o, lse = cudnn_attention.attention_forward(*device, True, 0.125)
+    runner = cudnn_attention._forward_graph(*cudnn_attention._geometry(*device, o), True, 0.125)
+    assert runner.raw is not None
+    raw, runner.raw = runner.raw, None
+    public = (cudnn_attention.like_output(device[0]), xp.empty(lse.shape + (1,), xp.float32))
+    try:
+        runner.run((*device, *public))
+    finally:
+        runner.raw = raw
+    numpy.testing.assert_array_equal(asnumpy(public[0]), asnumpy(o))
+    numpy.testing.assert_array_equal(asnumpy(public[1]).reshape(lse.shape), asnumpy(lse))
+
+
+@pytest.mark.gpu
+@requires_gpu
 def test_flash_dropout_in_a_cuda_graph_draws_as_eager():
     """Replays of a captured attention with dropout read the counter base from device memory:
     each replay draws the mask that the same eager call draws."""

@@ -105,6 +105,14 @@ def test_split_and_merge_within_a_segment(pool, device):
     assert device.live == {} and pool.stats()["segments"] == 0 and device.mallocs == 1
 
 
+def test_a_size_freed_and_asked_again_is_neither_merged_nor_split(pool, device):
+    a, b = pool.malloc(4 * KiB), pool.malloc(4 * KiB)
+    pool.free(a)
+    pool.free(b)                                   # merging waits: both keep their size
+    assert [pool.malloc(4 * KiB).address for _ in range(2)] == [b.address, a.address]
+    assert pool.stats()["cache_hits"] == 3 and device.mallocs == 1
+
+
 def test_large_blocks_split_only_when_at_least_1_mib_remains(pool, device):
     big = pool.malloc(19 * MiB + 512 * KiB)        # 20 MiB segment, 0.5 MiB left: not split
     assert big.size == 20 * MiB
