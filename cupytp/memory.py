@@ -12,8 +12,8 @@ Sizes and segments, as PyTorch's CUDACachingAllocator chooses them:
   segments shared by several blocks; a larger one gets a segment of its own, rounded up to
   2 MiB. Small and large blocks never share a segment, so small ones do not fragment large ones;
 - a free block is split when the rest would be at least 512 B (small) or 1 MiB (large), and a
-  freed block merges with the free neighbours of its segment: once an allocation finds no free
-  block of its exact size (see `_FreeList`).
+  freed block merges with the free neighbours of its segment: when no free block is large
+  enough for a request, before a new segment is taken (see `_FreeList`).
 
 Finding a block: the free blocks of one stream and one size class are bucketed by size, so a
 loop that allocates the same sizes every step finds each in one dict lookup; otherwise best fit
@@ -49,7 +49,6 @@ HUGE_REQUEST = 10 * MiB         # requests from here on get a segment of their o
 HUGE_ROUNDING = 2 * MiB         # ... rounded up to a multiple of this
 LARGE_SEGMENT = 20 * MiB        # other large requests share segments of this size
 LARGE_SPLIT = 1 * MiB           # a large block is split only when the rest is at least this
-MERGE_BACKLOG = 1024            # freed blocks waiting to merge before a merge is forced
 
 CUDA_ERROR_MEMORY_ALLOCATION = 2
 
@@ -109,15 +108,15 @@ class _FreeList:
     emptied by an allocation stays until a best-fit search passes it, so a size that is
     allocated and freed every step is one lookup each way.
 
-    Merging is deferred: a freed block waits in `unmerged` until an allocation finds no block
-    of its exact size (or MERGE_BACKLOG frees have waited), and only then merges with the free
-    neighbours of its segment. A loop that frees and allocates the same sizes every step thus
-    neither merges nor splits; any other request sees the blocks merged, as if merging were
-    immediate."""
+    Merging is deferred: a freed block waits in `unmerged` (an ordered set) and merges with the
+    free neighbours of its segment only when no free block is large enough for a request (or
+    the cache is emptied). A loop that frees and allocates the same sizes every step thus
+    neither merges nor splits, and a new segment is taken only when no merged run of free
+    blocks would serve."""
     __slots__ = ("stream", "buckets", "sizes", "unmerged")
 
     def __init__(self, stream):
-        self.stream, self.buckets, self.sizes, self.unmerged = stream, {}, [], []
+        self.stream, self.buckets, self.sizes, self.unmerged = stream, {}, [], {}
 
     def add(self, block):
         bucket = self.buckets.get(block.size)
@@ -129,16 +128,19 @@ class _FreeList:
     def discard(self, block):
         del self.buckets[block.size][block]
 
-    def exact(self, size):
-        """A free block of exactly `size`, or None."""
-        bucket = self.buckets.get(size)
-        return bucket.popitem()[0] if bucket else None
-
     def take(self, size):
-        """After merging the waiting frees: the free block of exactly `size`, else the smallest
-        larger one, else None."""
-        if self.unmerged:
+        """A free block of exactly `size`, else the smallest larger one (merging the waiting
+        frees first when none is large enough), else None."""
+        bucket = self.buckets.get(size)
+        block = bucket.popitem()[0] if bucket else self._best_fit(size)
+        if block is None and self.unmerged:
             self.merge()
+            block = self._best_fit(size)
+        if block is not None:
+            self.unmerged.pop(block, None)
+        return block
+
+    def _best_fit(self, size):
         buckets, sizes = self.buckets, self.sizes
         i = bisect_left(sizes, size)
         while i < len(sizes):
@@ -149,10 +151,10 @@ class _FreeList:
         return None
 
     def merge(self):
-        """Merge each waiting freed block that is still free with its free neighbours."""
-        unmerged, self.unmerged = self.unmerged, []
+        """Merge each waiting freed block with the free neighbours of its segment."""
+        unmerged, self.unmerged = self.unmerged, {}
         for block in unmerged:
-            if not block.free or block.segment is None:     # taken again, or merged away
+            if block.segment is None:                           # merged away already
                 continue
             while block.prev is not None and block.prev.free:   # the free run's first block
                 block = block.prev
@@ -266,8 +268,7 @@ class CachingAllocator:
         family = self._family
         with family.lock:
             free_list = (self._small if small else self._large).get(stream)
-            block = None if free_list is None else (free_list.exact(size) or
-                                                    free_list.take(size))
+            block = None if free_list is None else free_list.take(size)
             if block is None:
                 block = self._new_segment(size, small, stream)
             else:
@@ -311,9 +312,7 @@ class CachingAllocator:
         self._active -= 1
         free_list = block.segment.free_list
         free_list.add(block)
-        free_list.unmerged.append(block)
-        if len(free_list.unmerged) > MERGE_BACKLOG:
-            free_list.merge()
+        free_list.unmerged[block] = None
 
     def _split(self, block, size):
         """Keep the first `size` bytes of `block`; the rest becomes a free block."""
@@ -325,7 +324,7 @@ class CachingAllocator:
         free_list = block.segment.free_list
         free_list.add(rest)
         if rest.next is not None and rest.next.free:     # a neighbour whose merge is deferred
-            free_list.unmerged.append(rest)
+            free_list.unmerged[rest] = None
 
     def _new_segment(self, size, small, stream):
         """A free block spanning a new segment for a request of `size` (lock held)."""

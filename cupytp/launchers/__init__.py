@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy
 
-from cupytp.backend import bfloat16, on_gpu, xp
+from cupytp.backend import bfloat16, c_contiguous, on_gpu, xp
 
 BLOCK_THREADS = 256  # threads per block of every kernel that calls block_reduce
 _SUFFIXES = {
@@ -73,9 +73,12 @@ def lasting_buffer(nbytes):
 def vector_width(width, cols, arrays):
     """`width` when every row start of the [rows, cols] row-major `arrays` is aligned for vectors
     of `width` elements (cols a multiple of it, each base address of its vector size), else 1."""
-    if cols % width == 0 and all(a.data.ptr % (width * a.itemsize) == 0 for a in arrays):
-        return width
-    return 1
+    if cols % width:
+        return 1
+    for array in arrays:
+        if array.data.ptr % (width * array.itemsize):
+            return 1
+    return width
 
 
 def rows_grid(rows, vectors, threads=256, rows_per_thread=1, max_row_blocks=65535):
@@ -110,7 +113,7 @@ def check_lists(**lists):
     if len(lists) == 1:             # one array, as most launchers check: nothing to compare
         (name, arrays), = lists.items()
         if len(arrays) == 1:
-            if not arrays[0].flags.c_contiguous:
+            if not c_contiguous(arrays[0]):
                 raise ValueError(f"{name}[0] is not C-contiguous")
             return {name: arrays[0].dtype}
     names = list(lists)
@@ -134,7 +137,7 @@ def check_lists(**lists):
             if array.shape != reference.shape:
                 raise ValueError(f"{name}[{i}] has shape {array.shape} but {names[0]}[{i}] has "
                                  f"shape {reference.shape}")
-            if not array.flags.c_contiguous:
+            if not c_contiguous(array):
                 raise ValueError(f"{name}[{i}] is not C-contiguous")
     return dtypes
 

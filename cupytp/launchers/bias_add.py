@@ -12,7 +12,7 @@ where adding the bias and then the residual would write and read x + bias once m
 """
 import numpy
 
-from cupytp.backend import xp
+from cupytp.backend import c_contiguous, xp
 from cupytp.launchers import (
     compute_dtype, dtype_suffix, get_kernel, has_kernel, is_device_array, rows_grid, vector_width)
 
@@ -23,7 +23,7 @@ def applies(x, bias):
     """True for a contiguous x of 2 or more dimensions and a bias (x.shape[-1],) of its dtype."""
     return (bias.ndim == 1 and x.ndim >= 2 and bias.shape[0] == x.shape[-1]
             and x.dtype == bias.dtype and has_kernel(x.dtype)
-            and x.flags.c_contiguous and bias.flags.c_contiguous)
+            and c_contiguous(x) and c_contiguous(bias))
 
 
 def residual_applies(x, bias, residual):
@@ -32,8 +32,8 @@ def residual_applies(x, bias, residual):
     return (has_kernel(x.dtype) and bias.ndim == 1 and x.ndim >= 2
             and bias.shape[0] == x.shape[-1] and residual.shape == x.shape
             and bias.dtype == residual.dtype == compute_dtype(x.dtype)
-            and x.flags.c_contiguous and bias.flags.c_contiguous
-            and residual.flags.c_contiguous)
+            and c_contiguous(x) and c_contiguous(bias)
+            and c_contiguous(residual))
 
 
 def bias_add(x, bias):

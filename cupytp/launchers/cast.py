@@ -14,7 +14,7 @@ import math
 
 import numpy
 
-from cupytp.backend import xp
+from cupytp.backend import c_contiguous, xp
 from cupytp.launchers import (
     ceil_div, compute_dtype, dtype_suffix, get_kernel, is_device_array, vector_width)
 
@@ -60,7 +60,7 @@ def assign(dst, src, add=False):
 def converted(array, dtype):
     """`array.astype(dtype)` (a new array); a C-contiguous CuPy array of a pair the kernel is
     built for goes through it."""
-    if not (is_device_array(array) and array.flags.c_contiguous):
+    if not (is_device_array(array) and c_contiguous(array)):
         with numpy.errstate(over="ignore"):     # out-of-range values become inf, as on GPUs
             return array.astype(dtype)
     out = xp.empty(array.shape, dtype)

@@ -230,9 +230,9 @@ def _workspace(stream):
 def _transposed(x):
     """False for a C-contiguous x, True for a transposed C-contiguous array (the last two axes
     swapped), which cuBLAS reads in place; None for anything else."""
-    if x.flags.c_contiguous:
+    if backend.c_contiguous(x):
         return False
-    return True if backend.xp.swapaxes(x, -1, -2).flags.c_contiguous else None
+    return True if backend.c_contiguous(backend.xp.swapaxes(x, -1, -2)) else None
 
 
 def matmul(a, b, out_dtype=None, shape=None):

@@ -116,8 +116,8 @@ def add_local(x, y):
     broadcast indexing)."""
     for big, small in ((x, y), (y, x)):
         if is_device_array(big) and is_device_array(small) and 0 < small.ndim < big.ndim and \
-                big.shape[big.ndim - small.ndim:] == small.shape and big.flags.c_contiguous \
-                and small.flags.c_contiguous:
+                big.shape[big.ndim - small.ndim:] == small.shape and backend.c_contiguous(big) \
+                and backend.c_contiguous(small):
             rows, flat = big.reshape(-1, small.size), small.reshape(-1)
             if bias_add.applies(rows, flat):
                 return bias_add.bias_add(rows, flat).reshape(big.shape)

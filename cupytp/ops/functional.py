@@ -10,6 +10,7 @@ way (`kernels/cross_entropy.cu`).
 """
 import math
 
+from cupytp.launchers import is_device_array
 from cupytp.ops.conversion import (
     Partial, Replicated, Shard, backend, convert, engine, fail, is_tensor, linear_grad, make,
     reduce_all, same_mesh)
@@ -108,7 +109,7 @@ def layer_norm(x, weight, bias, eps=1e-5):
         g = linear_grad(g, layout.placements, strict=range(layout.mesh.ndim))
         gl = xp.ascontiguousarray(g._local).astype(out_dtype, copy=False)
         fused = given is not None and given.placements == g.placements and \
-            given.dtype == x_dtype and given._local.flags.c_contiguous
+            given.dtype == x_dtype and backend.c_contiguous(given._local)
         params = weight is not None or bias is not None
         dx = layer_norm_backward(gl, xhat, rstd, w_local, x_dtype,
                                  given._local if fused else None, param_grads=params)
@@ -444,5 +445,14 @@ def packed_attention(qkv, causal=True, dropout_p=0.0, generator=None):
 
 
 def unpacked(qkv):
-    """(q, k, v) as (B, H, T, D) views of a local (B, T, 3, H, D) array."""
-    return tuple(qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+    """(q, k, v) as (B, H, T, D) strided arrays over a local (B, T, 3, H, D) array: views, or on a
+    GPU arrays made directly over its memory (three slices and transposes cost several times
+    more host time there)."""
+    if not (is_device_array(qkv) and backend.c_contiguous(qkv)):
+        return tuple(qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+    b, t, _, h, d = qkv.shape
+    size = qkv.itemsize
+    strides = (3 * t * h * d * size, d * size, 3 * h * d * size, size)
+    array = backend.xp.ndarray
+    return tuple(array((b, h, t, d), qkv.dtype, qkv.data + i * h * d * size, strides)
+                 for i in range(3))

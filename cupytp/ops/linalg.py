@@ -134,7 +134,7 @@ def _as_matrix(v, axes, contracted_last, inner):
     xp = backend.xp
     n = v.ndim
     leading, trailing = axes == list(range(len(axes))), axes == list(range(n - len(axes), n))
-    if v.flags.c_contiguous and (leading or trailing):
+    if backend.c_contiguous(v) and (leading or trailing):
         flat = v.reshape(inner, -1) if leading else v.reshape(-1, inner)
         return flat if leading != contracted_last else flat.T
     keep = [d for d in range(n) if d not in axes]

@@ -56,7 +56,7 @@ def local_sum(v, dims, keepdim):
     gradient) runs as the column-sum kernel, many times faster than CuPy's strided reduction."""
     lead = len(dims)
     if not (is_device_array(v) and 0 < lead < v.ndim and dims == tuple(range(lead))
-            and has_kernel(v.dtype) and v.flags.c_contiguous):
+            and has_kernel(v.dtype) and backend.c_contiguous(v)):
         return backend.xp.sum(v, axis=dims, keepdims=keepdim)
     rest = v.shape[lead:]
     out = column_sum(v.reshape(-1, math.prod(rest)))

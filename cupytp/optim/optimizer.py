@@ -29,7 +29,7 @@ def contiguous_grad(p):
     if grad.shape != p.shape or grad.placements != grad_placements(p.placements):
         raise ValueError(f"gradient of shape {grad.shape} {describe(grad.placements)} is not laid "
                          f"out like its parameter {p.shape} {describe(p.placements)}")
-    if not grad._local.flags.c_contiguous:
+    if not backend.c_contiguous(grad._local):
         grad._local = backend.xp.ascontiguousarray(grad._local)
     return grad._local
 

@@ -162,7 +162,7 @@ class DTensor:
             local, handed_over = local.astype(self.dtype), True
         if self.grad is not None:
             self.grad._local += local
-        elif handed_over and local.flags.c_contiguous:
+        elif handed_over and backend.c_contiguous(local):
             self.grad = DTensor._make(local, grad.layout)
         else:
             self.grad = DTensor._make(backend.xp.array(local, copy=True, order="C"),
