@@ -126,20 +126,29 @@ def check_lists(**lists):
     kind = type(first[0])
     dtypes = {}
     for name, arrays in lists.items():
-        dtypes[name] = arrays[0].dtype
-        for i, (array, reference) in enumerate(zip(arrays, first)):
-            if type(array) is not kind:
-                raise ValueError(f"{name}[{i}] is a {type(array).__name__} but {names[0]}[0] is a "
-                                 f"{kind.__name__}: NumPy and CuPy arrays cannot be mixed")
-            if array.dtype != dtypes[name]:
-                raise ValueError(f"{name}[{i}] has dtype {array.dtype} but {name}[0] has "
-                                 f"{dtypes[name]}: each list must hold one dtype")
-            if array.shape != reference.shape:
-                raise ValueError(f"{name}[{i}] has shape {array.shape} but {names[0]}[{i}] has "
-                                 f"shape {reference.shape}")
-            if not c_contiguous(array):
-                raise ValueError(f"{name}[{i}] is not C-contiguous")
+        dtype = dtypes[name] = arrays[0].dtype
+        for array, reference in zip(arrays, first):      # one test per array; why, if it fails
+            if not (type(array) is kind and array.dtype == dtype
+                    and array.shape == reference.shape and c_contiguous(array)):
+                _list_error(names[0], first, name, arrays)
     return dtypes
+
+
+def _list_error(first_name, first, name, arrays):
+    """Raise the error that `check_lists` found in `arrays` (the list `name`)."""
+    kind = type(first[0])
+    for i, (array, reference) in enumerate(zip(arrays, first)):
+        if type(array) is not kind:
+            raise ValueError(f"{name}[{i}] is a {type(array).__name__} but {first_name}[0] is a "
+                             f"{kind.__name__}: NumPy and CuPy arrays cannot be mixed")
+        if array.dtype != arrays[0].dtype:
+            raise ValueError(f"{name}[{i}] has dtype {array.dtype} but {name}[0] has "
+                             f"{arrays[0].dtype}: each list must hold one dtype")
+        if array.shape != reference.shape:
+            raise ValueError(f"{name}[{i}] has shape {array.shape} but {first_name}[{i}] has "
+                             f"shape {reference.shape}")
+        if not c_contiguous(array):
+            raise ValueError(f"{name}[{i}] is not C-contiguous")
 
 
 @functools.cache

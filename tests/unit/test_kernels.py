@@ -61,6 +61,22 @@ def test_every_launched_source_is_in_the_kernels_folder():
 
 
 @pytest.mark.skipif(on_gpu, reason="the NumPy backend's error")
+def test_check_lists_names_what_is_wrong():
+    from cupytp.launchers import check_lists
+    a = [numpy.zeros((2, 3), F32), numpy.zeros(4, F32)]
+    assert check_lists(x=a, y=[v.astype(F64) for v in a]) == {"x": F32, "y": F64}
+    bad = [("has 1 arrays but p has 2", dict(p=a, x=[a[0]])),
+           (r"x\[1\] has dtype float64 but x\[0\] has float32",
+            dict(p=a, x=[a[0], a[1].astype(F64)])),
+           (r"x\[1\] has shape \(5,\) but p\[1\] has shape \(4,\)",
+            dict(p=a, x=[a[0], numpy.zeros(5, F32)])),
+           (r"x\[0\] is not C-contiguous", dict(p=a, x=[numpy.zeros((3, 2), F32).T, a[1]])),
+           (r"x\[1\] is a list but p\[0\] is a ndarray", dict(p=a, x=[a[0], [0.0]]))]
+    for message, lists in bad:
+        with pytest.raises(ValueError, match=message):
+            check_lists(**lists)
+
+
 def test_get_kernel_needs_cupy():
     with pytest.raises(RuntimeError, match="needs the CuPy backend"):
         get_kernel("gelu.cu", "gelu_forward_f32")
