@@ -5,9 +5,9 @@
 // V * (blockIdx.x * blockDim.x + threadIdx.x), loaded as vectors (the launcher picks V > 1 only
 // when every row start is aligned for them), and the rows blockIdx.y * blockDim.y + threadIdx.y,
 // then every gridDim.y * blockDim.y. Each block writes the sums of its rows to one row of
-// `partials` [gridDim.y, cols] (dtype O): with gridDim.y == 1 that row is the result itself, so
-// the launcher runs the kernel twice, the second time over the partials (always in the same
-// order: the sums are deterministic).
+// `partials` [gridDim.y, cols] (dtype O): with gridDim.y == 1 that row is the result itself (the
+// `direct` kernels write it rounded to T), else the launcher runs the kernel twice, the second
+// time over the partials (always in the same order: the sums are deterministic).
 #include "common.cuh"
 
 template <typename T, typename C, typename O, int V>
@@ -47,9 +47,16 @@ __device__ void column_sum(const T* x, const C* y, O* partials, long long rows, 
     {                                                                                            \
         column_sum<C, C, T, V>(partials, unused, out, rows, cols);                               \
     }
+#define COLUMN_SUM_DIRECT_KERNEL(T, C, SUFFIX, V)                                                \
+    extern "C" __global__ void column_sum_direct_##SUFFIX##_v##V(const T* x, const C* y, T* out, \
+                                                                 long long rows, int cols)       \
+    {                                                                                            \
+        column_sum<T, C, T, V>(x, y, out, rows, cols);                                           \
+    }
 // V: 16 bytes of T per load; the finish reads the partials (C), 16 bytes of those.
 #define COLUMN_SUM_KERNELS(T, C, SUFFIX, V, FINISH_V)                                            \
     COLUMN_SUM_KERNEL(T, C, SUFFIX, 1) COLUMN_SUM_KERNEL(T, C, SUFFIX, V)                        \
+    COLUMN_SUM_DIRECT_KERNEL(T, C, SUFFIX, 1) COLUMN_SUM_DIRECT_KERNEL(T, C, SUFFIX, V)          \
     COLUMN_SUM_FINISH_KERNEL(T, C, SUFFIX, 1) COLUMN_SUM_FINISH_KERNEL(T, C, SUFFIX, FINISH_V)
 
 COLUMN_SUM_KERNELS(float, float, f32, 4, 4)

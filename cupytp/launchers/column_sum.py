@@ -38,9 +38,10 @@ def column_sum(x, y=None, dtype=None):
     operands = (x,) if y is None else (x, y)
     vec = vector_width(VECTOR_BYTES // x.itemsize, cols, operands)
     row_blocks = max(1, min(ceil_div(rows, ROW_LANES * ROWS_PER_THREAD), MAX_ROW_BLOCKS))
-    one_pass = row_blocks == 1 and out.dtype == compute   # the one partial sum is the result
+    one_pass = row_blocks == 1          # the one row of partial sums is the result, ...
     partials = out if one_pass else xp.empty((row_blocks, cols), dtype=compute)
-    get_kernel("column_sum.cu", f"column_sum_{suffix}_v{vec}")(
+    kernel = "column_sum_direct" if one_pass and out.dtype != compute else "column_sum"
+    get_kernel("column_sum.cu", f"{kernel}_{suffix}_v{vec}")(        # ... rounded to x's dtype
         (ceil_div(cols // vec, LANES), row_blocks), (LANES, ROW_LANES),
         (x, NULL if y is None else y, partials, numpy.int64(rows), numpy.int32(cols)))
     if one_pass:

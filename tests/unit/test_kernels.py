@@ -60,7 +60,6 @@ def test_every_launched_source_is_in_the_kernels_folder():
     assert not list(here.glob("*.cu")) and not list(here.glob("*.cuh"))
 
 
-@pytest.mark.skipif(on_gpu, reason="the NumPy backend's error")
 def test_check_lists_names_what_is_wrong():
     from cupytp.launchers import check_lists
     a = [numpy.zeros((2, 3), F32), numpy.zeros(4, F32)]
@@ -77,6 +76,7 @@ def test_check_lists_names_what_is_wrong():
             check_lists(**lists)
 
 
+@pytest.mark.skipif(on_gpu, reason="the NumPy backend's error")
 def test_get_kernel_needs_cupy():
     with pytest.raises(RuntimeError, match="needs the CuPy backend"):
         get_kernel("gelu.cu", "gelu_forward_f32")
