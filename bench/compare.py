@@ -5,7 +5,8 @@
 Each log holds the output of one program; the last RESULT (cupytp) or ANCHOR (PyTorch) line of
 each is read. A side may name several logs joined by "+" (rounds of the same program, run
 alternately with the other side's so that both meet the same spells of host noise): its row
-shows the round with the median tokens/s, and a line below lists every round's. Ratios are cupytp over the anchor (tokens/s: > 1 is faster; memory: < 1 is less).
+shows the round with the median tokens/s, and a line below lists every round's. Ratios are
+cupytp over the anchor (tokens/s: > 1 is faster; memory: < 1 is less).
 Memory: the framework pool's allocated_bytes_peak over the training steps, warm-up and graph
 capture included, building the model not (its peak is the RESULT line's init_peak_GiB), beside
 PyTorch's max_memory_allocated (over the whole run; torch_fsdp2.py resets it after its warm-up,
@@ -49,8 +50,8 @@ def main(pairs):
     for pair in pairs:
         label, logs = pair.split("=", 1)
         ours_log, anchor_log = logs.split(",")
-        (ours, ours_rounds), (anchor, anchor_rounds) = (median_round(ours_log, "RESULT"),
-                                                         median_round(anchor_log, "ANCHOR"))
+        ours, ours_rounds = median_round(ours_log, "RESULT")
+        anchor, anchor_rounds = median_round(anchor_log, "ANCHOR")
         if ours is None or anchor is None:
             missing = ours_log if ours is None else anchor_log
             rows.append(f"{label:28} no result in {missing}")

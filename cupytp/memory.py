@@ -268,7 +268,13 @@ class CachingAllocator:
         family = self._family
         with family.lock:
             free_list = (self._small if small else self._large).get(stream)
-            block = None if free_list is None else free_list.take(size)
+            bucket = None if free_list is None else free_list.buckets.get(size)
+            if bucket:                   # take()'s first case, inlined: the usual one
+                block = bucket.popitem()[0]
+                if free_list.unmerged:
+                    free_list.unmerged.pop(block, None)
+            else:
+                block = None if free_list is None else free_list.take(size)
             if block is None:
                 block = self._new_segment(size, small, stream)
             else:
@@ -311,7 +317,11 @@ class CachingAllocator:
         self._family.allocated -= block.size
         self._active -= 1
         free_list = block.segment.free_list
-        free_list.add(block)
+        bucket = free_list.buckets.get(block.size)
+        if bucket is None:
+            free_list.add(block)
+        else:                            # add()'s usual case, inlined
+            bucket[block] = None
         free_list.unmerged[block] = None
 
     def _split(self, block, size):

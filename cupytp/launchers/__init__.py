@@ -181,11 +181,13 @@ def _module(cu_file, options):
 
 @functools.cache
 def _function(cu_file, name, options):
-    return _module(cu_file, options).get_function(name)
+    from cupytp.launchers.kernel import Kernel
+    return Kernel(_module(cu_file, options).get_function(name), xp)
 
 
 def get_kernel(cu_file, name, options=()):
-    """The kernel `name` of `kernels/<cu_file>`; each (file, options) compiles once."""
+    """The kernel `name` of `kernels/<cu_file>` (a `kernel.Kernel`, launched through the
+    driver); each (file, options) compiles once."""
     if not on_gpu:
         raise RuntimeError(f"kernel {name} of {cu_file} needs the CuPy backend, but it is NumPy")
     return _function(cu_file, name, tuple(options))

@@ -191,7 +191,7 @@ def _kernel(kind, d, dtype, dropout=False):
     name = f"flash_{kind}_d{d}{'_dropout' if dropout else ''}_{dtype_suffix(dtype)}"
     kernel = get_kernel("flash_attention.cu", name, (f"-DFLASH_HEAD_DIM={d}",))
     if kind in ("forward", "backward"):
-        kernel.max_dynamic_shared_size_bytes = _shared_bytes(kind, d)
+        kernel.raw.max_dynamic_shared_size_bytes = _shared_bytes(kind, d)
     return kernel
 
 

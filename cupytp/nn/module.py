@@ -44,12 +44,11 @@ class Module:
 
     def _own(self):
         """(name, value) of this module's own parameters and children, in definition order."""
-        for name, value in vars(self).items():
-            if name.startswith("_") or name in self._buffers:
-                continue
-            if isinstance(value, Module) or (isinstance(value, DTensor) and value.requires_grad
-                                             and value.is_leaf):
-                yield name, value
+        buffers = self._buffers
+        return [(name, value) for name, value in vars(self).items()
+                if (isinstance(value, Module) or (isinstance(value, DTensor) and value.requires_grad
+                                                  and value._node is None))
+                and not name.startswith("_") and name not in buffers]
 
     # ---- traversal ----------------------------------------------------------------------------
     def named_children(self):
@@ -68,19 +67,26 @@ class Module:
     def modules(self):
         return [module for _, module in self.named_modules()]
 
-    def named_parameters(self, prefix="", _seen=None):
-        """(dotted name, parameter) in definition order; a tied parameter once, first name."""
-        seen = set() if _seen is None else _seen
+    def named_parameters(self, prefix=""):
+        """(dotted name, parameter) in definition order; a tied parameter once, first name.
+        (Collected into a list by one call per module: `parameters()` runs every step.)"""
+        found = []
+        self._collect_parameters(prefix, found, set())
+        return iter(found)
+
+    def _collect_parameters(self, prefix, found, seen):
         for name, value in self._own():
             full = f"{prefix}.{name}" if prefix else name
             if isinstance(value, Module):
-                yield from value.named_parameters(full, seen)
+                value._collect_parameters(full, found, seen)
             elif id(value) not in seen:
                 seen.add(id(value))
-                yield full, value
+                found.append((full, value))
 
     def parameters(self):
-        return [p for _, p in self.named_parameters()]
+        found = []
+        self._collect_parameters("", found, set())
+        return [p for _, p in found]
 
     def named_buffers(self):
         for module_name, module in self.named_modules():

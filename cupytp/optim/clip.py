@@ -1,4 +1,5 @@
 """Gradient clipping by the global norm over the whole mesh, with no host synchronisation."""
+import functools
 import math
 
 import numpy
@@ -30,11 +31,12 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0):
     op = NORM_OPS[norm_type]
     groups = {}     # (mesh, sharded mesh dims) -> {grad dtype: [local grads]}
     for p in parameters:
-        if p.grad is None:
+        grad = p.grad
+        if grad is None:
             continue
-        dims = tuple(d for d, placement in enumerate(p.grad.placements) if placement.is_shard())
-        by_dtype = groups.setdefault((p.mesh, dims), {})
-        by_dtype.setdefault(p.grad.dtype, []).append(contiguous_grad(p))
+        layout = grad.layout
+        by_dtype = groups.setdefault((layout.mesh, _sharded_dims(layout.placements)), {})
+        by_dtype.setdefault(grad._local.dtype, []).append(contiguous_grad(p))
     xp = backend.xp
     if not groups:
         return xp.zeros((), dtype=numpy.float32)
@@ -50,6 +52,12 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0):
         for grads in by_dtype.values():
             scale_(grads, factor)
     return norm
+
+
+@functools.cache
+def _sharded_dims(placements):
+    """The mesh dims along which a tensor with `placements` is sharded."""
+    return tuple(d for d, placement in enumerate(placements) if placement.is_shard())
 
 
 def _local_total(by_dtype, op):

@@ -156,24 +156,33 @@ class Optimizer(graph.GraphState):
         """The group's parameters with gradients, split by (param dtype, grad dtype, new state):
         one kernel call each (the kernels take one dtype per list)."""
         names = self.state_names(group)
+        required = frozenset(names)
         buckets = {}
+        states = self.state
         for p in group["params"]:
             if p.grad is None:
                 continue
             grad = contiguous_grad(p)
-            state = self.state.setdefault(p, {})
-            missing = [name for name in names if name not in state]
-            if missing:
+            state = states.get(p)
+            if state is None:
+                state = states[p] = {}
+            new = not state.keys() >= required
+            if new:
                 graph.forbid_in_capture("an optimizer's first step (it creates its states)",
                                         "run the step eagerly at least once first (cuda_graph's "
                                         "warmup)")
-            for name in missing:
-                state[name] = _zeros_like(p)
-            bucket = buckets.setdefault((p.dtype, grad.dtype, bool(missing)), Bucket())
-            bucket.params.append(p._local)
+                for name in names:
+                    if name not in state:
+                        state[name] = _zeros_like(p)
+            local = p._local
+            key = (local.dtype, grad.dtype, new)
+            bucket = buckets.get(key)
+            if bucket is None:
+                bucket = buckets[key] = Bucket(states={name: [] for name in names})
+            bucket.params.append(local)
             bucket.grads.append(grad)
             for name in names:
-                bucket.states.setdefault(name, []).append(state[name]._local)
+                bucket.states[name].append(state[name]._local)
         return buckets
 
     def zero_grad(self, set_to_none=True):

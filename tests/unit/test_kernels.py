@@ -2,6 +2,7 @@
 differences, PyTorch's documented optimizer algorithms written out element by element), and on a
 GPU each kernel against its twin."""
 import contextlib
+import ctypes
 import math
 
 import numpy
@@ -11,6 +12,7 @@ from cupytp.backend import asnumpy, bfloat16, on_gpu, xp
 from cupytp.launchers import ceil_div, compute_dtype, dtype_suffix, get_kernel, sources
 from cupytp.launchers.adamw import adamw_scalars, adamw_step, adamw_step_numpy
 from cupytp.launchers.gelu import gelu, gelu_backward, gelu_backward_numpy, gelu_numpy
+from cupytp.launchers.kernel import ArgumentSlots, as_three
 from cupytp.launchers.multi_tensor import CHUNK, cast_, cast_numpy, chunk_blocks, scale_
 from cupytp.launchers.multi_tensor import scale_numpy
 from cupytp.launchers.multi_tensor import sum_of_squares, sum_of_squares_numpy, tensor_table
@@ -74,6 +76,26 @@ def test_check_lists_names_what_is_wrong():
     for message, lists in bad:
         with pytest.raises(ValueError, match=message):
             check_lists(**lists)
+
+
+def test_argument_slots_hold_each_argument_as_its_c_type():
+    """What cuLaunchKernel reads: kernelParams[i] points at argument i, in its C type."""
+    class Array:
+        class data:
+            ptr = 0x7F00_0000_1000
+    args = (Array(), numpy.int32(-5), numpy.float32(1.5), numpy.uint64(2 ** 63 + 3), 7, 2.5,
+            numpy.int64(-2 ** 40), True)
+    types = tuple(map(type, args))
+    assert ArgumentSlots.supports(types, Array) and not ArgumentSlots.supports((list,), Array)
+    slots = ArgumentSlots(types, Array)
+    slots.fill(args)
+    pointers = (ctypes.c_void_p * len(args)).from_address(slots.address)
+    read = [ctypes.c_uint64, ctypes.c_int32, ctypes.c_float, ctypes.c_uint64, ctypes.c_int64,
+            ctypes.c_double, ctypes.c_int64, ctypes.c_bool]
+    values = [kind.from_address(pointer).value for kind, pointer in zip(read, pointers)]
+    assert values == [0x7F00_0000_1000, -5, 1.5, 2 ** 63 + 3, 7, 2.5, -2 ** 40, True]
+    assert [as_three(d) for d in (4, (4,), (4, 5), (4, 5, 6))] == \
+        [(4, 1, 1), (4, 1, 1), (4, 5, 1), (4, 5, 6)]
 
 
 @pytest.mark.skipif(on_gpu, reason="the NumPy backend's error")
