@@ -38,13 +38,13 @@ _TYPES = {numpy.dtype(numpy.float32): _CUDA_R_32F, numpy.dtype(numpy.float64): _
 def matmul_numpy(a, b, out_dtype=None):
     """NumPy twin: float32 math for 16-bit inputs (one rounding at the end, to `out_dtype`,
     default the inputs' dtype), else numpy.matmul."""
-    out_dtype = _out_dtype(a.dtype, b.dtype, out_dtype)
+    out_dtype = product_dtype(a.dtype, b.dtype, out_dtype)
     if a.dtype.itemsize < 4:
         return numpy.matmul(a.astype(numpy.float32), b.astype(numpy.float32)).astype(out_dtype)
     return numpy.matmul(a, b)
 
 
-def _out_dtype(a_dtype, b_dtype, out_dtype):
+def product_dtype(a_dtype, b_dtype, out_dtype):
     """The output dtype of a product: the operands' one float dtype, or float32 from 16-bit ones."""
     if a_dtype != b_dtype or a_dtype not in _TYPES:
         raise ValueError(f"gemm.matmul takes two operands of one float dtype, got {a_dtype} and "
@@ -105,11 +105,12 @@ def _scalars(dtype):
 # ---- cuBLASLt -----------------------------------------------------------------------------------
 # attributes of cublasLt.h: matmul descriptor, matrix layout, preference
 _DESC_TRANSA, _DESC_TRANSB = 3, 4
+_DESC_EPILOGUE, _DESC_BIAS_POINTER, _DESC_AUX_POINTER, _DESC_AUX_LD = 7, 8, 11, 12
 _LAYOUT_BATCH_COUNT, _LAYOUT_BATCH_STRIDE = 5, 6
 _PREF_MAX_WORKSPACE_BYTES = 1
 _HEURISTIC_RESULT_BYTES = 96    # cublasLtMatmulHeuristicResult_t: the algorithm's 64 bytes first
 _ALGO_STATE_OFFSET = 72         # ... then size_t workspaceSize, cublasStatus_t state
-_LT_ALIGNMENT = 256             # the operand alignment the chosen algorithms may assume
+LT_ALIGNMENT = 256             # the operand alignment the chosen algorithms may assume
 WORKSPACE_BYTES = 32 * 2 ** 20
 _workspaces = {}                # stream pointer -> the address of that stream's workspace
 _workspace_arrays = []          # ... kept for the life of the process
@@ -178,16 +179,27 @@ def _lt():
 
 class _LtPlan:
     """One cuBLASLt product, column-major as cuBLAS sees it: D (rows x cols) = op(first)
-    op(second), its descriptors and the algorithm the heuristic chose (None: it offered none)."""
-    __slots__ = ("args", "descriptors", "__weakref__")
+    op(second), its descriptors and the algorithm the heuristic chose (None: it offered none).
+    `epilogue`: (cublasLtEpilogue_t, the auxiliary matrix's leading dimension or None) for a
+    product with a fused epilogue (`gemm_epilogue`), whose bias and auxiliary pointers
+    `run_epilogue` sets."""
+    __slots__ = ("args", "descriptors", "pointers", "__weakref__")
 
-    def __init__(self, ops, rows, cols, k, first, second, out, count, compute, scalars):
+    def __init__(self, ops, rows, cols, k, first, second, out, count, compute, scalars,
+                 epilogue=None):
         lt, (op_first, op_second), (alpha, beta) = _lt(), ops, scalars
         self.args = self.descriptors = None
         scale = _CUDA_R_64F if compute == _COMPUTE_64F else _CUDA_R_32F
         desc = lt._made(lt.lib.cublasLtMatmulDescCreate, compute, scale)
+        setter = lt.lib.cublasLtMatmulDescSetAttribute
         for attribute, op in ((_DESC_TRANSA, op_first), (_DESC_TRANSB, op_second)):
-            lt._set(lt.lib.cublasLtMatmulDescSetAttribute, desc, attribute, ctypes.c_int32(op))
+            lt._set(setter, desc, attribute, ctypes.c_int32(op))
+        if epilogue is not None:
+            lt._set(setter, desc, _DESC_EPILOGUE, ctypes.c_int32(epilogue[0]))
+            if epilogue[1] is not None:
+                lt._set(setter, desc, _DESC_AUX_LD, ctypes.c_int64(epilogue[1]))
+        # the bias and auxiliary pointers as last set: [bias, aux] (0: not yet)
+        self.pointers = [0, 0]
         stored_first = (k, rows) if op_first == _OP_T else (rows, k)
         stored_second = (cols, k) if op_second == _OP_T else (k, cols)
         layouts = [lt.layout(kind, *stored, ld, count, stride) for stored, (kind, ld, stride)
@@ -204,11 +216,27 @@ class _LtPlan:
 
     def run(self, first_ptr, second_ptr, out_ptr):
         """D = op(first) op(second) into out_ptr on the current stream (operands aligned to
-        _LT_ALIGNMENT bytes)."""
+        LT_ALIGNMENT bytes)."""
         matmul, handle, desc, alpha, first, second, beta, out, algo, _ = self.args
         stream = backend.xp.cuda.get_current_stream().ptr
         workspace = _workspaces.get(stream) or _workspace(stream)
         _check(matmul(handle, desc, alpha, first_ptr, first, second_ptr, second, beta, out_ptr,
+                      out, out_ptr, out, algo, workspace, WORKSPACE_BYTES, stream))
+
+    def run_epilogue(self, first_ptr, second_ptr, out_ptr, c_ptr, bias_ptr, aux_ptr):
+        """`run` with the epilogue's bias vector at bias_ptr and auxiliary matrix at aux_ptr
+        (0: none), C (beta's matrix, of D's layout) at c_ptr."""
+        matmul, handle, desc, alpha, first, second, beta, out, algo, _ = self.args
+        pointers = self.pointers
+        for slot, attribute, pointer in ((0, _DESC_BIAS_POINTER, bias_ptr),
+                                         (1, _DESC_AUX_POINTER, aux_ptr)):
+            if pointer and pointers[slot] != pointer:
+                _check(self.descriptors[0].cublasLtMatmulDescSetAttribute(
+                    desc, attribute, ctypes.byref(ctypes.c_void_p(pointer)), 8))
+                pointers[slot] = pointer
+        stream = backend.xp.cuda.get_current_stream().ptr
+        workspace = _workspaces.get(stream) or _workspace(stream)
+        _check(matmul(handle, desc, alpha, first_ptr, first, second_ptr, second, beta, c_ptr,
                       out, out_ptr, out, algo, workspace, WORKSPACE_BYTES, stream))
 
     def __del__(self):
@@ -227,7 +255,7 @@ def _workspace(stream):
     return array.data.ptr
 
 
-def _transposed(x):
+def transposed(x):
     """False for a C-contiguous x, True for a transposed C-contiguous array (the last two axes
     swapped), which cuBLAS reads in place; None for anything else."""
     if backend.c_contiguous(x):
@@ -247,7 +275,7 @@ def matmul(a, b, out_dtype=None, shape=None):
         return xp.empty(shape, dtype=out_dtype)
     if a.shape[-1] == 0:
         return xp.zeros(shape, dtype=out_dtype)
-    a_t, b_t = _transposed(a), _transposed(b)
+    a_t, b_t = transposed(a), transposed(b)
     if a_t is None:
         a, a_t = xp.ascontiguousarray(a), False
     if b_t is None:
@@ -263,7 +291,7 @@ def product(a, b, out_dtype=None, shape=None):
     out_dtype, shape = _checked(a, b, out_dtype, shape)
     if not math.prod(shape) or a.shape[-1] == 0:
         return None
-    a_t, b_t = _transposed(a), _transposed(b)
+    a_t, b_t = transposed(a), transposed(b)
     if a_t is None or b_t is None:
         return None
     return Product(a, b, a_t, b_t, out_dtype, shape)
@@ -271,7 +299,7 @@ def product(a, b, out_dtype=None, shape=None):
 
 def _checked(a, b, out_dtype, shape):
     """(output dtype, output shape) of a @ b after checking the operands."""
-    out_dtype = _out_dtype(a.dtype, b.dtype, out_dtype)
+    out_dtype = product_dtype(a.dtype, b.dtype, out_dtype)
     if a.shape[-1] != b.shape[-2] or (b.ndim > 2 and b.shape[:-2] != a.shape[:-2]):
         raise ValueError(f"gemm.matmul: shapes {a.shape} and {b.shape} do not multiply")
     m, n = a.shape[-2], b.shape[-1]
@@ -287,10 +315,11 @@ class Product:
     """One cuBLAS product with its arguments worked out once: `run(a_ptr, b_ptr)` multiplies
     the row-major operands at those addresses (a transposed when `a_t`, i.e. its memory holds
     aᵀ contiguously; b likewise) into a new array of `shape` and `out_dtype`. A product with a
-    2-D b folds a's batch into M: one plain GEMM."""
+    2-D b folds a's batch into M: one plain GEMM. With `epilogue` (see `_LtPlan`; `plus_c`:
+    D = a b + C) it is a cuBLASLt product only, `lt` None where cuBLASLt offers no algorithm."""
     __slots__ = ("shape", "out_dtype", "batched", "head", "middle", "tail", "lt")
 
-    def __init__(self, a, b, a_t, b_t, out_dtype, shape):
+    def __init__(self, a, b, a_t, b_t, out_dtype, shape, epilogue=None, plus_c=False):
         m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
         count = math.prod(a.shape[:-2])
         if b.ndim == 2 and not a_t:
@@ -311,12 +340,12 @@ class Product:
         self.lt = None
         if is_device_array(a) and use_cublaslt():
             plan = _LtPlan(self.head[:2], n, m, k, first, second, out, count, compute,
-                           (alpha, beta))
+                           (alpha, alpha if plus_c else beta), epilogue)
             self.lt = plan if plan.args is not None else None
 
     def run(self, a_ptr, b_ptr):
         out = backend.xp.empty(self.shape, dtype=self.out_dtype)
-        if self.lt is not None and not (a_ptr | b_ptr) % _LT_ALIGNMENT:
+        if self.lt is not None and not (a_ptr | b_ptr) % LT_ALIGNMENT:
             self.lt.run(b_ptr, a_ptr, out.data.ptr)
             return out
         b_args, a_args, beta = self.middle

@@ -6,10 +6,11 @@ is otherwise a chain of five to nine ops.
     attention_residual(x, residual, qkv_weight, qkv_bias, proj_weight, proj_bias, num_heads)
         = residual + (attention(x · qkv_weight + qkv_bias) @ proj_weight + proj_bias)
 
-A fused op runs the local math of the chain it replaces (`matmul`, `bias_gelu` or
-`packed_attention`, `bias_residual_add`): the same kernels, casts and roundings, so the same
-numbers, for the host work of one op. A step of a small model is host-bound, and every op of a
-chain costs its own sharding rule, tensors and tape node.
+A fused op runs the local math of the chain it replaces for the host work of one op (a step of a
+small model is host-bound, and every op of a chain costs its own sharding rule, tensors and tape
+node), with the biases, the GeLU, the residual addition and the bias gradients as epilogues of the
+products (`launchers.gemm_epilogue`): each product is rounded once, after its epilogue, where the
+chain rounds it before, so the two agree to the products' rounding, not bit for bit.
 
 The layouts it takes, per mesh dimension (worked out once per layout signature):
 - tensor-parallel (Megatron's pair), at most one such dimension: fc_weight Shard(1) and fc_bias
@@ -25,16 +26,16 @@ everything inside `fusion(False)` (or with CUPYTP_FUSED=0).
 import os
 from contextlib import contextmanager
 
-from cupytp.launchers import cudnn_attention, flash_attention
+from cupytp.launchers import compute_dtype, cudnn_attention, flash_attention
 from cupytp.launchers.cast import converted
-from cupytp.launchers.gelu import bias_gelu as bias_gelu_local, bias_gelu_backward
+from cupytp.launchers.gemm_epilogue import (
+    matmul_bias, matmul_bias_gelu, matmul_bias_grad, matmul_gelu_grad)
 from cupytp.ops.amp import autocast_local, autocast_operand, operand_dtype
 from cupytp.ops.conversion import (
     Layout, Partial, Replicated, Shard, backend, cached, engine, linear_grad, make)
-from cupytp.ops.elementwise import add_local, bias_gelu, bias_residual_add, bias_residual_local
+from cupytp.ops.elementwise import bias_gelu, bias_residual_add, bias_residual_local
 from cupytp.ops.functional import attention_setup, packed_attention, unpacked
 from cupytp.ops.linalg import einsum, local_einsum, matmul
-from cupytp.ops.reduction import local_sum
 from cupytp.tensor.redistribute import redistribute_local
 
 _enabled = os.environ.get("CUPYTP_FUSED", "1") != "0"
@@ -100,36 +101,56 @@ def _all_reduced(local, tp, layout, async_op=False):
                               layout.placements, async_op)[0]
 
 
+def _rows(v):
+    """v (..., C) as a (rows, C) matrix."""
+    return v.reshape(-1, v.shape[-1])
+
+
 def _project(a, w, bias, residual, tp):
-    """residual + (a @ w + bias) on local arrays, the product all-reduced along `tp` first."""
-    y = local_einsum("axy", "yz", "axz", a, w)
+    """residual + (a @ w + bias) on local arrays, a (rows, K): one product with the bias and the
+    residual as its epilogue, or, where the product is all-reduced along `tp` first (or the
+    dtypes do not fit the epilogue), the product and then one bias-and-residual pass."""
+    res, b = residual._local, bias._local
+    if not _reduces(tp, residual.mesh) and b.dtype == res.dtype and \
+            res.dtype in (a.dtype, compute_dtype(a.dtype)):
+        return matmul_bias(a, w, b, _rows(res)).reshape(res.shape)
+    y = local_einsum("xy", "yz", "xz", a, w).reshape(res.shape[:-1] + (w.shape[-1],))
     if _reduces(tp, residual.mesh):
         y = _all_reduced(y, tp, residual.layout)
-    return bias_residual_local(residual._local, y, bias._local)
+    return bias_residual_local(res, y, b)
 
 
-def _project_backward(g, a, w, bias, weight):
-    """(the product's input gradient, the weight's, the bias's) of `_project` given the
-    output's gradient `g` (local)."""
-    gy = g if g.dtype == a.dtype else converted(g, a.dtype)
-    ga = local_einsum("axz", "yz", "axy", gy, w, a.dtype)
-    gw = local_einsum("axy", "axz", "yz", a, gy, weight.dtype) if weight.requires_grad else None
-    return ga, gw, local_sum(g, (0, 1), False) if bias.requires_grad else None
+def _weight_grads(x, g, weight, bias):
+    """(the weight's gradient, the bias's; None where not needed) of x @ w + bias given the
+    output's gradient g: x (rows, K), g (rows, N); one product with the bias's gradient as its
+    epilogue."""
+    if bias is not None and bias.requires_grad:
+        gw, gb = matmul_bias_grad(x.T, g, weight.dtype)
+        return (gw if weight.requires_grad else None), gb.astype(bias.dtype, copy=False)
+    if not weight.requires_grad:
+        return None, None
+    return local_einsum("xy", "xz", "yz", x, g, weight.dtype), None
 
 
-def _input_backward(spec, g, x_local, w, x, weight, tp):
-    """(x's gradient, the first weight's) of the first product `spec` given its output's
-    gradient `g`; `x`: (requires a gradient?, dtype, layout) of the input. x's gradient is
+def _input_backward(g, x_local, w, x, weight, bias, tp):
+    """(x's gradient, the first weight's, its bias's) of the first product x_local @ w (+ bias)
+    given its output's gradient g (rows, N); `x`: (requires a gradient?, dtype, layout) of the
+    input; `bias` None where the bias's gradient comes from elsewhere. x's gradient is
     all-reduced along `tp` while the weight's is computed."""
-    sa, sb, out = spec
     needed, dtype, layout = x
     gx = reducing = None
+    w = w.reshape(w.shape[0], -1)
     if needed:
-        gx = local_einsum(out, sb, sa, g, w, dtype)
+        gx = local_einsum("xz", "yz", "xy", g, w, dtype).reshape(x_local.shape)
         if _reduces(tp, layout.mesh):
             reducing = _all_reduced(gx, tp, layout, async_op=True)
-    gw = local_einsum(sa, out, sb, x_local, g, weight.dtype) if weight.requires_grad else None
-    return (gx if reducing is None else reducing.wait()), gw
+    gw, gb = _weight_grads(_rows(x_local), g, weight, bias)
+    return (gx if reducing is None else reducing.wait()), gw, gb
+
+
+def _grad_as(g, dtype):
+    """The output's gradient g (local) as a (rows, C) matrix of the products' dtype."""
+    return _rows(g if g.dtype == dtype else converted(g, dtype))
 
 
 def _recorded(out, inputs, grads_of, name, placements):
@@ -162,22 +183,25 @@ def mlp_residual(x, residual, fc_weight, fc_bias, proj_weight, proj_bias):
         h = bias_gelu(matmul(x, fc_weight, reduce_input_grad=True), fc_bias)
         return bias_residual_add(matmul(h, proj_weight), proj_bias, residual)
     tp, placements = plan
-    xp = backend.xp
     x_local, w1, w2 = autocast_local(x), autocast_local(fc_weight), autocast_local(proj_weight)
-    b1 = xp.ascontiguousarray(fc_bias._local)
-    h = local_einsum("axy", "yz", "axz", x_local, w1)
-    u = bias_gelu_local(h, b1)
+    b1 = _bias_as(autocast_local(fc_bias), x_local.dtype)
+    u, pre = matmul_bias_gelu(_rows(x_local), w1, b1)          # pre: x @ w1 + b1
     out = make(_project(u, w2, proj_bias, residual, tp), residual.mesh, residual.shape,
                residual.placements)
     x_info = (x.requires_grad, x.dtype, x.layout)
 
     def grads_of(g):
-        gu, gw2, gb2 = _project_backward(g, u, w2, proj_bias, proj_weight)
-        dh, gb1 = bias_gelu_backward(h, b1, gu)
-        gx, gw1 = _input_backward(("axy", "yz", "axz"), dh, x_local, w1, x_info, fc_weight,
-                                   tp)
+        gy = _grad_as(g, u.dtype)
+        gw2, gb2 = _weight_grads(u, gy, proj_weight, proj_bias)
+        dh, gb1 = matmul_gelu_grad(gy, w2.T, pre)
+        gx, gw1, _ = _input_backward(dh, x_local, w1, x_info, fc_weight, None, tp)
         return gx, gw1, gb1.astype(fc_bias.dtype, copy=False), gw2, gb2
     return _recorded(out, (x, residual, *params), grads_of, "mlp_residual", placements)
+
+
+def _bias_as(bias, dtype):
+    """A contiguous bias of the products' dtype (the epilogue adds one of the output's)."""
+    return backend.xp.ascontiguousarray(bias if bias.dtype == dtype else converted(bias, dtype))
 
 
 def attention_residual(x, residual, qkv_weight, qkv_bias, proj_weight, proj_bias, num_heads,
@@ -199,28 +223,28 @@ def attention_residual(x, residual, qkv_weight, qkv_bias, proj_weight, proj_bias
         return bias_residual_add(matmul(y.reshape(b, t, c), proj_weight), proj_bias, residual)
     tp, placements = plan
     x_local, wq, wp = autocast_local(x), autocast_local(qkv_weight), autocast_local(proj_weight)
-    qkv = add_local(local_einsum("btc", "cjd", "btjd", x_local, wq), autocast_local(qkv_bias))
-    rows, heads = qkv.shape[0], qkv.shape[-1] // d          # this rank's batch and heads
+    bq = _bias_as(autocast_local(qkv_bias), x_local.dtype).reshape(-1)
+    qkv = matmul_bias(_rows(x_local), wq.reshape(wq.shape[0], -1), bq)    # (B T, 3 C/tp)
+    rows, heads = x_local.shape[0], qkv.shape[-1] // (3 * d)            # this rank's batch, heads
     views = unpacked(qkv.reshape(rows, t, 3, heads, d))
     kernels, scale, drop = attention_setup(
         views[0], views[1], dropout_p, generator, (b, num_heads, t, t),
         (x.layout.offsets[0], qkv_weight.layout.offsets[2] // d))
     o, lse = kernels.attention_forward(*views, True, scale, drop)        # (B, H/tp, T, D)
-    a = o.transpose(0, 2, 1, 3).reshape(rows, t, heads * d)              # (B, T, C/tp)
+    a = o.transpose(0, 2, 1, 3).reshape(rows * t, heads * d)            # (B T, C/tp)
     out = make(_project(a, wp, proj_bias, residual, tp), residual.mesh, residual.shape,
                residual.placements)
     x_info = (x.requires_grad, x.dtype, x.layout)
 
     def grads_of(g):
-        ga, gwp, gbp = _project_backward(g, a, wp, proj_bias, proj_weight)
-        grad = backend.xp.empty_like(qkv).reshape(rows, t, 3, heads, d)
+        gy = _grad_as(g, a.dtype)
+        ga = local_einsum("xz", "yz", "xy", gy, wp)
+        gwp, gbp = _weight_grads(a, gy, proj_weight, proj_bias)
+        grad = backend.xp.empty_like(qkv)
         do = ga.reshape(rows, t, heads, d).astype(o.dtype, copy=False).transpose(0, 2, 1, 3)
-        kernels.attention_backward(*views, o, lse, do, True, scale, drop, grads=unpacked(grad))
-        grad = grad.reshape(qkv.shape)
-        gbq = local_sum(grad, (0, 1), False) if qkv_bias.requires_grad else None
-        if gbq is not None and gbq.dtype != qkv_bias.dtype:
-            gbq = converted(gbq, qkv_bias.dtype)
-        gx, gwq = _input_backward(("btc", "cjd", "btjd"), grad, x_local, wq, x_info,
-                                   qkv_weight, tp)
-        return gx, gwq, gbq, gwp, gbp
+        kernels.attention_backward(*views, o, lse, do, True, scale, drop,
+                                   grads=unpacked(grad.reshape(rows, t, 3, heads, d)))
+        gx, gwq, gbq = _input_backward(grad, x_local, wq, x_info, qkv_weight, qkv_bias, tp)
+        return (gx, None if gwq is None else gwq.reshape(wq.shape),
+                None if gbq is None else gbq.reshape(qkv_bias.local_shape), gwp, gbp)
     return _recorded(out, (x, residual, *params), grads_of, "attention_residual", placements)

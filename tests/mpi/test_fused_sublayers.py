@@ -1,7 +1,7 @@
-"""The fused sublayers (ops.mlp_residual, ops.attention_residual): one tape node each, the same
-outputs and gradients as their chains of ops bit for bit (bf16 with the flash attention path,
-float64), and equal to the dense single-rank block, on 1-D and 2-D meshes with uneven batch
-shards; layouts they do not take run the chain."""
+"""The fused sublayers (ops.mlp_residual, ops.attention_residual): one tape node each, the
+outputs and gradients of their chains of ops to bf16 rounding (the fused products round once,
+after their epilogues), equal to the dense single-rank block (float64 to rounding), on 1-D and 2-D
+meshes with uneven batch shards; layouts they do not take run the chain."""
 import numpy
 import pytest
 
@@ -45,9 +45,9 @@ def placements_of(mesh, batch_sharded):
 
 
 @pytest.mark.parametrize("batch_sharded", [False, True])
-def test_fused_block_equals_its_chain_bit_for_bit(mesh, batch_sharded):
+def test_fused_block_matches_its_chain(mesh, batch_sharded):
     """A bf16 block on the mesh: both sublayers fused (two nodes beside the two LayerNorms), the
-    same bits as the chain of ops, in the output and every gradient; uneven batch over dp."""
+    chain of ops's output and every gradient to a few bf16 roundings; uneven batch over dp."""
     skip_unless_heads_split(mesh, HEADS)
     x = rng_array((3, 4, WIDTH), 1).astype(numpy.float32)
     w = rng_array((3, 4, WIDTH), 2).astype(numpy.float32)
@@ -60,10 +60,17 @@ def test_fused_block_equals_its_chain_bit_for_bit(mesh, batch_sharded):
     y_chain, grads_chain, names_chain = run(block, x, w, mesh, placements, fused=False)
     assert names == ["layer_norm", "attention_residual", "layer_norm", "mlp_residual"]
     assert "packed_attention" in names_chain and "bias_gelu" in names_chain
-    numpy.testing.assert_array_equal(y, y_chain)
+    close(y, y_chain, "output")
     for name in grads:
         assert grads[name].dtype == grads_chain[name].dtype, name
-        numpy.testing.assert_array_equal(grads[name], grads_chain[name], err_msg=name)
+        close(grads[name], grads_chain[name], name)
+
+
+def close(got, want, name):
+    """Within 2% of want's largest magnitude: a few bf16 roundings (2^-8 relative each)."""
+    scale = numpy.abs(want).max()
+    assert scale > 0, name
+    numpy.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * scale, err_msg=name)
 
 
 def test_fused_block_matches_the_dense_fp32_block(mesh):

@@ -1,0 +1,178 @@
+"""Matrix products with a fused epilogue (cuBLASLt's): a linear layer's bias, GeLU, residual
+addition and bias gradient computed inside the product rather than by kernels of their own, which
+saves each a launch, an allocation and a pass over the product (on a small model's step, host
+time; on a large one, memory traffic).
+
+    matmul_bias(x, w, bias, residual=None) -> x @ w + bias (+ residual)
+    matmul_bias_gelu(x, w, bias)           -> (gelu(p), p) with p = x @ w + bias
+    matmul_gelu_grad(g, w_t, pre)          -> (d, d summed over rows), d = (g @ w_t) * gelu'(pre)
+    matmul_bias_grad(x_t, g, out_dtype)    -> (x_t @ g, g summed over rows), both as out_dtype
+
+Operands are 2-D: x and g (rows, K), w (K, N), bias (N,); w_t and x_t may be transposed views of
+C-contiguous arrays (a weight's and an input's). One float dtype for the product's operands; the
+bias of `matmul_bias` and `matmul_bias_gelu` has the output's dtype, which is x's, or with a
+residual the residual's (x's or its compute dtype: autocast's float32 residual stream and master
+bias beside 16-bit products). `matmul_gelu_grad`'s sums have g's dtype (cuBLASLt's bias gradient
+has the output's type).
+
+The math, as the NumPy twins compute it: the product in float32 (float64 for float64), the
+epilogue applied to it unrounded (GeLU is GPT-2's tanh form), one rounding to the output dtype;
+the sums over rows accumulate in float32. On a GPU without a cuBLASLt algorithm for the product
+(or with CUPYTP_CUBLASLT=0, or operands off cuBLASLt's alignment) the same values come from the
+product, rounded, and the bias_add / gelu / column_sum kernels.
+"""
+import numpy
+
+from cupytp.backend import xp
+from cupytp.launchers import compute_dtype, is_device_array
+from cupytp.launchers import bias_add, column_sum as column_sums, gelu as gelus, gemm
+
+# cublasLtEpilogue_t
+_BIAS, _GELU_AUX_BIAS, _DGELU_BGRAD, _BGRADA = 4, 164, 208, 256
+_BIAS_ALIGNMENT = 16
+_plans = {}             # (epilogue, operands' signature) -> gemm.Product with cuBLASLt, or None
+
+
+def matmul_bias(x, w, bias, residual=None):
+    out_dtype = x.dtype if residual is None else residual.dtype
+    _check("matmul_bias", x, w, bias=bias, out_dtype=out_dtype)
+    if residual is not None and (residual.shape != (x.shape[0], w.shape[1]) or
+                                 out_dtype not in (x.dtype, compute_dtype(x.dtype))):
+        raise ValueError(f"matmul_bias: the residual must be ({x.shape[0]}, {w.shape[1]}) of "
+                         f"{x.dtype} or {compute_dtype(x.dtype)}, got {residual.shape} "
+                         f"{residual.dtype}")
+    if not is_device_array(x):
+        return matmul_bias_numpy(x, w, bias, residual)
+    product = _plan(_BIAS, x, w, out_dtype, residual is not None)
+    if product is not None and _aligned((x, w, residual), bias):
+        out = xp.empty((x.shape[0], w.shape[1]), dtype=out_dtype)
+        c = out if residual is None else residual
+        product.lt.run_epilogue(w.data.ptr, x.data.ptr, out.data.ptr, c.data.ptr, bias.data.ptr,
+                                0)
+        return out
+    y = gemm.matmul(x, w)
+    if residual is None:
+        return bias_add.bias_add(y, bias)
+    if bias_add.residual_applies(y, bias, residual):
+        return bias_add.bias_residual_add(y, bias, residual)
+    return bias_add.bias_add(y, bias) + residual
+
+
+def matmul_bias_gelu(x, w, bias):
+    _check("matmul_bias_gelu", x, w, bias=bias, out_dtype=x.dtype)
+    if not is_device_array(x):
+        return matmul_bias_gelu_numpy(x, w, bias)
+    product = _plan(_GELU_AUX_BIAS, x, w, x.dtype, False)
+    if product is not None and _aligned((x, w), bias):
+        out, pre = (xp.empty((x.shape[0], w.shape[1]), dtype=x.dtype) for _ in range(2))
+        product.lt.run_epilogue(w.data.ptr, x.data.ptr, out.data.ptr, out.data.ptr,
+                                bias.data.ptr, pre.data.ptr)
+        return out, pre
+    pre = bias_add.bias_add(gemm.matmul(x, w), bias)
+    return gelus.gelu(pre), pre
+
+
+def matmul_gelu_grad(g, w_t, pre):
+    _check("matmul_gelu_grad", g, w_t, out_dtype=g.dtype)
+    if pre.shape != (g.shape[0], w_t.shape[1]) or pre.dtype != g.dtype:
+        raise ValueError(f"matmul_gelu_grad: pre must be ({g.shape[0]}, {w_t.shape[1]}) of "
+                         f"{g.dtype}, got {pre.shape} {pre.dtype}")
+    if not is_device_array(g):
+        return matmul_gelu_grad_numpy(g, w_t, pre)
+    product = _plan(_DGELU_BGRAD, g, w_t, g.dtype, False)
+    if product is not None and _aligned((g, w_t, pre)):
+        d = xp.empty(pre.shape, dtype=g.dtype)
+        sums = xp.empty(pre.shape[1:], dtype=g.dtype)
+        product.lt.run_epilogue(w_t.data.ptr, g.data.ptr, d.data.ptr, d.data.ptr,
+                                sums.data.ptr, pre.data.ptr)
+        return d, sums
+    d = gelus.gelu_backward(pre, gemm.matmul(g, w_t))
+    return d, column_sums.column_sum(d)
+
+
+def matmul_bias_grad(x_t, g, out_dtype):
+    out_dtype = numpy.dtype(out_dtype)
+    _check("matmul_bias_grad", x_t, g, out_dtype=out_dtype)
+    if not is_device_array(g):
+        return matmul_bias_grad_numpy(x_t, g, out_dtype)
+    product = _plan(_BGRADA, x_t, g, out_dtype, False)
+    if product is not None and _aligned((x_t, g)):
+        out = xp.empty((x_t.shape[0], g.shape[1]), dtype=out_dtype)
+        sums = xp.empty(g.shape[1:], dtype=out_dtype)
+        product.lt.run_epilogue(g.data.ptr, x_t.data.ptr, out.data.ptr, out.data.ptr,
+                                sums.data.ptr, 0)
+        return out, sums
+    return gemm.matmul(x_t, g, out_dtype), column_sums.column_sum(g, dtype=out_dtype)
+
+
+def _check(name, a, b, bias=None, out_dtype=None):
+    gemm.product_dtype(a.dtype, b.dtype, None)
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"{name}: operands must be matrices (M, K) and (K, N), got {a.shape} "
+                         f"and {b.shape}")
+    if bias is not None and (bias.shape != (b.shape[1],) or bias.dtype != out_dtype):
+        raise ValueError(f"{name}: the bias must be ({b.shape[1]},) of the output's dtype "
+                         f"{out_dtype}, got {bias.shape} {bias.dtype}")
+
+
+def _plan(epilogue, a, b, out_dtype, plus_c):
+    """The cuBLASLt product a @ b (+ C) with `epilogue` for operands like a and b, or None
+    where cuBLASLt offers none (worked out once per signature)."""
+    key = (epilogue, a.shape, a.strides, b.shape, b.strides, a.dtype, out_dtype, plus_c)
+    try:
+        return _plans[key]
+    except KeyError:
+        pass
+    a_t, b_t = gemm.transposed(a), gemm.transposed(b)
+    product = None
+    if a_t is not None and b_t is not None and 0 not in a.shape + b.shape and \
+            gemm.use_cublaslt():
+        aux_ld = b.shape[1] if epilogue in (_GELU_AUX_BIAS, _DGELU_BGRAD) else None
+        product = gemm.Product(a, b, a_t, b_t, out_dtype, (a.shape[0], b.shape[1]),
+                               (epilogue, aux_ld), plus_c)
+        product = product if product.lt is not None else None
+    _plans[key] = product
+    return product
+
+
+def _aligned(matrices, bias=None):
+    """True when every matrix starts on cuBLASLt's operand alignment and the bias on 16 bytes."""
+    pointers = 0
+    for matrix in matrices:
+        if matrix is not None:
+            pointers |= matrix.data.ptr
+    return not pointers % gemm.LT_ALIGNMENT and (bias is None or
+                                                 not bias.data.ptr % _BIAS_ALIGNMENT)
+
+
+# ---- NumPy twins ---------------------------------------------------------------------------------
+def _product(a, b):
+    """a @ b unrounded: float32 for 16-bit operands."""
+    return gemm.matmul_numpy(a, b, compute_dtype(a.dtype))
+
+
+def matmul_bias_numpy(x, w, bias, residual=None):
+    """NumPy twin of `matmul_bias`."""
+    compute = compute_dtype(x.dtype)
+    y = _product(x, w)
+    if residual is not None:
+        y = y + residual.astype(compute)
+    return (y + bias.astype(compute)).astype(x.dtype if residual is None else residual.dtype)
+
+
+def matmul_bias_gelu_numpy(x, w, bias):
+    """NumPy twin of `matmul_bias_gelu`."""
+    pre = _product(x, w) + bias.astype(compute_dtype(x.dtype))
+    return gelus.gelu_numpy(pre).astype(x.dtype), pre.astype(x.dtype)
+
+
+def matmul_gelu_grad_numpy(g, w_t, pre):
+    """NumPy twin of `matmul_gelu_grad`."""
+    d = gelus.gelu_backward_numpy(pre.astype(compute_dtype(g.dtype)), _product(g, w_t))
+    return d.astype(g.dtype), d.sum(axis=0).astype(g.dtype)
+
+
+def matmul_bias_grad_numpy(x_t, g, out_dtype):
+    """NumPy twin of `matmul_bias_grad`."""
+    return (gemm.matmul_numpy(x_t, g, out_dtype),
+            column_sums.column_sum_numpy(g, dtype=out_dtype))
