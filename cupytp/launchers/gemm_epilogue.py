@@ -19,7 +19,8 @@ The math, as the NumPy twins compute it: the product in float32 (float64 for flo
 epilogue applied to it unrounded (GeLU is GPT-2's tanh form), one rounding to the output dtype;
 the sums over rows accumulate in float32. On a GPU without a cuBLASLt algorithm for the product
 (or with CUPYTP_CUBLASLT=0, or operands off cuBLASLt's alignment) the same values come from the
-product, rounded, and the bias_add / gelu / column_sum kernels.
+product, rounded, and the bias_add / gelu / column_sum kernels; so do float64 products, whose
+cuBLASLt GeLU epilogues are single-precision math.
 """
 import numpy
 
@@ -126,7 +127,7 @@ def _plan(epilogue, a, b, out_dtype, plus_c):
     a_t, b_t = gemm.transposed(a), gemm.transposed(b)
     product = None
     if a_t is not None and b_t is not None and 0 not in a.shape + b.shape and \
-            gemm.use_cublaslt():
+            a.dtype != numpy.float64 and gemm.use_cublaslt():
         aux_ld = b.shape[1] if epilogue in (_GELU_AUX_BIAS, _DGELU_BGRAD) else None
         product = gemm.Product(a, b, a_t, b_t, out_dtype, (a.shape[0], b.shape[1]),
                                (epilogue, aux_ld), plus_c)

@@ -105,7 +105,7 @@ def test_bad_operands_are_named():
 
 # ---- on a GPU: cuBLASLt's epilogues (and the stand-in kernels) against the twins -------------
 def transposed_view(a):
-    """A transposed view of a C-contiguous device copy of a.T: a's values, read in place."""
+    """a's values on the device as a transposed view of a C-contiguous array (a.T's)."""
     return xp.ascontiguousarray(xp.asarray(a).T).T
 
 
@@ -124,8 +124,8 @@ def device_cases(dtype):
          epilogue.matmul_bias_numpy(x, w, master, residual)),
         ("bias_gelu", epilogue.matmul_bias_gelu, (d(x), d(w), d(bias)),
          epilogue.matmul_bias_gelu_numpy(x, w, bias)),
-        ("gelu_grad", epilogue.matmul_gelu_grad, (d(g), transposed_view(w.T), d(pre)),
-         epilogue.matmul_gelu_grad_numpy(g, w.T, pre)),
+        ("gelu_grad", epilogue.matmul_gelu_grad, (d(g), transposed_view(w), d(pre)),
+         epilogue.matmul_gelu_grad_numpy(g, w, pre)),
         ("bias_grad", epilogue.matmul_bias_grad, (transposed_view(x.T), d(pre), out_dtype),
          epilogue.matmul_bias_grad_numpy(x.T, pre, out_dtype)),
     ]
