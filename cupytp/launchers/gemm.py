@@ -101,7 +101,6 @@ def _scalars(dtype):
     return one.ctypes.data, zero.ctypes.data, compute
 
 
-
 # ---- cuBLASLt -----------------------------------------------------------------------------------
 # attributes of cublasLt.h: matmul descriptor, matrix layout, preference
 _DESC_TRANSA, _DESC_TRANSB = 3, 4
