@@ -109,7 +109,7 @@ _LAYOUT_BATCH_COUNT, _LAYOUT_BATCH_STRIDE = 5, 6
 _PREF_MAX_WORKSPACE_BYTES = 1
 _HEURISTIC_RESULT_BYTES = 96    # cublasLtMatmulHeuristicResult_t: the algorithm's 64 bytes first
 _ALGO_STATE_OFFSET = 72         # ... then size_t workspaceSize, cublasStatus_t state
-LT_ALIGNMENT = 256             # the operand alignment the chosen algorithms may assume
+LT_ALIGNMENT = 256              # the operand alignment the chosen algorithms may assume
 WORKSPACE_BYTES = 32 * 2 ** 20
 _workspaces = {}                # stream pointer -> the address of that stream's workspace
 _workspace_arrays = []          # ... kept for the life of the process
@@ -180,8 +180,8 @@ class _LtPlan:
     """One cuBLASLt product, column-major as cuBLAS sees it: D (rows x cols) = op(first)
     op(second), its descriptors and the algorithm the heuristic chose (None: it offered none).
     `epilogue`: (cublasLtEpilogue_t, the auxiliary matrix's leading dimension or None) for a
-    product with a fused epilogue (`gemm_epilogue`), whose bias and auxiliary pointers
-    `run_epilogue` sets."""
+    product with a fused epilogue (`gemm_epilogue`), whose bias and auxiliary pointers `run`
+    sets."""
     __slots__ = ("args", "descriptors", "pointers", "__weakref__")
 
     def __init__(self, ops, rows, cols, k, first, second, out, count, compute, scalars,
@@ -213,30 +213,24 @@ class _LtPlan:
             self.args = (lt.matmul, lt.handle, desc, alpha, layouts[0], layouts[1], beta,
                          layouts[2], ctypes.addressof(result), result)
 
-    def run(self, first_ptr, second_ptr, out_ptr):
+    def run(self, first_ptr, second_ptr, out_ptr, c_ptr=None, bias_ptr=0, aux_ptr=0):
         """D = op(first) op(second) into out_ptr on the current stream (operands aligned to
-        LT_ALIGNMENT bytes)."""
+        LT_ALIGNMENT bytes); with an epilogue, its bias vector at bias_ptr and auxiliary matrix
+        at aux_ptr (0: none), and C (beta's matrix, of D's layout) at c_ptr (default D)."""
         matmul, handle, desc, alpha, first, second, beta, out, algo, _ = self.args
+        if bias_ptr or aux_ptr:
+            pointers = self.pointers
+            for slot, attribute, pointer in ((0, _DESC_BIAS_POINTER, bias_ptr),
+                                             (1, _DESC_AUX_POINTER, aux_ptr)):
+                if pointer and pointers[slot] != pointer:
+                    _check(self.descriptors[0].cublasLtMatmulDescSetAttribute(
+                        desc, attribute, ctypes.byref(ctypes.c_void_p(pointer)), 8))
+                    pointers[slot] = pointer
         stream = backend.xp.cuda.get_current_stream().ptr
         workspace = _workspaces.get(stream) or _workspace(stream)
-        _check(matmul(handle, desc, alpha, first_ptr, first, second_ptr, second, beta, out_ptr,
-                      out, out_ptr, out, algo, workspace, WORKSPACE_BYTES, stream))
-
-    def run_epilogue(self, first_ptr, second_ptr, out_ptr, c_ptr, bias_ptr, aux_ptr):
-        """`run` with the epilogue's bias vector at bias_ptr and auxiliary matrix at aux_ptr
-        (0: none), C (beta's matrix, of D's layout) at c_ptr."""
-        matmul, handle, desc, alpha, first, second, beta, out, algo, _ = self.args
-        pointers = self.pointers
-        for slot, attribute, pointer in ((0, _DESC_BIAS_POINTER, bias_ptr),
-                                         (1, _DESC_AUX_POINTER, aux_ptr)):
-            if pointer and pointers[slot] != pointer:
-                _check(self.descriptors[0].cublasLtMatmulDescSetAttribute(
-                    desc, attribute, ctypes.byref(ctypes.c_void_p(pointer)), 8))
-                pointers[slot] = pointer
-        stream = backend.xp.cuda.get_current_stream().ptr
-        workspace = _workspaces.get(stream) or _workspace(stream)
-        _check(matmul(handle, desc, alpha, first_ptr, first, second_ptr, second, beta, c_ptr,
-                      out, out_ptr, out, algo, workspace, WORKSPACE_BYTES, stream))
+        _check(matmul(handle, desc, alpha, first_ptr, first, second_ptr, second, beta,
+                      out_ptr if c_ptr is None else c_ptr, out, out_ptr, out, algo, workspace,
+                      WORKSPACE_BYTES, stream))
 
     def __del__(self):
         if self.descriptors is not None:

@@ -47,9 +47,8 @@ def matmul_bias(x, w, bias, residual=None):
     product = _plan(_BIAS, x, w, out_dtype, residual is not None)
     if product is not None and _aligned((x, w, residual), bias):
         out = xp.empty((x.shape[0], w.shape[1]), dtype=out_dtype)
-        c = out if residual is None else residual
-        product.lt.run_epilogue(w.data.ptr, x.data.ptr, out.data.ptr, c.data.ptr, bias.data.ptr,
-                                0)
+        product.lt.run(w.data.ptr, x.data.ptr, out.data.ptr,
+                       None if residual is None else residual.data.ptr, bias.data.ptr)
         return out
     y = gemm.matmul(x, w)
     if residual is None:
@@ -66,8 +65,8 @@ def matmul_bias_gelu(x, w, bias):
     product = _plan(_GELU_AUX_BIAS, x, w, x.dtype, False)
     if product is not None and _aligned((x, w), bias):
         out, pre = (xp.empty((x.shape[0], w.shape[1]), dtype=x.dtype) for _ in range(2))
-        product.lt.run_epilogue(w.data.ptr, x.data.ptr, out.data.ptr, out.data.ptr,
-                                bias.data.ptr, pre.data.ptr)
+        product.lt.run(w.data.ptr, x.data.ptr, out.data.ptr, None, bias.data.ptr,
+                       pre.data.ptr)
         return out, pre
     pre = bias_add.bias_add(gemm.matmul(x, w), bias)
     return gelus.gelu(pre), pre
@@ -84,8 +83,8 @@ def matmul_gelu_grad(g, w_t, pre):
     if product is not None and _aligned((g, w_t, pre)):
         d = xp.empty(pre.shape, dtype=g.dtype)
         sums = xp.empty(pre.shape[1:], dtype=g.dtype)
-        product.lt.run_epilogue(w_t.data.ptr, g.data.ptr, d.data.ptr, d.data.ptr,
-                                sums.data.ptr, pre.data.ptr)
+        product.lt.run(w_t.data.ptr, g.data.ptr, d.data.ptr, None, sums.data.ptr,
+                       pre.data.ptr)
         return d, sums
     d = gelus.gelu_backward(pre, gemm.matmul(g, w_t))
     return d, column_sums.column_sum(d)
@@ -100,8 +99,7 @@ def matmul_bias_grad(x_t, g, out_dtype):
     if product is not None and _aligned((x_t, g)):
         out = xp.empty((x_t.shape[0], g.shape[1]), dtype=out_dtype)
         sums = xp.empty(g.shape[1:], dtype=out_dtype)
-        product.lt.run_epilogue(g.data.ptr, x_t.data.ptr, out.data.ptr, out.data.ptr,
-                                sums.data.ptr, 0)
+        product.lt.run(g.data.ptr, x_t.data.ptr, out.data.ptr, None, sums.data.ptr)
         return out, sums
     return gemm.matmul(x_t, g, out_dtype), column_sums.column_sum(g, dtype=out_dtype)
 

@@ -84,9 +84,7 @@ class Module:
                 found.append((full, value))
 
     def parameters(self):
-        found = []
-        self._collect_parameters("", found, set())
-        return [p for _, p in found]
+        return [p for _, p in self.named_parameters()]
 
     def named_buffers(self):
         for module_name, module in self.named_modules():
