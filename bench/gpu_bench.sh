@@ -90,13 +90,13 @@ for part in $what; do
             # turns, so that both meet the machine's spells of host noise; the median round counts
       ours=(); theirs=()
       for r in $(seq "${HOST_ROUNDS:-5}"); do
-        run ours_tiny_$r python3 bench/train_gpt2.py --tp 1 --dtype bf16 --B 2 --T 64 \
+        run ours_tiny_$r python3 bench/train_gpt2.py --tp 1 --dtype bf16 --B 2 --T 64 --grad-clip 0 \
             --label tiny-eager --no-cuda-graph --steps 30
         run torch_tiny_$r python3 $anchors/torch_tp_gpt2.py --dtype bf16 --sdpa 1 --B 2 --T 64 \
             --steps 30
         ours+=("$out/ours_tiny_$r.log"); theirs+=("$out/torch_tiny_$r.log")
       done
-      run ours_tiny_graph python3 bench/train_gpt2.py --tp 1 --dtype bf16 --B 2 --T 64 \
+      run ours_tiny_graph python3 bench/train_gpt2.py --tp 1 --dtype bf16 --B 2 --T 64 --grad-clip 0 \
           --label tiny-graph --steps 30
       joined() { local IFS=+; echo "$*"; }
       pairs+=("124M-B2-T64-eager=$(joined "${ours[@]}"),$(joined "${theirs[@]}")"

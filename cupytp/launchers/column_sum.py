@@ -6,11 +6,13 @@ y is given: x's shape, in the compute dtype), accumulated in the compute dtype (
 and float32 inputs, float64 for float64) and returned in `dtype` (x's by default). Deterministic: a
 fixed grid of partial sums, then one pass over them.
 """
+import functools
+import math
+
 import numpy
 
-from cupytp.backend import xp
-from cupytp.launchers import ceil_div, check_lists, compute_dtype, dtype_suffix, get_kernel
-from cupytp.launchers import is_device_array, vector_width
+from cupytp.backend import c_contiguous, xp
+from cupytp.launchers import ceil_div, compute_dtype, dtype_suffix, get_kernel, is_device_array
 
 LANES = 32               # blockDim.x: column vectors per block
 ROW_LANES = 8            # blockDim.y: rows summed side by side, then across the block
@@ -20,45 +22,84 @@ VECTOR_BYTES = 16        # each thread loads 16 bytes per row where alignment al
 NULL = numpy.uint64(0)
 
 
+class _Plan:
+    """How column sums of one signature of operands launch (checked and worked out once): the
+    first pass's kernels with vectors (None where cols do not allow them) and without, the byte
+    alignment the vectors need, the finishing pass's, and the sizes."""
+    __slots__ = ("rows", "cols", "out_dtype", "compute", "row_blocks", "first", "finish")
+
+    def __init__(self, shape, x_dtype, dtype):
+        self.cols = shape[-1] if shape else 1
+        self.rows = math.prod(shape) // self.cols if self.cols else 0
+        self.compute = compute_dtype(x_dtype)
+        self.out_dtype = self.compute if dtype != x_dtype else x_dtype
+        self.row_blocks = max(1, min(ceil_div(self.rows, ROW_LANES * ROWS_PER_THREAD),
+                                     MAX_ROW_BLOCKS))
+        suffix = dtype_suffix(x_dtype)
+        one_pass = self.row_blocks == 1     # the one row of partial sums is the result, ...
+        kernel = "column_sum_direct" if one_pass and self.out_dtype != self.compute else \
+            "column_sum"                    # ... rounded to x's dtype
+        self.first = self._forms("column_sum.cu", f"{kernel}_{suffix}", x_dtype)
+        finish = f"column_sum_finish_{suffix}" if self.out_dtype == x_dtype else \
+            f"column_sum_{dtype_suffix(self.compute)}"
+        self.finish = None if one_pass else self._forms("column_sum.cu", finish, self.compute)
+
+    def _forms(self, cu_file, name, dtype):
+        """(the kernel with vectors or None, the byte alignment they need, the elements per
+        vector, the kernel without vectors)."""
+        vec = VECTOR_BYTES // numpy.dtype(dtype).itemsize
+        vectors = None if self.cols % vec else get_kernel(cu_file, f"{name}_v{vec}")
+        return vectors, vec * self.compute.itemsize, vec, get_kernel(cu_file, f"{name}_v1")
+
+    @staticmethod
+    def launch(forms, cols, arrays, args):
+        """Run one pass: with vectors when every array is aligned for them."""
+        vectors, alignment, vec, plain = forms
+        pointers = 0
+        for array in arrays:
+            pointers |= array.data.ptr
+        if vectors is None or pointers % alignment:
+            vectors, vec = plain, 1
+        vectors((ceil_div(cols // vec, LANES), args[0]), (LANES, ROW_LANES), args[1:])
+
+
+def _signature(array):
+    return None if array is None else (array.shape, array.dtype, c_contiguous(array))
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(x, y, dtype):
+    _check(x, y)
+    return _Plan(x[0], x[1], dtype)
+
+
 def column_sum(x, y=None, dtype=None):
     dtype = numpy.dtype(dtype or x.dtype)
     if not is_device_array(x):
         return column_sum_numpy(x, y, dtype)
-    _check(x, y)
-    cols = x.shape[-1] if x.ndim else 1
-    rows = x.size // cols if cols else 0
-    compute = compute_dtype(x.dtype)
-    out = xp.empty((cols,), dtype=compute if dtype != x.dtype else x.dtype)
+    plan = _plan(_signature(x), _signature(y), dtype)
+    rows, cols = plan.rows, plan.cols
+    out = xp.empty((cols,), dtype=plan.out_dtype)
     if cols == 0:
         return out.astype(dtype, copy=False)
     if rows == 0:
         out[...] = 0
         return out.astype(dtype, copy=False)
-    suffix = dtype_suffix(x.dtype)
     operands = (x,) if y is None else (x, y)
-    vec = vector_width(VECTOR_BYTES // x.itemsize, cols, operands)
-    row_blocks = max(1, min(ceil_div(rows, ROW_LANES * ROWS_PER_THREAD), MAX_ROW_BLOCKS))
-    one_pass = row_blocks == 1          # the one row of partial sums is the result, ...
-    partials = out if one_pass else xp.empty((row_blocks, cols), dtype=compute)
-    kernel = "column_sum_direct" if one_pass and out.dtype != compute else "column_sum"
-    get_kernel("column_sum.cu", f"{kernel}_{suffix}_v{vec}")(        # ... rounded to x's dtype
-        (ceil_div(cols // vec, LANES), row_blocks), (LANES, ROW_LANES),
-        (x, NULL if y is None else y, partials, numpy.int64(rows), numpy.int32(cols)))
-    if one_pass:
-        return out.astype(dtype, copy=False)
-    vec = vector_width(VECTOR_BYTES // partials.itemsize, cols, (partials, out))
-    finish = f"column_sum_finish_{suffix}" if out.dtype == x.dtype else \
-        f"column_sum_{dtype_suffix(compute)}"
-    get_kernel("column_sum.cu", f"{finish}_v{vec}")(
-        (ceil_div(cols // vec, LANES), 1), (LANES, ROW_LANES),
-        (partials, NULL, out, numpy.int64(row_blocks), numpy.int32(cols)))
+    partials = out if plan.finish is None else xp.empty((plan.row_blocks, cols), plan.compute)
+    plan.launch(plan.first, cols, operands + (partials,),
+                (plan.row_blocks, x, NULL if y is None else y, partials, numpy.int64(rows),
+                 numpy.int32(cols)))
+    if plan.finish is not None:
+        plan.launch(plan.finish, cols, (partials, out),
+                    (1, partials, NULL, out, numpy.int64(plan.row_blocks), numpy.int32(cols)))
     return out.astype(dtype, copy=False)
 
 
 def column_sum_numpy(x, y=None, dtype=None):
     """NumPy twin: the product (if any) and the sum in the compute dtype, one rounding at the
     end."""
-    _check(x, y)
+    _check(_signature(x), _signature(y))
     compute = compute_dtype(x.dtype)
     v = x.astype(compute)
     if y is not None:
@@ -68,10 +109,11 @@ def column_sum_numpy(x, y=None, dtype=None):
 
 
 def _check(x, y):
-    check_lists(x=[x])
-    if y is not None:
-        check_lists(y=[y])
-    dtype_suffix(x.dtype)
-    if y is not None and (y.dtype != compute_dtype(x.dtype) or y.shape != x.shape):
-        raise ValueError(f"column_sum: y must have x's shape {x.shape} and the compute dtype "
-                         f"{compute_dtype(x.dtype)}, got {y.shape} {y.dtype}")
+    """x and y signatures ((shape, dtype, C-contiguous) or None) that column_sum takes."""
+    for name, signature in (("x", x), ("y", y)):
+        if signature is not None and not signature[2]:
+            raise ValueError(f"column_sum: {name} is not C-contiguous")
+    dtype_suffix(x[1])
+    if y is not None and (y[1] != compute_dtype(x[1]) or y[0] != x[0]):
+        raise ValueError(f"column_sum: y must have x's shape {x[0]} and the compute dtype "
+                         f"{compute_dtype(x[1])}, got {y[0]} {y[1]}")

@@ -110,6 +110,7 @@ _PREF_MAX_WORKSPACE_BYTES = 1
 _HEURISTIC_RESULT_BYTES = 96    # cublasLtMatmulHeuristicResult_t: the algorithm's 64 bytes first
 _ALGO_STATE_OFFSET = 72         # ... then size_t workspaceSize, cublasStatus_t state
 LT_ALIGNMENT = 256              # the operand alignment the chosen algorithms may assume
+EPILOGUE_DESCRIPTORS = 64       # matmul descriptors an epilogue plan keeps, one per bias pointer
 WORKSPACE_BYTES = 32 * 2 ** 20
 _workspaces = {}                # stream pointer -> the address of that stream's workspace
 _workspace_arrays = []          # ... kept for the life of the process
@@ -181,26 +182,22 @@ class _LtPlan:
     op(second), its descriptors and the algorithm the heuristic chose (None: it offered none).
     `epilogue`: (cublasLtEpilogue_t, the auxiliary matrix's leading dimension or None) for a
     product with a fused epilogue (`gemm_epilogue`), whose bias and auxiliary pointers `run`
-    sets."""
-    __slots__ = ("args", "descriptors", "pointers", "__weakref__")
+    passes. Those pointers are attributes of the matmul descriptor, and setting one costs about
+    as much host time as a launch, so such a plan keeps a descriptor per bias pointer (at most
+    EPILOGUE_DESCRIPTORS, the oldest dropped): one plan serves every layer of a shape, and each
+    layer's bias (a parameter, or its gradient, which the pool gives the same address step after
+    step) finds its descriptor with its pointers already set."""
+    __slots__ = ("args", "descriptors", "recipe", "by_bias", "__weakref__")
 
     def __init__(self, ops, rows, cols, k, first, second, out, count, compute, scalars,
                  epilogue=None):
-        lt, (op_first, op_second), (alpha, beta) = _lt(), ops, scalars
+        lt, (alpha, beta) = _lt(), scalars
         self.args = self.descriptors = None
-        scale = _CUDA_R_64F if compute == _COMPUTE_64F else _CUDA_R_32F
-        desc = lt._made(lt.lib.cublasLtMatmulDescCreate, compute, scale)
-        setter = lt.lib.cublasLtMatmulDescSetAttribute
-        for attribute, op in ((_DESC_TRANSA, op_first), (_DESC_TRANSB, op_second)):
-            lt._set(setter, desc, attribute, ctypes.c_int32(op))
-        if epilogue is not None:
-            lt._set(setter, desc, _DESC_EPILOGUE, ctypes.c_int32(epilogue[0]))
-            if epilogue[1] is not None:
-                lt._set(setter, desc, _DESC_AUX_LD, ctypes.c_int64(epilogue[1]))
-        # the bias and auxiliary pointers as last set: [bias, aux] (0: not yet)
-        self.pointers = [0, 0]
-        stored_first = (k, rows) if op_first == _OP_T else (rows, k)
-        stored_second = (cols, k) if op_second == _OP_T else (k, cols)
+        self.recipe = (compute, ops, epilogue)
+        self.by_bias = {}           # bias pointer -> [its matmul descriptor, aux pointer set]
+        desc = self._descriptor()
+        stored_first = (k, rows) if ops[0] == _OP_T else (rows, k)
+        stored_second = (cols, k) if ops[1] == _OP_T else (k, cols)
         layouts = [lt.layout(kind, *stored, ld, count, stride) for stored, (kind, ld, stride)
                    in ((stored_first, first), (stored_second, second), ((rows, cols), out))]
         self.descriptors = (lt.lib, desc, layouts)
@@ -213,19 +210,43 @@ class _LtPlan:
             self.args = (lt.matmul, lt.handle, desc, alpha, layouts[0], layouts[1], beta,
                          layouts[2], ctypes.addressof(result), result)
 
+    def _descriptor(self, bias_ptr=0):
+        """A new matmul descriptor of this plan's operations and epilogue (its bias pointer
+        `bias_ptr` when not 0)."""
+        lt, (compute, (op_first, op_second), epilogue) = _lt(), self.recipe
+        scale = _CUDA_R_64F if compute == _COMPUTE_64F else _CUDA_R_32F
+        desc = lt._made(lt.lib.cublasLtMatmulDescCreate, compute, scale)
+        setter = lt.lib.cublasLtMatmulDescSetAttribute
+        for attribute, op in ((_DESC_TRANSA, op_first), (_DESC_TRANSB, op_second)):
+            lt._set(setter, desc, attribute, ctypes.c_int32(op))
+        if epilogue is not None:
+            lt._set(setter, desc, _DESC_EPILOGUE, ctypes.c_int32(epilogue[0]))
+            if epilogue[1] is not None:
+                lt._set(setter, desc, _DESC_AUX_LD, ctypes.c_int64(epilogue[1]))
+        if bias_ptr:
+            lt._set(setter, desc, _DESC_BIAS_POINTER, ctypes.c_void_p(bias_ptr))
+        return desc
+
+    def _epilogue_descriptor(self, bias_ptr):
+        """[descriptor, aux pointer set (0: none)] of `bias_ptr`, made on its first use."""
+        by_bias = self.by_bias
+        if len(by_bias) >= EPILOGUE_DESCRIPTORS:
+            _lt().lib.cublasLtMatmulDescDestroy(by_bias.pop(next(iter(by_bias)))[0])
+        entry = by_bias[bias_ptr] = [self._descriptor(bias_ptr), 0]
+        return entry
+
     def run(self, first_ptr, second_ptr, out_ptr, c_ptr=None, bias_ptr=0, aux_ptr=0):
         """D = op(first) op(second) into out_ptr on the current stream (operands aligned to
         LT_ALIGNMENT bytes); with an epilogue, its bias vector at bias_ptr and auxiliary matrix
         at aux_ptr (0: none), and C (beta's matrix, of D's layout) at c_ptr (default D)."""
         matmul, handle, desc, alpha, first, second, beta, out, algo, _ = self.args
-        if bias_ptr or aux_ptr:
-            pointers = self.pointers
-            for slot, attribute, pointer in ((0, _DESC_BIAS_POINTER, bias_ptr),
-                                             (1, _DESC_AUX_POINTER, aux_ptr)):
-                if pointer and pointers[slot] != pointer:
-                    _check(self.descriptors[0].cublasLtMatmulDescSetAttribute(
-                        desc, attribute, ctypes.byref(ctypes.c_void_p(pointer)), 8))
-                    pointers[slot] = pointer
+        if bias_ptr:
+            entry = self.by_bias.get(bias_ptr) or self._epilogue_descriptor(bias_ptr)
+            desc = entry[0]
+            if aux_ptr and entry[1] != aux_ptr:
+                _check(self.descriptors[0].cublasLtMatmulDescSetAttribute(
+                    desc, _DESC_AUX_POINTER, ctypes.byref(ctypes.c_void_p(aux_ptr)), 8))
+                entry[1] = aux_ptr
         stream = backend.xp.cuda.get_current_stream().ptr
         workspace = _workspaces.get(stream) or _workspace(stream)
         _check(matmul(handle, desc, alpha, first_ptr, first, second_ptr, second, beta,
@@ -235,7 +256,8 @@ class _LtPlan:
     def __del__(self):
         if self.descriptors is not None:
             lib, desc, layouts = self.descriptors
-            lib.cublasLtMatmulDescDestroy(desc)
+            for descriptor in [desc] + [entry[0] for entry in self.by_bias.values()]:
+                lib.cublasLtMatmulDescDestroy(descriptor)
             for layout in layouts:
                 lib.cublasLtMatrixLayoutDestroy(layout)
 

@@ -11,12 +11,15 @@ rounding. weight and bias may be None; when given they have x's dtype and shape 
 and of g in the compute dtype, summed by the kernel in the same pass where the row fits its
 registers (partial sums of `PARAM_GRAD_BLOCKS_PER_SM` blocks per multiprocessor, then `column_sum`).
 """
+import functools
+import math
+
 import numpy
 
-from cupytp.backend import xp
+from cupytp.backend import c_contiguous, xp
 from cupytp.launchers import (
-    BLOCK_THREADS, ceil_div, check_lists, compute_dtype, dtype_suffix, get_kernel, is_device_array,
-    multiprocessors, vector_width)
+    BLOCK_THREADS, ceil_div, compute_dtype, dtype_suffix, get_kernel, is_device_array,
+    multiprocessors)
 from cupytp.launchers.column_sum import column_sum
 
 NULL = numpy.uint64(0)
@@ -27,71 +30,112 @@ VECTOR = {"f32": 4, "f64": 2, "bf16": 8, "f16": 8, "f32_bf16": 8, "f32_f16": 8} 
 CACHED_VECTORS = (1, 2, 4)      # vectors per thread of the cached kernels
 
 
-def _check(x, weight, bias, dtype=None):
-    """Each array on its own (check_lists compares shapes across lists, position by position);
-    weight and bias must have `dtype` (x's by default) and shape (C,)."""
-    dtype = dtype or x.dtype
-    dtype_suffix(check_lists(x=[x])["x"])
-    for name, array in (("weight", weight), ("bias", bias)):
-        if array is not None:
-            check_lists(**{name: [array]})
-        if array is not None and (array.dtype != dtype or array.shape != x.shape[-1:]):
+class _Plan:
+    """How one signature of arrays launches (worked out and checked once per signature): the
+    row-cached kernel (None where the row does not fit the registers), the streaming one, the
+    byte alignment of every pointer that the cached one needs, the compute dtype, and rows and
+    cols."""
+    __slots__ = ("cached", "streaming", "alignment", "compute", "rows", "cols")
+
+    def __init__(self, direction, suffix, shape):
+        vec = VECTOR[suffix]
+        self.cols = shape[-1] if shape else 0
+        self.rows = math.prod(shape[:-1]) if self.cols else 0
+        per_thread = ceil_div(self.cols, BLOCK_THREADS * vec)
+        vectors = next((n for n in CACHED_VECTORS if n >= per_thread), None)
+        self.cached = None if vectors is None or self.cols % vec else \
+            get_kernel("layernorm.cu", f"layer_norm_{direction}_cached_{suffix}_v{vec}_n{vectors}")
+        self.streaming = get_kernel("layernorm.cu", f"layer_norm_{direction}_{suffix}")
+        self.alignment = vec * 8 if suffix == "f64" else vec * 4     # vectors of the widest
+        self.compute = compute_dtype(numpy.float64 if suffix == "f64" else numpy.float32)
+
+    def kernel(self, *arrays):
+        """The cached kernel when it applies and every array (None: absent) is aligned for it,
+        else the streaming one."""
+        if self.cached is None:
+            return self.streaming
+        pointers = 0
+        for array in arrays:
+            if array is not None:
+                pointers |= array.data.ptr
+        return self.streaming if pointers % self.alignment else self.cached
+
+
+def _signature(array):
+    return None if array is None else (array.shape, array.dtype, c_contiguous(array))
+
+
+@functools.lru_cache(maxsize=256)
+def _forward_plan(x, weight, bias, out_dtype):
+    """The _Plan of a forward over arrays of these signatures (after checking them)."""
+    _check(x, (("weight", weight), ("bias", bias)), x[1])
+    return _Plan("forward", _suffix(x[1], out_dtype), x[0])
+
+
+@functools.lru_cache(maxsize=256)
+def _backward_plan(g, xhat, rstd, weight, add, dx_dtype):
+    """The _Plan of a backward over arrays of these signatures (after checking them)."""
+    if add is not None and (add[1] != dx_dtype or add[0] != g[0]):
+        raise ValueError(f"layer_norm_backward: add must have dx's dtype {dx_dtype} and shape "
+                         f"{g[0]}, got {add[1]} {add[0]}")
+    _check(g, (("weight", weight), ("xhat", xhat), ("rstd", rstd), ("add", add)), dx_dtype)
+    return _Plan("backward", _suffix(dx_dtype, g[1]), g[0])
+
+
+def _check(x, others, dtype):
+    """x and each of the `others` ((name, signature or None)) C-contiguous; a weight or bias
+    of `dtype` and shape (C,)."""
+    dtype_suffix(x[1])
+    for name, signature in (("x", x),) + others:
+        if signature is not None and not signature[2]:
+            raise ValueError(f"layer_norm: {name} is not C-contiguous")
+    for name, signature in others:
+        if name in ("weight", "bias") and signature is not None and \
+                (signature[1] != dtype or signature[0] != x[0][-1:]):
             raise ValueError(f"layer_norm: {name} must have dtype {dtype} and shape "
-                             f"{x.shape[-1:]}, got {array.dtype} {array.shape}")
+                             f"{x[0][-1:]}, got {signature[1]} {signature[0]}")
 
 
 def layer_norm_forward(x, weight, bias, eps, out_dtype=None):
     out_dtype = numpy.dtype(out_dtype or x.dtype)
     if not is_device_array(x):
         return layer_norm_forward_numpy(x, weight, bias, eps, out_dtype)
-    _check(x, weight, bias)
-    compute = compute_dtype(x.dtype)
-    cols = x.shape[-1]
-    rows = x.size // cols if cols else 0
+    plan = _forward_plan(_signature(x), _signature(weight), _signature(bias), out_dtype)
+    compute = plan.compute
     y = xp.empty(x.shape, dtype=out_dtype)
     xhat = xp.empty(x.shape, dtype=compute)
     rstd = xp.empty(x.shape[:-1] + (1,), dtype=compute)
-    if rows:
-        suffix = _suffix(x.dtype, out_dtype)
-        name = _cached_kernel("forward", suffix, cols, (x, weight, bias, y, xhat)) or \
-            f"layer_norm_forward_{suffix}"
-        get_kernel("layernorm.cu", name)(
-            (rows,), (BLOCK_THREADS,), (x, NULL if weight is None else weight,
-                                        NULL if bias is None else bias, y, xhat, rstd,
-                                        numpy.int32(cols), compute.type(eps)))
+    if plan.rows:
+        plan.kernel(x, weight, bias, y, xhat)(
+            (plan.rows,), (BLOCK_THREADS,), (x, NULL if weight is None else weight,
+                                             NULL if bias is None else bias, y, xhat, rstd,
+                                             numpy.int32(plan.cols), compute.type(eps)))
     return y, xhat, rstd
 
 
 def layer_norm_backward(g, xhat, rstd, weight, dx_dtype=None, add=None, param_grads=False):
     dx_dtype = numpy.dtype(dx_dtype or g.dtype)
-    if add is not None and (add.dtype != dx_dtype or add.shape != g.shape):
-        raise ValueError(f"layer_norm_backward: add must have dx's dtype {dx_dtype} and shape "
-                         f"{g.shape}, got {add.dtype} {add.shape}")
     if not is_device_array(g):
+        if add is not None and (add.dtype != dx_dtype or add.shape != g.shape):
+            raise ValueError(f"layer_norm_backward: add must have dx's dtype {dx_dtype} and "
+                             f"shape {g.shape}, got {add.dtype} {add.shape}")
         return layer_norm_backward_numpy(g, xhat, rstd, weight, dx_dtype, add, param_grads)
-    _check(g, weight, None, dx_dtype)
-    check_lists(xhat=[xhat])
-    check_lists(rstd=[rstd])
-    if add is not None:
-        check_lists(add=[add])
-    cols = g.shape[-1]
-    rows = g.size // cols if cols else 0
+    plan = _backward_plan(_signature(g), _signature(xhat), _signature(rstd), _signature(weight),
+                          _signature(add), dx_dtype)
+    rows, cols = plan.rows, plan.cols
     dx = xp.empty(g.shape, dtype=dx_dtype)
-    suffix = _suffix(dx_dtype, g.dtype)
     args = (g, xhat, rstd, NULL if weight is None else weight, NULL if add is None else add, dx)
-    cached = _cached_kernel("backward", suffix, cols, (g, xhat, weight, add, dx))
-    if cached is None or not rows:       # streaming: the parameter gradients by column sums
+    kernel = plan.kernel(g, xhat, weight, add, dx) if rows else None
+    if kernel is None or kernel is plan.streaming:  # the parameter gradients by column sums
         if rows:
-            get_kernel("layernorm.cu", f"layer_norm_backward_{suffix}")(
-                (rows,), (BLOCK_THREADS,), args + (numpy.int32(cols),))
+            kernel((rows,), (BLOCK_THREADS,), args + (numpy.int32(cols),))
         if not param_grads:
             return dx
         return dx, column_sum(g, xhat, dtype=xhat.dtype), column_sum(g, dtype=xhat.dtype)
     blocks = min(rows, PARAM_GRAD_BLOCKS_PER_SM * multiprocessors()) if param_grads else rows
     partials = xp.empty((blocks, 2 * cols), xhat.dtype) if param_grads else None
-    get_kernel("layernorm.cu", cached)(
-        (blocks,), (BLOCK_THREADS,),
-        args + (NULL if partials is None else partials, numpy.int64(rows), numpy.int32(cols)))
+    kernel((blocks,), (BLOCK_THREADS,),
+           args + (NULL if partials is None else partials, numpy.int64(rows), numpy.int32(cols)))
     if not param_grads:
         return dx
     sums = column_sum(partials)
@@ -99,17 +143,6 @@ def layer_norm_backward(g, xhat, rstd, weight, dx_dtype=None, add=None, param_gr
     # parameters take them as their gradients without a copy
     return dx, xp.ndarray((cols,), sums.dtype, sums.data), \
         xp.ndarray((cols,), sums.dtype, sums.data + cols * sums.itemsize)
-
-
-def _cached_kernel(direction, suffix, cols, arrays):
-    """The name of the cached form when the row fits the block's registers and every array is
-    aligned for its vectors, else None (the streaming form serves)."""
-    vec = VECTOR[suffix]
-    per_thread = ceil_div(cols, BLOCK_THREADS * vec)
-    vectors = next((n for n in CACHED_VECTORS if n >= per_thread), None)
-    if vectors is None or vector_width(vec, cols, [a for a in arrays if a is not None]) != vec:
-        return None
-    return f"layer_norm_{direction}_cached_{suffix}_v{vec}_n{vectors}"
 
 
 def _suffix(dtype, out_dtype):

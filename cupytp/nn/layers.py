@@ -188,12 +188,14 @@ class DMLP(Module):
                               init_std=proj_init_std or init_std)
         self.dropout = Dropout(dropout)
 
-    def forward(self, x, residual=None):
-        """The MLP of x, plus `residual` when given (joined with c_proj's bias; one fused op,
-        `ops.mlp_residual`, when both biases are there and no dropout is in effect)."""
+    def forward(self, x, residual=None, norm=None):
+        """The MLP of x (of norm(x) with a LayerNorm module `norm`), plus `residual` when given
+        (joined with c_proj's bias; one fused op with the norm, `ops.mlp_residual`, when both
+        biases are there and no dropout is in effect)."""
         if residual is not None and _fusable(self.c_fc, self.c_proj, self.dropout):
             return ops.mlp_residual(x, residual, self.c_fc.weight, self.c_fc.bias,
-                                    self.c_proj.weight, self.c_proj.bias)
+                                    self.c_proj.weight, self.c_proj.bias, _norm_args(norm))
+        x = x if norm is None else norm(x)
         h = ops.matmul(x, self.c_fc.weight, reduce_input_grad=True)  # (B, T, 4C/tp)
         h = ops.gelu(h) if self.c_fc.bias is None else ops.bias_gelu(h, self.c_fc.bias)
         return project(self.c_proj, self.dropout, h, residual)
@@ -224,16 +226,19 @@ class DAttention(Module):
         self.resid_dropout = Dropout(dropout)
         check_heads(self)
 
-    def forward(self, x, residual=None):
-        """Attention over x, plus `residual` when given (joined with c_proj's bias; one fused
-        op, `ops.attention_residual`, when both biases are there and the output has no
+    def forward(self, x, residual=None, norm=None):
+        """Attention over x (over norm(x) with a LayerNorm module `norm`), plus `residual` when
+        given (joined with c_proj's bias; one fused op with the norm,
+        `ops.attention_residual`, when both biases are there and the output has no
         dropout)."""
         b, t, c = x.shape
         h = self.num_heads
         p = self.attn_dropout.p if self.training else 0.0
         if residual is not None and _fusable(self.c_attn, self.c_proj, self.resid_dropout):
             return ops.attention_residual(x, residual, self.c_attn.weight, self.c_attn.bias,
-                                          self.c_proj.weight, self.c_proj.bias, h, p)
+                                          self.c_proj.weight, self.c_proj.bias, h, p,
+                                          norm=_norm_args(norm))
+        x = x if norm is None else norm(x)
         qkv = self.c_attn(x).reshape(b, t, 3, h, c // h)            # (B, T, 3, H/tp, D)
         y = ops.packed_attention(qkv, causal=True, dropout_p=p)      # (B, T, H/tp, D)
         y = y.reshape(b, t, c)                                       # (B, T, C/tp)
@@ -246,6 +251,11 @@ class DAttention(Module):
 def _fusable(first, proj, dropout):
     """True when a sublayer (first layer → proj → dropout) may run as one fused op."""
     return first.bias is not None and proj.bias is not None and not dropout.active
+
+
+def _norm_args(norm):
+    """A fused op's `norm` argument, (weight, bias, eps), of a LayerNorm module (or None)."""
+    return None if norm is None else (norm.weight, norm.bias, norm.eps)
 
 
 def project(proj, dropout, x, residual):
@@ -301,8 +311,8 @@ class DBlock(Module):
                         proj_init_std)
 
     def forward(self, x):
-        x = self.attn(self.ln_1(x), residual=x)
-        return self.mlp(self.ln_2(x), residual=x)
+        x = self.attn(x, residual=x, norm=self.ln_1)
+        return self.mlp(x, residual=x, norm=self.ln_2)
 
 
 class DLMHead(Module):

@@ -1,10 +1,16 @@
 """Fused sublayers of a pre-LayerNorm transformer block: one op and one tape node each, for what
 is otherwise a chain of five to nine ops.
 
-    mlp_residual(x, residual, fc_weight, fc_bias, proj_weight, proj_bias)
+    mlp_residual(x, residual, fc_weight, fc_bias, proj_weight, proj_bias, norm=None)
         = residual + (gelu(x @ fc_weight + fc_bias) @ proj_weight + proj_bias)
-    attention_residual(x, residual, qkv_weight, qkv_bias, proj_weight, proj_bias, num_heads)
+    attention_residual(x, residual, qkv_weight, qkv_bias, proj_weight, proj_bias, num_heads,
+                       norm=None)
         = residual + (attention(x · qkv_weight + qkv_bias) @ proj_weight + proj_bias)
+
+With `norm=(weight, bias, eps)` the sublayer reads layer_norm(x, weight, bias, eps) instead of x:
+the block's LayerNorm joins the op (its kernels run in it, with no node, tensors or layouts of
+its own), and when x is the residual, as in a pre-LayerNorm block, the residual's gradient is
+added to x's inside the LayerNorm's backward kernel.
 
 A fused op runs the local math of the chain it replaces for the host work of one op (a step of a
 small model is host-bound, and every op of a chain costs its own sharding rule, tensors and tape
@@ -20,21 +26,25 @@ The layouts it takes, per mesh dimension (worked out once per layout signature):
   computed.
 - data-parallel or dense: every parameter Replicated, x and residual both Replicated or both
   sharded on the batch (Shard(0)); the parameters' gradients are Partial there.
+The LayerNorm's weight and bias (the same mesh, shape (C,)) are Replicated on every mesh dim.
 Any other layout, or attention the flash kernels do not take, runs the chain of ops, as does
 everything inside `fusion(False)` (or with CUPYTP_FUSED=0).
 """
 import os
 from contextlib import contextmanager
 
+import numpy
+
 from cupytp.launchers import compute_dtype, cudnn_attention, flash_attention
 from cupytp.launchers.cast import converted
 from cupytp.launchers.gemm_epilogue import (
     matmul_bias, matmul_bias_gelu, matmul_bias_grad, matmul_gelu_grad)
+from cupytp.launchers.layernorm import layer_norm_backward, layer_norm_forward
 from cupytp.ops.amp import autocast_local, autocast_operand, operand_dtype
 from cupytp.ops.conversion import (
     Layout, Partial, Replicated, Shard, backend, cached, engine, linear_grad, make)
 from cupytp.ops.elementwise import bias_gelu, bias_residual_add, bias_residual_local
-from cupytp.ops.functional import attention_setup, packed_attention, unpacked
+from cupytp.ops.functional import attention_setup, layer_norm, packed_attention, unpacked
 from cupytp.ops.linalg import einsum, local_einsum, matmul
 from cupytp.tensor.redistribute import redistribute_local
 
@@ -56,36 +66,78 @@ def fusion(enabled=True):
         _enabled = previous
 
 
-def _plan(split, x, residual, params, extra=()):
-    """(tensor-parallel mesh dim or None, the parameters' gradient placements) when the fused
-    form takes these inputs, else None."""
+def _plan(split, x, residual, params, norm, extra=()):
+    """(tensor-parallel mesh dim or None, the gradient placements of the parameters and then of
+    the norm's weight and bias) when the fused form takes these inputs, else None."""
     if not _enabled:
         return None
+    norms = () if norm is None else tuple(p for p in norm[:2] if p is not None)
     key = (split, x.shape, x.placements, id(x.mesh), residual.shape, residual.placements,
            id(residual.mesh), operand_dtype(x), extra,
-           *[(p.shape, p.placements, id(p.mesh), operand_dtype(p)) for p in params])
-    return cached(key, _layouts, split, x, residual, params) or None
+           None if norm is None else (norm[0] is None, norm[1] is None),
+           *[(p.shape, p.placements, id(p.mesh), operand_dtype(p)) for p in params + norms])
+    return cached(key, _layouts, split, x, residual, params, norms) or None
 
 
-def _layouts(split, x, residual, params):
+def _layouts(split, x, residual, params, norms):
     mesh = x.mesh
-    same = residual.mesh == mesh and all(p.mesh == mesh for p in params)
+    same = residual.mesh == mesh and all(p.mesh == mesh for p in params + norms)
     dtypes = {operand_dtype(t) for t in (x, params[0], params[2])}
-    if not same or x.shape != residual.shape or x.ndim != 3 or len(dtypes) > 1:
+    if not same or x.shape != residual.shape or x.ndim != 3 or len(dtypes) > 1 or \
+            any(p.shape != x.shape[-1:] for p in norms):
         return False
-    tp, grads = None, [[] for _ in params]
+    if norms and x.dtype not in (operand_dtype(x), numpy.float32):
+        return False            # the norm's kernels give x's dtype, or 16 bits from float32
+    tp, grads, norm_grads = None, [[] for _ in params], [[] for _ in norms]
     for dim, (px, pr) in enumerate(zip(x.placements, residual.placements)):
         own = tuple(p.placements[dim] for p in params)
+        if any(p.placements[dim] != Replicated() for p in norms):
+            return False
         if own == split and px == pr == Replicated() and tp is None:
             tp = dim
             for grad, placement in zip(grads, own):
                 grad.append(placement)
+            for grad in norm_grads:     # x's gradient is all-reduced before the norm's backward
+                grad.append(Replicated())
         elif all(p == Replicated() for p in own) and px == pr and px in (Replicated(), Shard(0)):
-            for grad in grads:
+            for grad in grads + norm_grads:
                 grad.append(Partial() if px == Shard(0) else Replicated())
         else:
             return False
-    return tp, tuple(tuple(grad) for grad in grads)
+    return tp, tuple(tuple(grad) for grad in grads + norm_grads)
+
+
+class _Norm:
+    """The LayerNorm a fused sublayer reads its input through (`norm=(weight, bias, eps)`): its
+    forward on x's local array when made (`out`, in the products' dtype), its backward from the
+    gradient of `out` in `backward`. The closure keeps xhat and rstd, not x."""
+
+    def __init__(self, x, norm):
+        weight, bias, eps = norm
+        self.given = (weight, bias)
+        self.params = tuple(p for p in self.given if p is not None)
+        self.dtype, xp = x.dtype, backend.xp
+        self.weight, bias_local = (None if p is None else p._local.astype(x.dtype, copy=False)
+                                   for p in (weight, bias))
+        self.out, self.xhat, self.rstd = layer_norm_forward(
+            xp.ascontiguousarray(x._local), self.weight, bias_local, eps, operand_dtype(x))
+
+    def backward(self, g, add):
+        """(x's gradient, plus `add` (x's dtype, or None), then the gradients of the weight and
+        bias given) from g, the gradient of `out`."""
+        dx, *sums = layer_norm_backward(g.reshape(self.xhat.shape), self.xhat, self.rstd,
+                                        self.weight, self.dtype, add, param_grads=True)
+        return (dx, *[grad.astype(p.dtype, copy=False) for grad, p in zip(sums, self.given)
+                      if p is not None])
+
+
+def _input(x, norm):
+    """(the local array the first product reads, the _Norm or None): x's (autocast's cast of
+    it), or the output of the LayerNorm `norm` over x."""
+    if norm is None:
+        return autocast_local(x), None
+    normed = _Norm(x, norm)
+    return normed.out, normed
 
 
 def _reduces(tp, mesh):
@@ -153,42 +205,55 @@ def _grad_as(g, dtype):
     return _rows(g if g.dtype == dtype else converted(g, dtype))
 
 
-def _recorded(out, inputs, grads_of, name, placements):
-    """`out` with the fused node recorded: `grads_of(g)` gives the local gradients of x and the
-    four parameters (None where not needed), the residual's is the output's; `placements`: the
-    parameters' gradient placements. The closure keeps layouts, not x or the residual (the
-    residual stream is not held for backward)."""
+def _recorded(out, inputs, grads_of, name, placements, normed):
+    """`out` with the fused node recorded: `grads_of(g)` gives the local gradients of the first
+    product's input and the four parameters (None where not needed), the residual's is the
+    output's; `placements`: the parameters' (and the norm's) gradient placements; `normed`: the
+    _Norm in front, or None. The closure keeps layouts, not x or the residual (the residual
+    stream is not held for backward)."""
     x, residual, *params = inputs
     x_layout, layout, residual_needed = x.layout, residual.layout, residual.requires_grad
-    strict = range(layout.mesh.ndim)
+    strict, joined, x_dtype = range(layout.mesh.ndim), x is residual, x.dtype
+    norms = () if normed is None else normed.params
+    inputs = inputs + norms
 
     def backward(g):
         g = linear_grad(g, layout.placements, strict=strict)
         gx, *grads = grads_of(g._local)
+        g_residual = g if residual_needed else None
+        if normed is not None:
+            add = g._local if joined and residual_needed and g.dtype == x_dtype and \
+                backend.c_contiguous(g._local) else None
+            gx, *norm_grads = normed.backward(gx, add)
+            grads += norm_grads
+            g_residual = None if add is not None else g_residual
         return (None if gx is None else make(gx, x_layout.mesh, x_layout.shape,
                                              x_layout.placements),
-                g if residual_needed else None,
+                g_residual,
                 *[None if local is None else make(local, p.mesh, p.shape, grad_placements)
-                  for local, p, grad_placements in zip(grads, params, placements)])
+                  for local, p, grad_placements in zip(grads, params + list(norms), placements)])
     return engine.record(out, inputs, backward, name)
 
 
-def mlp_residual(x, residual, fc_weight, fc_bias, proj_weight, proj_bias):
+def mlp_residual(x, residual, fc_weight, fc_bias, proj_weight, proj_bias, norm=None):
     """residual + (gelu(x @ fc_weight + fc_bias) @ proj_weight + proj_bias) for x and residual
     (B, T, C), fc_weight (C, H), proj_weight (H, C): a GPT-2 MLP and its residual addition,
-    fused (module docstring); inside `autocast` the products run in its dtype."""
+    fused (module docstring), x first normalized by `norm` (weight, bias, eps) when given;
+    inside `autocast` the products run in its dtype."""
     params = (fc_weight, fc_bias, proj_weight, proj_bias)
-    plan = _plan(MLP_SPLIT, x, residual, params)
+    plan = _plan(MLP_SPLIT, x, residual, params, norm)
     if plan is None:
+        x = x if norm is None else layer_norm(x, *norm)
         h = bias_gelu(matmul(x, fc_weight, reduce_input_grad=True), fc_bias)
         return bias_residual_add(matmul(h, proj_weight), proj_bias, residual)
     tp, placements = plan
-    x_local, w1, w2 = autocast_local(x), autocast_local(fc_weight), autocast_local(proj_weight)
+    (x_local, normed), w1, w2 = _input(x, norm), autocast_local(fc_weight), \
+        autocast_local(proj_weight)
     b1 = _bias_as(autocast_local(fc_bias), x_local.dtype)
     u, pre = matmul_bias_gelu(_rows(x_local), w1, b1)          # pre: x @ w1 + b1
     out = make(_project(u, w2, proj_bias, residual, tp), residual.mesh, residual.shape,
                residual.placements)
-    x_info = (x.requires_grad, x.dtype, x.layout)
+    x_info = _input_info(x, x_local, normed)
 
     def grads_of(g):
         gy = _grad_as(g, u.dtype)
@@ -196,7 +261,15 @@ def mlp_residual(x, residual, fc_weight, fc_bias, proj_weight, proj_bias):
         dh, gb1 = matmul_gelu_grad(gy, w2.T, pre)
         gx, gw1, _ = _input_backward(dh, x_local, w1, x_info, fc_weight, None, tp)
         return gx, gw1, gb1.astype(fc_bias.dtype, copy=False), gw2, gb2
-    return _recorded(out, (x, residual, *params), grads_of, "mlp_residual", placements)
+    return _recorded(out, (x, residual, *params), grads_of, "mlp_residual", placements, normed)
+
+
+def _input_info(x, x_local, normed):
+    """(is the first product's input gradient needed, its dtype, x's layout): with a norm in
+    front, the gradient of the norm's output, in the products' dtype."""
+    if normed is None:
+        return x.requires_grad, x.dtype, x.layout
+    return True, x_local.dtype, x.layout
 
 
 def _bias_as(bias, dtype):
@@ -205,24 +278,27 @@ def _bias_as(bias, dtype):
 
 
 def attention_residual(x, residual, qkv_weight, qkv_bias, proj_weight, proj_bias, num_heads,
-                       dropout_p=0.0, generator=None):
+                       dropout_p=0.0, generator=None, norm=None):
     """residual + (attention(x · qkv_weight + qkv_bias) @ proj_weight + proj_bias): causal
     multi-head self-attention over x and residual (B, T, C), qkv_weight (C, 3, C) with the
     heads on its last axis, qkv_bias (3, C), proj_weight (C, C); attention dropout
-    `dropout_p`. A GPT-2 attention and its residual addition, fused (module docstring)."""
+    `dropout_p`; x first normalized by `norm` (weight, bias, eps) when given. A GPT-2 attention
+    and its residual addition, fused (module docstring)."""
     params = (qkv_weight, qkv_bias, proj_weight, proj_bias)
     b, t, c = x.shape
     d = c // num_heads
     flash = operand_dtype(x) in flash_attention.DTYPES and d in flash_attention.HEAD_DIMS \
         and c % num_heads == 0 and cudnn_attention.choice() != "matmul"
-    plan = _plan(ATTENTION_SPLIT, x, residual, params, num_heads) if flash else None
+    plan = _plan(ATTENTION_SPLIT, x, residual, params, norm, num_heads) if flash else None
     if plan is None:
+        x = x if norm is None else layer_norm(x, *norm)
         qkv = einsum("btc,cjd->btjd", x, qkv_weight, reduce_input_grad=True) + \
             autocast_operand(qkv_bias)
         y = packed_attention(qkv.reshape(b, t, 3, num_heads, d), True, dropout_p, generator)
         return bias_residual_add(matmul(y.reshape(b, t, c), proj_weight), proj_bias, residual)
     tp, placements = plan
-    x_local, wq, wp = autocast_local(x), autocast_local(qkv_weight), autocast_local(proj_weight)
+    (x_local, normed), wq, wp = _input(x, norm), autocast_local(qkv_weight), \
+        autocast_local(proj_weight)
     bq = _bias_as(autocast_local(qkv_bias), x_local.dtype).reshape(-1)
     qkv = matmul_bias(_rows(x_local), wq.reshape(wq.shape[0], -1), bq)    # (B T, 3 C/tp)
     rows, heads = x_local.shape[0], qkv.shape[-1] // (3 * d)            # this rank's batch, heads
@@ -234,7 +310,7 @@ def attention_residual(x, residual, qkv_weight, qkv_bias, proj_weight, proj_bias
     a = o.transpose(0, 2, 1, 3).reshape(rows * t, heads * d)            # (B T, C/tp)
     out = make(_project(a, wp, proj_bias, residual, tp), residual.mesh, residual.shape,
                residual.placements)
-    x_info = (x.requires_grad, x.dtype, x.layout)
+    x_info = _input_info(x, x_local, normed)
 
     def grads_of(g):
         gy = _grad_as(g, a.dtype)
@@ -247,4 +323,5 @@ def attention_residual(x, residual, qkv_weight, qkv_bias, proj_weight, proj_bias
         gx, gwq, gbq = _input_backward(grad, x_local, wq, x_info, qkv_weight, qkv_bias, tp)
         return (gx, None if gwq is None else gwq.reshape(wq.shape),
                 None if gbq is None else gbq.reshape(qkv_bias.local_shape), gwp, gbp)
-    return _recorded(out, (x, residual, *params), grads_of, "attention_residual", placements)
+    return _recorded(out, (x, residual, *params), grads_of, "attention_residual", placements,
+                     normed)

@@ -46,7 +46,7 @@ def placements_of(mesh, batch_sharded):
 
 @pytest.mark.parametrize("batch_sharded", [False, True])
 def test_fused_block_matches_its_chain(mesh, batch_sharded):
-    """A bf16 block on the mesh: both sublayers fused (two nodes beside the two LayerNorms), the
+    """A bf16 block on the mesh: both sublayers fused with their LayerNorms (two nodes), the
     chain of ops's output and every gradient to a few bf16 roundings; uneven batch over dp."""
     skip_unless_heads_split(mesh, HEADS)
     x = rng_array((3, 4, WIDTH), 1).astype(numpy.float32)
@@ -58,8 +58,9 @@ def test_fused_block_matches_its_chain(mesh, batch_sharded):
     placements = placements_of(mesh, batch_sharded)
     y, grads, names = run(block, x, w, mesh, placements, fused=True)
     y_chain, grads_chain, names_chain = run(block, x, w, mesh, placements, fused=False)
-    assert names == ["layer_norm", "attention_residual", "layer_norm", "mlp_residual"]
+    assert names == ["attention_residual", "mlp_residual"]
     assert "packed_attention" in names_chain and "bias_gelu" in names_chain
+    assert names_chain.count("layer_norm") == 2
     close(y, y_chain, "output")
     for name in grads:
         assert grads[name].dtype == grads_chain[name].dtype, name
@@ -129,3 +130,30 @@ def test_fusion_can_be_turned_off(world):
     with ops.fusion(False):
         assert mlp(x, residual=x)._node.name == "bias_residual_add"
     assert mlp(x, residual=x)._node.name == "mlp_residual"
+
+
+@pytest.mark.parametrize("x_is_residual", [True, False])
+def test_norm_joins_the_fused_op_with_exact_gradients(world, x_is_residual):
+    """mlp_residual(x, residual, ..., norm=(weight, None, eps)) in float64 on a tensor-parallel
+    mesh: one node, and the output and the gradients of x, the residual and the norm's weight
+    those of layer_norm then the chain, to rounding; x the residual itself, or apart."""
+    mesh = cupytp.DeviceMesh((world.world_size,), ("tp",))
+    mlp = build(lambda m: nn.DMLP(6, 4 * world.world_size, mesh=m, dtype="fp64"), mesh)
+    replicated = (Replicated(),)
+    weight = lay_out(1 + 0.1 * rng_array((6,), 9), mesh, replicated, requires_grad=True)
+    values = [rng_array((3, 5, 6), seed) for seed in (10, 11)]
+    w = lay_out(rng_array((3, 5, 6), 12), mesh, replicated)
+
+    def grads(fused):
+        x = lay_out(values[0], mesh, replicated, requires_grad=True)
+        residual = x if x_is_residual else lay_out(values[1], mesh, replicated,
+                                                   requires_grad=True)
+        weight.grad = None
+        with ops.fusion(fused):
+            y = ops.mlp_residual(x, residual, mlp.c_fc.weight, mlp.c_fc.bias,
+                                 mlp.c_proj.weight, mlp.c_proj.bias, (weight, None, 1e-5))
+        assert (y._node.name == "mlp_residual") == fused
+        (y * w).sum().backward()
+        return [full(t) for t in (y, x.grad, residual.grad, weight.grad)]
+    for got, want in zip(grads(True), grads(False)):
+        numpy.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)

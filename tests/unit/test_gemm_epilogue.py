@@ -167,3 +167,22 @@ def test_without_cublaslt_the_kernels_give_the_same_values(monkeypatch):
     for name, function, arguments, want in device_cases(bfloat16):
         assert_matches_twin(function(*arguments), want, name)
     assert not any(epilogue._plans.values())
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_each_bias_gets_its_own_descriptor_and_the_oldest_is_dropped(monkeypatch):
+    """One plan serves products with different biases and pre-activations, alternating, through
+    a descriptor per bias pointer; with room for one descriptor, each call makes a new one."""
+    x, w, _ = operands(bfloat16, rows=64, k=96, n=128)
+    biases = [random((128,), bfloat16, seed) for seed in (7, 8, 9)]
+    for room in (epilogue.gemm.EPILOGUE_DESCRIPTORS, 1):
+        monkeypatch.setattr(epilogue.gemm, "EPILOGUE_DESCRIPTORS", room)
+        monkeypatch.setattr(epilogue, "_plans", {})
+        device_biases = [xp.asarray(bias) for bias in biases]
+        for bias, device_bias in [*zip(biases, device_biases)] * 2:
+            assert_matches_twin(epilogue.matmul_bias_gelu(xp.asarray(x), xp.asarray(w),
+                                                          device_bias),
+                                epilogue.matmul_bias_gelu_numpy(x, w, bias), "bias_gelu")
+        (plan,) = epilogue._plans.values()
+        assert len(plan.lt.by_bias) == min(room, len(biases))

@@ -707,7 +707,7 @@ def test_layer_norm_twin_with_a_16_bit_output():
 def test_layer_norm_kernel_matches_twin(dtype, out, tol, shape, affine, form):
     """Rows held in registers (1, 2 and 4 vectors per thread; more rows than the backward's
     blocks) and streamed (unaligned or long)."""
-    from cupytp.launchers.layernorm import (_cached_kernel, _suffix, layer_norm_backward,
+    from cupytp.launchers.layernorm import (_Plan, _suffix, layer_norm_backward,
                                           layer_norm_backward_numpy, layer_norm_forward,
                                           layer_norm_forward_numpy)
     dtype = bfloat16 if dtype == "bf16" else numpy.dtype(dtype)
@@ -719,8 +719,8 @@ def test_layer_norm_kernel_matches_twin(dtype, out, tol, shape, affine, form):
     on = lambda a: None if a is None else xp.asarray(a)
     if dtype == numpy.float64 and shape[-1] > 2048:
         form = "streaming"          # 2 doubles per vector: 256 threads x 4 vectors hold 2048
-    name = _cached_kernel("forward", _suffix(dtype, out), shape[-1], [on(x)])
-    assert (name is not None) == (form == "cached"), name
+    plan = _Plan("forward", _suffix(dtype, out), shape)
+    assert (plan.kernel(on(x)) is plan.cached) == (form == "cached")
     y, xhat, rstd = layer_norm_forward(on(x), on(w), on(b), 1e-5, out)
     y_twin, xhat_twin, rstd_twin = layer_norm_forward_numpy(x, w, b, 1e-5, out)
     assert y.dtype == out
