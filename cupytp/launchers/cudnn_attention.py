@@ -14,15 +14,15 @@ what the frontend's own `execute` does in the end, reached without the per-call 
 describes each operand again (three times the host cost of the call at small shapes). A frontend
 without that entry point gets the public `execute`.
 """
+import ctypes
 import functools
 import os
-
-import numpy
+import threading
 
 from cupytp.backend import bfloat16, xp
 from cupytp.launchers import is_device_array, lasting_buffer
 from cupytp.launchers.flash_attention import DTYPES, HEAD_DIMS, check_grads, check_lse
-from cupytp.launchers.flash_attention import like_output
+from cupytp.launchers.flash_attention import like_output, output_strides
 
 CHOICES = ("auto", "flash", "cudnn", "matmul")
 
@@ -103,9 +103,9 @@ def _no_dropout(dropout):
 
 def _laid_out(a):
     """`a` in like_output's layout (itself when it already is)."""
-    out = like_output(a)
-    if a.strides == out.strides:
+    if a.strides == output_strides(a):
         return a
+    out = like_output(a)
     out[...] = a
     return out
 
@@ -133,7 +133,8 @@ class _Runner:
 
     def _raw_entry(self):
         """(the backend's raw-address execute, plan index, the positions in `uids` of the
-        sorted uids), or None where this frontend does not have it."""
+        sorted uids, a ctypes array for their addresses), or None where this frontend does not
+        have it."""
         graph = self.graph
         try:
             order = list(graph._variant_pack_uids())
@@ -145,23 +146,38 @@ class _Runner:
         if python_engine or sorted(order) != sorted(self.uids):
             return None
         index = -1 if plan.cpp_index is None else plan.cpp_index
-        return execute, index, [self.uids.index(uid) for uid in order]
+        positions = tuple(self.uids.index(uid) for uid in order)
+        return execute, index, tuple(enumerate(positions)), (ctypes.c_uint64 * len(order))()
 
     def run(self, arrays):
         cudnn, handle = _frontend(False)
         stream = xp.cuda.get_current_stream().ptr
-        cudnn.set_stream(handle=handle, stream=stream)
         workspace = self.workspaces.get(stream)
         if workspace is None:
             array = lasting_buffer(self.workspace_size)
             workspace = self.workspaces[stream] = (array, array.data.ptr)
-        if self.raw is None:
-            self.graph.execute(tuple([a.data.ptr for a in arrays]), workspace[1], handle=handle,
-                               tensor_uids=self.uids)
-            return
-        execute, index, positions = self.raw
-        addresses = numpy.array([arrays[i].data.ptr for i in positions], dtype=numpy.uint64)
-        execute(addresses.ctypes.data, len(positions), workspace[1], handle.backend_handle, index)
+        with _lock:     # one stream on the handle at a time; the addresses are read in the call
+            if _handle_stream[0] != stream:
+                cudnn.set_stream(handle=handle, stream=stream)
+                _handle_stream[0] = stream
+            if self.raw is None:
+                self.graph.execute(tuple([a.data.ptr for a in arrays]), workspace[1],
+                                   handle=handle, tensor_uids=self.uids)
+                return
+            execute, index, positions, addresses = self.raw
+            for slot, position in positions:
+                addresses[slot] = arrays[position].data.ptr
+            execute(ctypes.addressof(addresses), len(positions), workspace[1],
+                    _backend_handle(), index)
+
+
+_handle_stream = [None]         # the stream last set on the frontend's handle
+_lock = threading.Lock()
+
+
+@functools.cache
+def _backend_handle():
+    return _frontend(False)[1].backend_handle
 
 
 def _new_graph(dtype):
@@ -214,8 +230,8 @@ def _forward_graph(dtype, layouts, causal, scale):
 def _backward_graph(dtype, layouts, causal, scale):
     layouts = _in_elements(dtype, layouts)
     cudnn, graph, tensor, io = _new_graph(dtype)
-    q, k, v, o, do = (tensor(name, layout) for name, layout in zip(("q", "k", "v", "o", "do"),
-                                                                    layouts))
+    q, k, v, o, do = (tensor(name, layout)
+                      for name, layout in zip(("q", "k", "v", "o", "do"), layouts))
     stats = tensor("stats", _stats_layout(layouts[0]), cudnn.data_type.FLOAT)
     dq, dk, dv = graph.sdpa_backward(name="sdpa_backward", q=q, k=k, v=v, o=o, dO=do,
                                      stats=stats, attn_scale=scale, **_mask(cudnn, causal))

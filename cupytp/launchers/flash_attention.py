@@ -165,6 +165,13 @@ def like_output(a):
     return xp.empty((b, t, h, d), dtype=a.dtype).transpose(0, 2, 1, 3)
 
 
+def output_strides(a):
+    """The byte strides `like_output(a)` has."""
+    b, h, t, d = a.shape
+    size = a.itemsize
+    return (t * h * d * size, d * size, h * d * size, size)
+
+
 def _strides(a):
     """(batch, head, row) strides in elements."""
     return tuple(numpy.int64(stride // a.itemsize) for stride in a.strides[:3])

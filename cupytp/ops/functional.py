@@ -152,7 +152,7 @@ def embedding(ids, weight):
     give zeros); weight Shard(1): output sharded on its last dim; weight Replicated: the output
     follows the ids' sharding.
     """
-    from cupytp.launchers.embedding import embedding_backward
+    from cupytp.launchers.embedding import embedding_backward, embedding_forward
     ids = _as_index("embedding", ids, weight)
     targets_w, targets_ids, placements = [], [], []
     for dim in range(weight.mesh.ndim):
@@ -172,10 +172,8 @@ def embedding(ids, weight):
     ids = convert("embedding", ids, targets_ids, [ids, weight])
     xp = backend.xp
     offset, rows = _vocab_window(weight, weight.placements, 0)
-    local_ids = ids._local - offset
-    valid = (local_ids >= 0) & (local_ids < rows)
-    safe = xp.where(valid, local_ids, 0)
-    local = xp.where(valid[..., None], weight._local[safe], weight.dtype.type(0))
+    local_ids = xp.ascontiguousarray(ids._local, dtype=xp.int64)
+    local = embedding_forward(local_ids, xp.ascontiguousarray(weight._local), offset)
     placements = tuple(placements)
     out = make(local, weight.mesh, ids.shape + (weight.shape[1],), placements)
 
@@ -183,8 +181,7 @@ def embedding(ids, weight):
 
     def backward(g):
         g = linear_grad(g, placements, strict=sharded)
-        grad = embedding_backward(xp.ascontiguousarray(local_ids, dtype=xp.int64),
-                                  xp.ascontiguousarray(g._local), rows)
+        grad = embedding_backward(local_ids, xp.ascontiguousarray(g._local), rows, offset)
         grad_placements = tuple(pw if isinstance(pw, Shard) else
                                 (Partial() if gp.is_partial() or isinstance(gp, Shard) else gp)
                                 for pw, gp in zip(weight.placements, g.placements))

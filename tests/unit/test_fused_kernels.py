@@ -16,7 +16,8 @@ from cupytp.launchers.column_sum import column_sum
 from cupytp.launchers.column_sum import column_sum_numpy
 from cupytp.launchers.cross_entropy import cross_entropy_backward, cross_entropy_backward_numpy
 from cupytp.launchers.cross_entropy import cross_entropy_forward, cross_entropy_forward_numpy
-from cupytp.launchers.embedding import embedding_backward, embedding_backward_numpy
+from cupytp.launchers.embedding import (
+    embedding_backward, embedding_backward_numpy, embedding_forward, embedding_forward_numpy)
 from cupytp.launchers.gelu import MAX_ROW_BLOCKS, THREADS, bias_gelu, bias_gelu_backward
 from cupytp.launchers.gelu import bias_gelu_backward_numpy, bias_gelu_numpy
 from test_kernels import (
@@ -310,6 +311,24 @@ def test_embedding_backward_numpy_matches_loop(dtype):
     assert_close(grad, embedding_grad_reference(ids, g, 6), dtype)
     with pytest.raises(ValueError, match="ids must be int64 of shape"):
         embedding_backward_numpy(ids.astype(numpy.int32), g, 6)
+    # a part of a vocab-parallel table: rows [4, 10), the rest elsewhere
+    assert_close(embedding_backward(ids, g, 6, offset=4),
+                 embedding_grad_reference(ids - 4, g, 6), dtype)
+
+
+@pytest.mark.parametrize("dtype", [F64, F32, bfloat16], ids=dtype_suffix)
+def test_embedding_forward_numpy_takes_rows_and_zeros_outside(dtype):
+    ids = numpy.array([[0, 3, 3, -2], [5, 1, 3, 9]], dtype=numpy.int64)
+    weight = random((6, 5), dtype, seed=9)
+    for offset in (0, 2):
+        out = embedding_forward(ids, weight, offset)
+        assert out.dtype == dtype and out.shape == (2, 4, 5)
+        for k, i in numpy.ndenumerate(ids):
+            row = i - offset
+            want = weight[row] if 0 <= row < 6 else numpy.zeros(5, dtype)
+            numpy.testing.assert_array_equal(out[k], want)
+    with pytest.raises(ValueError, match="ids must be int64"):
+        embedding_forward_numpy(ids.astype(numpy.int32), weight)
 
 
 # ---- GPU: each kernel against its twin ----------------------------------------------------------
@@ -470,6 +489,20 @@ def test_cast_rows_kernel_matches_twin(src_dtype, dst_dtype, shape, columns):
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("dtype", [F32, F64, bfloat16, F16], ids=dtype_suffix)
+def test_embedding_forward_kernel_matches_twin(dtype):
+    rng = numpy.random.default_rng(14)
+    ids = rng.integers(-3, 60, size=(4, 257)).astype(numpy.int64)
+    weight = rng.standard_normal((37, 768)).astype(dtype)
+    for offset in (0, 10):
+        with poisoned_allocations():
+            out = embedding_forward(xp.asarray(ids), xp.asarray(weight), offset)
+        numpy.testing.assert_array_equal(asnumpy(out), embedding_forward_numpy(ids, weight,
+                                                                               offset))
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype", [F32, F64, bfloat16, F16], ids=dtype_suffix)
 def test_embedding_backward_kernel_matches_twin(dtype):
     rng = numpy.random.default_rng(13)
     ids = rng.integers(-3, 40, size=(4, 257)).astype(numpy.int64)   # repeats, out of range
@@ -482,6 +515,8 @@ def test_embedding_backward_kernel_matches_twin(dtype):
     assert_close(grad, twin, dtype)
     # Small integers: every order of the atomic additions gives the exact sum.
     integers = rng.integers(-3, 4, size=g.shape).astype(dtype)
-    numpy.testing.assert_array_equal(
-        asnumpy(embedding_backward(xp.asarray(ids), xp.asarray(integers), 37)).astype(F64),
-        embedding_backward_numpy(ids, integers, 37).astype(F64))
+    for offset in (0, 5):
+        numpy.testing.assert_array_equal(
+            asnumpy(embedding_backward(xp.asarray(ids), xp.asarray(integers), 37,
+                                       offset)).astype(F64),
+            embedding_backward_numpy(ids, integers, 37, offset).astype(F64))
