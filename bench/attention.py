@@ -1,7 +1,7 @@
 """Flash attention on one GPU: correctness against the NumPy twin and an fp32 reference, then
 forward and forward+backward times beside PyTorch's SDPA (flash backend) in the same process.
 
-    python3 bench/attention.py [--reps 30] [--skip-check] [--stress N]
+    python3 bench/attention.py [--reps 30] [--skip-check] [--stress N] [--loop N]
 
 Times the flash RawKernel, cupytp's cuDNN path (where the cuDNN frontend imports) and PyTorch.
 
@@ -9,7 +9,9 @@ Checks: random bf16/fp16 inputs as strided views of one (B, T, 3, H, D) array (a
 them), outputs poisoned with NaN before each launch, tails (T not a multiple of 64), head dims 64
 and 128, causal and not, dropout. Times: median of CUDA-event timings after warm-up. Prints a
 table last: ms, TFLOP/s (causal counts half the score matrix; backward = 2.5 x forward) and the
-ratio torch time / ours.
+ratio torch time / ours. `--loop N`: the flash RawKernel and cuDNN at small to GPT-2 shapes, each
+timed as an eager step meets it: N forward-and-backward pairs issued back to back, the device
+synchronized only at the end (host cost where the device is idle, device time where it is not).
 """
 import argparse
 import sys
@@ -235,11 +237,44 @@ def bench(reps):
                   f"{3.5 * flops / both / 1e9:.0f} | {ratio} |")
 
 
+LOOP = [(2, 12, 64, 64), (8, 12, 64, 64), (8, 12, 128, 64), (8, 12, 256, 64),
+        (8, 12, 512, 64), (8, 12, 1024, 64), (4, 16, 1024, 128)]   # b, h, t, d (causal, p = 0)
+
+
+def loop(n):
+    """µs per forward-and-backward pair of each kind in a loop of n (module docstring)."""
+    kinds = [("flash", flash_attention)]
+    if cudnn_attention.applies(xp.empty((1, 1, 64, 64), bfloat16),
+                               xp.empty((1, 1, 64, 64), bfloat16), 0.0):
+        kinds.append(("cudnn", cudnn_attention))
+    print("\n| shape (B,H,T,D) causal | " + " | ".join(f"{k} µs/pair" for k, _ in kinds) + " |")
+    print("|---|" + "---|" * len(kinds))
+    for b, h, t, d in LOOP:
+        _, (q, k, v) = inputs(b, h, t, d, bfloat16, seed=7)
+        g = xp.asarray(numpy.random.default_rng(8).standard_normal((b, t, h, d))
+                       .astype(bfloat16)).transpose(0, 2, 1, 3)     # o's layout, as in GPT-2
+        times = []
+        for _, kernels in kinds:
+            def pair():
+                o, lse = kernels.attention_forward(q, k, v, True, d ** -0.5)
+                kernels.attention_backward(q, k, v, o, lse, g, True, d ** -0.5)
+            for _ in range(5):
+                pair()
+            xp.cuda.Device().synchronize()
+            start = time.perf_counter()
+            for _ in range(n):
+                pair()
+            xp.cuda.Device().synchronize()
+            times.append(1e6 * (time.perf_counter() - start) / n)
+        print(f"| {b},{h},{t},{d} | " + " | ".join(f"{u:.1f}" for u in times) + " |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--stress", type=int, default=0, help="race hunt: runs per case")
+    parser.add_argument("--loop", type=int, default=0, help="pairs per loop-timed shape")
     args = parser.parse_args()
     import torch
     print(f"device: {xp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, "
@@ -257,6 +292,8 @@ def main():
     ok = True if args.skip_check else check()
     if args.stress:
         stress(args.stress)
+    if args.loop:
+        loop(args.loop)
     if args.reps:
         bench(args.reps)
     raise SystemExit(0 if ok else 1)
