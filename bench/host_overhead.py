@@ -2,7 +2,8 @@
 
 Runs eager steps of GPT-2 (forward, backward, clipping, AdamW, zero_grad) on one rank and prints
 one RESULT line: framework ops per step (DTensors made by ops, forward and backward), host time
-per step and per op, and the split of a step into forward, backward and optimizer. Then a
+per step and per op, the split of a step into forward, backward and optimizer, and the cyclic
+garbage collector's collections and time per step (`--gc` sets its policy for the timed steps). Then a
 cProfile of a few steps: the functions with the most time of their own, and the most cumulative.
 
 Default shapes keep the device work negligible, so what is timed is Python:
@@ -15,6 +16,7 @@ time of the process per step is printed beside it, steadier on a busy machine.
 """
 import argparse
 import cProfile
+import gc
 import io
 import os
 import pstats
@@ -32,6 +34,23 @@ from cupytp.optim import AdamW, clip_grad_norm_, decay_groups  # noqa: E402
 from cupytp.tensor import DTensor, Replicated, from_local  # noqa: E402
 
 CPU_SHAPES = {"n_embd": 64, "n_head": 1, "vocab_size": 64}
+
+
+class GarbageCollections:
+    """Collections of the cyclic garbage collector and their time, by generation, while on."""
+
+    def __init__(self):
+        self.counts, self.seconds, self.on, self._start = [0, 0, 0], [0.0, 0.0, 0.0], False, 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase, info):
+        if not self.on:
+            return
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.counts[info["generation"]] += 1
+            self.seconds[info["generation"]] += time.perf_counter() - self._start
 
 
 class OpCounter:
@@ -68,6 +87,9 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--profile-steps", type=int, default=5)
     p.add_argument("--top", type=int, default=25, help="functions listed per table")
+    p.add_argument("--gc", default="auto", choices=["auto", "freeze", "off"],
+                   help="the garbage collector in the timed steps: Python's default, after "
+                        "gc.freeze() (the objects made before them never scanned again), or off")
     args = p.parse_args()
 
     cupytp.init()
@@ -109,11 +131,19 @@ def main():
     ops_per_step = counter.count
     phases.clear()
     cpu.clear()
+    if args.gc == "freeze":
+        gc.freeze()
+    elif args.gc == "off":
+        gc.disable()
+    collections = GarbageCollections()
     backend.synchronize()
+    collections.on = True
     start = time.perf_counter()
     for _ in range(args.steps):
         loss = step()
     backend.synchronize()
+    collections.on = False
+    gc.enable()
     wall_ms = 1e3 * (time.perf_counter() - start) / args.steps
     median = 1e3 * numpy.median(numpy.array(phases), axis=0)      # ms: robust to a busy host
     host_ms = float(numpy.median(1e3 * numpy.array(phases).sum(axis=1)))
@@ -125,6 +155,8 @@ def main():
           f"B={B} T={T} ops_per_step={ops_per_step} host_ms={host_ms:.2f} "
           f"us_per_op={1e3 * host_ms / ops_per_step:.1f} cpu_ms={cpu_ms:.2f} "
           f"cpu_us_per_op={1e3 * cpu_ms / ops_per_step:.1f} wall_ms={wall_ms:.2f} {split} "
+          f"gc={args.gc} gc_ms={1e3 * sum(collections.seconds) / args.steps:.2f} "
+          f"gc_per_step={'/'.join(f'{n / args.steps:.2f}' for n in collections.counts)} "
           f"loss={loss.item()!r}", flush=True)
 
     if args.profile_steps:

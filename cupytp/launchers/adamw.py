@@ -33,20 +33,22 @@ def adamw_scalars(*, lr, beta1, beta2, eps, weight_decay, step):
     return (1 - lr * weight_decay, beta1, 1 - beta1, beta2, 1 - beta2, lr, step, eps)
 
 
-def adamw_step(params, grads, exp_avgs, exp_avg_sqs, scalars, found_inf=None, skipped=None):
+def adamw_step(params, grads, exp_avgs, exp_avg_sqs, scalars, found_inf=None, skipped=None,
+               checked=False):
     """One AdamW step, in place on params, exp_avgs and exp_avg_sqs.
 
     params/exp_avgs/exp_avg_sqs: lists of C-contiguous arrays of one dtype, float32 or float64
     (also the compute dtype); grads: same shapes, the params' dtype or bfloat16/float16.
     `scalars`: `adamw_scalars(...)`, or (GPU) a float64 device vector holding them, read when the
-    kernel runs; `found_inf`, `skipped`: see the module docstring (None: no loss scaling). On the
-    GPU one kernel launch updates the whole list, with no host synchronisation.
+    kernel runs; `found_inf`, `skipped`: see the module docstring (None: no loss scaling);
+    `checked`: see `check_optimizer_lists`. On the GPU one kernel launch updates the whole list,
+    with no host synchronisation.
     """
     if not (params and is_device_array(params[0])):
         adamw_step_numpy(params, grads, exp_avgs, exp_avg_sqs, scalars, found_inf, skipped)
         return
-    param_dtype, grad_dtype = check_optimizer_lists(params, grads, exp_avgs=exp_avgs,
-                                                    exp_avg_sqs=exp_avg_sqs)
+    param_dtype, grad_dtype = check_optimizer_lists(params, grads, checked=checked,
+                                                    exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs)
     if not is_device_array(scalars):
         scalars = xp.asarray(numpy.asarray(scalars, dtype=numpy.float64))
     table = tensor_table([params, grads, exp_avgs, exp_avg_sqs])

@@ -108,15 +108,24 @@ def _upload(host, in_capture=False):
     return device
 
 
-def check_optimizer_lists(params, grads, **states):
+def check_optimizer_lists(params, grads, *, checked=False, **states):
     """Validate an optimizer's lists (see check_lists); return (param dtype, grad dtype), or None.
 
     params and the state lists (moments, momentum buffers) share one dtype, float32 or float64;
     grads have the params' dtype or are bfloat16/float16 (widened on load). None for empty lists.
+    `checked`: the lists hold check_lists's invariants by construction (an Optimizer's buckets:
+    one dtype per list, states made like their parameters, gradients laid out like them and
+    C-contiguous), so only the dtypes of their first arrays are checked.
     """
-    dtypes = check_lists(params=params, grads=grads, **states)
-    if not dtypes:
-        return None
+    if checked:
+        if not params:
+            return None
+        dtypes = {"params": params[0].dtype, "grads": grads[0].dtype,
+                  **{name: arrays[0].dtype for name, arrays in states.items()}}
+    else:
+        dtypes = check_lists(params=params, grads=grads, **states)
+        if not dtypes:
+            return None
     param_dtype = dtypes.pop("params")
     grad_dtype = dtypes.pop("grads")
     if param_dtype not in (numpy.float32, numpy.float64):

@@ -24,7 +24,8 @@ def sgd_scalars(*, lr, momentum, dampening, weight_decay, nesterov=False):
     return (lr, momentum, 1 - dampening, weight_decay)
 
 
-def sgd_step(params, grads, momentum_bufs, scalars, *, nesterov, first_step, found_inf=None):
+def sgd_step(params, grads, momentum_bufs, scalars, *, nesterov, first_step, found_inf=None,
+             checked=False):
     """One SGD step, in place on params and momentum_bufs.
 
     params/momentum_bufs: lists of C-contiguous arrays of one dtype, float32 or float64 (also the
@@ -32,13 +33,14 @@ def sgd_step(params, grads, momentum_bufs, scalars, *, nesterov, first_step, fou
     None without momentum; on the first step its contents are ignored and it is set to the
     gradient. `scalars`: `sgd_scalars(...)`, or (GPU) a float64 device vector holding them.
     `found_inf`: a float32 device scalar; when non-zero (dynamic loss scaling found a non-finite
-    gradient) nothing is updated. On the GPU one kernel launch updates the whole list.
+    gradient) nothing is updated; `checked`: see `check_optimizer_lists`. On the GPU one kernel
+    launch updates the whole list.
     """
     if not (params and is_device_array(params[0])):
         sgd_step_numpy(params, grads, momentum_bufs, scalars, nesterov=nesterov,
                        first_step=first_step, found_inf=found_inf)
         return
-    param_dtype, grad_dtype = _check(params, grads, momentum_bufs)
+    param_dtype, grad_dtype = _check(params, grads, momentum_bufs, checked)
     if not is_device_array(scalars):
         scalars = xp.asarray(numpy.asarray(scalars, dtype=numpy.float64))
     lists = [params, grads] if momentum_bufs is None else [params, grads, momentum_bufs]
@@ -52,10 +54,10 @@ def sgd_step(params, grads, momentum_bufs, scalars, *, nesterov, first_step, fou
             numpy.int32(nesterov), numpy.int32(first_step), nullable(found_inf, numpy.float32)))
 
 
-def _check(params, grads, momentum_bufs):
+def _check(params, grads, momentum_bufs, checked=False):
     """(param dtype, grad dtype), or None for empty lists."""
     states = {"momentum_bufs": momentum_bufs} if momentum_bufs is not None else {}
-    return check_optimizer_lists(params, grads, **states)
+    return check_optimizer_lists(params, grads, checked=checked, **states)
 
 
 def sgd_step_numpy(params, grads, momentum_bufs, scalars, *, nesterov, first_step,

@@ -41,7 +41,7 @@ class AdamW(Optimizer):
     def update(self, group, buckets, scalars, found_inf, skipped):
         for bucket in buckets.values():
             adamw_step(bucket.params, bucket.grads, bucket.states["exp_avg"],
-                       bucket.states["exp_avg_sq"], scalars, found_inf, skipped)
+                       bucket.states["exp_avg_sq"], scalars, found_inf, skipped, checked=True)
 
 
 def decay_groups(params, weight_decay):

@@ -154,7 +154,9 @@ class Optimizer(graph.GraphState):
 
     def _buckets(self, group):
         """The group's parameters with gradients, split by (param dtype, grad dtype, new state):
-        one kernel call each (the kernels take one dtype per list)."""
+        one kernel call each (the kernels take one dtype per list). Each list holds what the
+        kernels' list check asks (`check_optimizer_lists`, which `update` need not run again):
+        C-contiguous arrays of one dtype, gradients and states laid out like their parameters."""
         names = self.state_names(group)
         required = frozenset(names)
         buckets = {}
@@ -175,6 +177,10 @@ class Optimizer(graph.GraphState):
                     if name not in state:
                         state[name] = _zeros_like(p)
             local = p._local
+            if not backend.c_contiguous(local):
+                raise ValueError(f"parameter of shape {p.shape} has a local array that is not "
+                                 "C-contiguous: the optimizer updates it in place; assign "
+                                 "its values into a contiguous array")
             key = (local.dtype, grad.dtype, new)
             bucket = buckets.get(key)
             if bucket is None:

@@ -33,4 +33,5 @@ class SGD(Optimizer):
     def update(self, group, buckets, scalars, found_inf, skipped):
         for (_, _, first_step), bucket in buckets.items():
             sgd_step(bucket.params, bucket.grads, bucket.states.get("momentum_buffer"), scalars,
-                     nesterov=group["nesterov"], first_step=first_step, found_inf=found_inf)
+                     nesterov=group["nesterov"], first_step=first_step, found_inf=found_inf,
+                     checked=True)

@@ -386,3 +386,20 @@ def test_gradient_laid_out_unlike_its_parameter_is_an_error():
     with pytest.raises(ValueError, match=r"gradient of shape \(4, 3\) \[R\] is not laid out "
                                          r"like its parameter \(3, 4\) \[R\]"):
         optimizer.step()
+
+
+@pytest.mark.parametrize("make", [lambda p: SGD(p, lr=0.1), lambda p: AdamW(p, lr=0.1)])
+def test_parameter_with_a_strided_local_array_is_an_error(make):
+    """The kernels update parameters in place as contiguous memory: the optimizer checks its
+    lists itself (the kernels trust them) and names the parameter that is not, updating none of
+    its group."""
+    values, params = make_params()
+    optimizer = make(params)
+    set_grads(params, grads_for(values, 0))
+    params[0]._local = backend.xp.asarray(values[0].T.copy()).T      # (3, 4), strided
+    before = [backend.asnumpy(p.to_local()).copy() for p in params]
+    with pytest.raises(ValueError, match=r"parameter of shape \(3, 4\) has a local array that "
+                                         r"is not C-contiguous"):
+        optimizer.step()
+    for p, value in zip(params, before):
+        numpy.testing.assert_array_equal(backend.asnumpy(p.to_local()), value)
