@@ -4,8 +4,10 @@
 
 `CUPYTP_ATTENTION` chooses: `flash` (the RawKernel always), `cudnn` (cuDNN wherever it applies;
 an error if the frontend, the `nvidia-cudnn-frontend` wheel, cannot be imported), `auto` (the
-default: cuDNN where it applies and imports, it measured faster; else the RawKernel) or `matmul`
-(`ops.scaled_dot_product_attention` materializes the scores: for comparisons). One graph
+default: cuDNN where it applies and imports and the attention has at least CUDNN_MIN_SCORES
+scores, B·H·T·S, where its kernels measured faster; the RawKernel otherwise, whose planned
+launches cost the host a fraction of cuDNN's execute, the larger cost of a small attention) or
+`matmul` (`ops.scaled_dot_product_attention` materializes the scores: for comparisons). One graph
 per shape, strides, dtype, mask and scale, built on first use: outside a CUDA-graph capture,
 whose eager warm-up call builds it. The NumPy twin of this math is flash_attention's.
 
@@ -25,6 +27,7 @@ from cupytp.launchers.flash_attention import DTYPES, HEAD_DIMS, check_grads, che
 from cupytp.launchers.flash_attention import like_output, output_strides
 
 CHOICES = ("auto", "flash", "cudnn", "matmul")
+CUDNN_MIN_SCORES = 2 ** 24      # `auto`: smaller attention runs the RawKernel (docs/benchmarks.md)
 
 
 def choice():
@@ -43,6 +46,8 @@ def applies(q, k, dropout_p):
     if q.shape[2] != k.shape[2]:
         return False
     if q.dtype not in DTYPES or q.shape[-1] not in HEAD_DIMS or not (q.size and k.size):
+        return False
+    if wanted == "auto" and q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] < CUDNN_MIN_SCORES:
         return False
     return _frontend(wanted == "cudnn") is not None
 

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import numpy
 
 from cupytp import backend
-from cupytp.backend import bfloat16, xp
+from cupytp.backend import bfloat16, c_contiguous, xp
 from cupytp.launchers import ceil_div, dtype_suffix, get_kernel, is_device_array
 from cupytp.tensor.random import global_indices, uniform_at
 
@@ -34,6 +34,7 @@ THREADS = 128
 ROWS_PER_BLOCK = THREADS // 32   # flash_backward_delta: one warp per row
 ELEMENTS_PER_BLOCK = 256         # flash_backward_dq
 NULL = numpy.uint64(0)
+MAX_PLANS = 256                  # planned shapes kept (all dropped when full)
 
 
 class AttentionDropout(NamedTuple):
@@ -55,55 +56,143 @@ def supported(q, k, v):
 
 
 def attention_forward(q, k, v, causal, scale, dropout=None):
-    _check(q=q, k=k, v=v)
     if not is_device_array(q):
+        _check(q=q, k=k, v=v)
         return attention_forward_numpy(q, k, v, causal, scale, dropout)
-    b, h, t, d = q.shape
-    o = like_output(q)
-    lse = xp.empty((b, h, t), dtype=xp.float32)
-    if o.size:
-        q, k, v = (_aligned(a) for a in (q, k, v))
-        kernel = _kernel("forward", d, q.dtype, dropout is not None)
-        kernel((ceil_div(t, BLOCK_M), b * h), (THREADS,),
-               (q, k, v, o, lse, numpy.int32(h), numpy.int32(t), numpy.int32(k.shape[2]),
-                *_strides(q), *_strides(k), *_strides(v), *_strides(o), numpy.float32(scale),
-                numpy.int32(causal), *_dropout_args(dropout)),
-               shared_mem=_shared_bytes("forward", d))
+    arrays = _read_in_place((q, k, v))
+    o, lse = _outputs(q)
+    _planned(_ForwardPlan, arrays, causal, scale, dropout)(*arrays, o, lse,
+                                                            *_dropout_values(dropout))
     return o, lse
 
 
 def attention_backward(q, k, v, o, lse, do, causal, scale, dropout=None, grads=None):
-    _check(q=q, k=k, v=v, o=o, do=do)
-    check_lse(lse, q)
-    grads = check_grads(grads, q, k, v)
     if not is_device_array(q):
+        _check(q=q, k=k, v=v, o=o, do=do)
+        check_lse(lse, q)
+        grads = check_grads(grads, q, k, v)
         return fill(grads, attention_backward_numpy(q, k, v, o, lse, do, causal, scale, dropout))
+    grads = check_grads(grads, q, k, v)
+    arrays = _read_in_place((q, k, v, o, do))
+    check_lse(lse, q)
+    lse = lse if c_contiguous(lse) else xp.ascontiguousarray(lse)   # read as (B, H, T) rows
+    _planned(_BackwardPlan, arrays + grads, causal, scale, dropout)(
+        *arrays, lse, *grads, _dropout_values(dropout))
+    return grads
+
+
+_plans = {}     # (plan class, dtype, causal, scale, dropout's fixed part, the arrays' types,
+                # shapes and strides) -> plan
+
+
+def _planned(kind, arrays, causal, scale, dropout):
+    """The plan of `kind` for arrays of these types, shapes, strides and dtype, made (and the
+    arrays checked) on first use."""
+    fixed = None if dropout is None else (dropout.p, dropout.heads, dropout.batch_offset,
+                                          dropout.head_offset)
+    key = (kind, arrays[0].dtype, causal, scale, fixed,
+           *[(type(a), a.shape, a.strides) for a in arrays])
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) >= MAX_PLANS:
+            _plans.clear()
+        plan = _plans[key] = kind(arrays, causal, float(scale), dropout)
+    return plan
+
+
+def _read_in_place(arrays):
+    """The arrays, each itself where the kernels read it in place (D contiguous, 16-byte aligned
+    rows and start), else a contiguous copy."""
+    pointers = 0
+    for a in arrays:
+        pointers |= a.data.ptr
+    if pointers % 16 or not all(_rows_aligned(a) for a in arrays):
+        return tuple(xp.ascontiguousarray(a) if a.data.ptr % 16 or not _rows_aligned(a) else a
+                     for a in arrays)
+    return arrays
+
+
+def _rows_aligned(a):
+    """True when `a`'s strides let the kernels read it in place (see `_read_in_place`)."""
+    return a.ndim == 4 and a.strides[3] == a.itemsize and all(
+        stride % 16 == 0 for stride, n in zip(a.strides[:3], a.shape[:3]) if n > 1)
+
+
+def _outputs(q):
+    """(o, lse) of a forward over q: like_output(q) and float32 (B, H, T), one allocation."""
     b, h, t, d = q.shape
-    s = k.shape[2]
-    dq, dk, dv = grads
-    if not (dq.size and dk.size):       # no query or no key: nothing flows back
-        for grad in (dq, dk, dv):
-            grad.fill(0)
-        return dq, dk, dv
-    q, k, v, o, do = (_aligned(a) for a in (q, k, v, o, do))
-    lse = xp.ascontiguousarray(lse)          # the kernel indexes it as (B, H, T) rows
-    delta = xp.empty((b, h, t), dtype=xp.float32)
-    _kernel("backward_delta", d, q.dtype)((ceil_div(t, ROWS_PER_BLOCK), b * h), (THREADS,),
-                                          (o, do, delta, numpy.int32(h), numpy.int32(t),
-                                           *_strides(o), *_strides(do)))
-    dq_accum = xp.zeros((b, h, t, d), dtype=xp.float32)
-    _kernel("backward", d, q.dtype, dropout is not None)(
-        (ceil_div(s, BLOCK_N), b * h), (THREADS,),
-        (q, k, v, do, lse, delta, dq_accum, dk, dv, numpy.int32(h), numpy.int32(t),
-         numpy.int32(s), *_strides(q), *_strides(k), *_strides(v), *_strides(do),
-         *_strides(dk), *_strides(dv), numpy.float32(scale), numpy.int32(causal),
-         *_dropout_args(dropout)),
-        shared_mem=_shared_bytes("backward", d))
-    _kernel("backward_dq", d, q.dtype)((ceil_div(t * d, ELEMENTS_PER_BLOCK), b * h),
-                                       (ELEMENTS_PER_BLOCK,),
-                                       (dq_accum, dq, numpy.int32(h), numpy.int32(t),
-                                        *_strides(dq), numpy.float32(scale)))
-    return dq, dk, dv
+    o_bytes = -(-b * t * h * d * q.itemsize // 256) * 256
+    block = xp.empty(o_bytes + 4 * b * h * t, dtype=numpy.uint8)
+    o = xp.ndarray((b, t, h, d), q.dtype, block.data).transpose(0, 2, 1, 3)
+    return o, xp.ndarray((b, h, t), numpy.float32, block.data + o_bytes)
+
+
+class _ForwardPlan:
+    """The forward's launch for arrays like (q, k, v): called with (q, k, v, o, lse, then the
+    dropout's seed, base and counter offset when it has one)."""
+
+    def __init__(self, arrays, causal, scale, dropout):
+        q, k, v = arrays
+        _check(q=q, k=k, v=v)
+        b, h, t, d = q.shape
+        self.launch = None if not q.size else _kernel("forward", d, q.dtype, dropout is not None)\
+            .planned((ceil_div(t, BLOCK_M), b * h), (THREADS,),
+                     (None,) * 5 + (numpy.int32(h), numpy.int32(t), numpy.int32(k.shape[2]),
+                                    *_strides(q), *_strides(k), *_strides(v),
+                                    *[numpy.int64(x // q.itemsize)
+                                      for x in output_strides(q)[:3]],
+                                    numpy.float32(scale), numpy.int32(causal),
+                                    *_dropout_template(dropout)),
+                     shared_mem=_shared_bytes("forward", d))
+
+    def __call__(self, *args):
+        if self.launch is not None:
+            self.launch(*args)
+
+
+class _BackwardPlan:
+    """The backward's launches for arrays like (q, k, v, o, do, dq, dk, dv): delta, the key
+    blocks (dq added into a zeroed float32 buffer), dq. Called with (q, k, v, o, do, lse, dq, dk,
+    dv, the dropout's open values)."""
+
+    def __init__(self, arrays, causal, scale, dropout):
+        q, k, v, o, do, dq, dk, dv = arrays
+        _check(q=q, k=k, v=v, o=o, do=do)
+        b, h, t, d = q.shape
+        s = k.shape[2]
+        self.empty = not (q.size and k.size)       # no query or no key: nothing flows back
+        self.delta_bytes = -(-b * h * t * 4 // 256) * 256      # delta (B, H, T) float32, then
+        self.accum_bytes = b * h * t * d * 4                  # dq's float32 (B, H, T, D) sums
+        self.launches = None if self.empty else (
+            _kernel("backward_delta", d, q.dtype).planned(
+                (ceil_div(t, ROWS_PER_BLOCK), b * h), (THREADS,),
+                (None, None, None, numpy.int32(h), numpy.int32(t), *_strides(o),
+                 *_strides(do))),
+            _kernel("backward", d, q.dtype, dropout is not None).planned(
+                (ceil_div(s, BLOCK_N), b * h), (THREADS,),
+                (None,) * 9 + (numpy.int32(h), numpy.int32(t), numpy.int32(s), *_strides(q),
+                               *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
+                               *_strides(dv), numpy.float32(scale), numpy.int32(causal),
+                               *_dropout_template(dropout)),
+                shared_mem=_shared_bytes("backward", d)),
+            _kernel("backward_dq", d, q.dtype).planned(
+                (ceil_div(t * d, ELEMENTS_PER_BLOCK), b * h), (ELEMENTS_PER_BLOCK,),
+                (None, None, numpy.int32(h), numpy.int32(t), *_strides(dq),
+                 numpy.float32(scale))))
+
+    def __call__(self, q, k, v, o, do, lse, dq, dk, dv, dropout_values):
+        if self.empty:
+            for grad in (dq, dk, dv):
+                grad.fill(0)
+            return
+        delta_launch, backward_launch, dq_launch = self.launches
+        work = xp.empty(self.delta_bytes + self.accum_bytes, dtype=numpy.uint8)
+        (work.data + self.delta_bytes).memset_async(0, self.accum_bytes)
+        delta = work.data.ptr
+        accum = delta + self.delta_bytes
+        delta_launch(o, do, delta)
+        backward_launch(q, k, v, do, lse, delta, accum, dk, dv, *dropout_values)
+        dq_launch(accum, dq)
 
 
 def _check(**arrays):
@@ -177,15 +266,6 @@ def _strides(a):
     return tuple(numpy.int64(stride // a.itemsize) for stride in a.strides[:3])
 
 
-def _aligned(a):
-    """`a` itself when the kernel can read it in place (D contiguous, 16-byte aligned rows), else
-    a contiguous copy."""
-    rows_aligned = all(stride % 16 == 0 for stride, n in zip(a.strides[:3], a.shape[:3]) if n > 1)
-    if a.strides[3] == a.itemsize and rows_aligned and a.data.ptr % 16 == 0:
-        return a
-    return xp.ascontiguousarray(a)
-
-
 def _shared_bytes(kind, d):
     row = (d + PAD) * 2
     if kind == "forward":
@@ -207,14 +287,21 @@ def keep_threshold(p):
     return math.ceil(p * 2.0 ** 53)
 
 
-def _dropout_args(dropout):
+def _dropout_template(dropout):
+    """The kernels' dropout arguments in a planned launch's template: threshold, scale, then
+    the seed, base and counter offset left open (`_dropout_values`), heads and offsets."""
     if dropout is None:
         return (NULL, numpy.float32(1), NULL, NULL, NULL, numpy.int32(0), numpy.int32(0),
                 numpy.int32(0))
     return (numpy.uint64(keep_threshold(dropout.p)), numpy.float32(1 / (1 - dropout.p)),
-            numpy.uint64(dropout.seed), dropout.base, numpy.uint64(dropout.add),
-            numpy.int32(dropout.heads), numpy.int32(dropout.head_offset),
-            numpy.int32(dropout.batch_offset))
+            numpy.uint64, None, numpy.uint64, numpy.int32(dropout.heads),
+            numpy.int32(dropout.head_offset), numpy.int32(dropout.batch_offset))
+
+
+def _dropout_values(dropout):
+    """The open dropout arguments of one call: (seed, base, counter offset), or ()."""
+    return () if dropout is None else (numpy.uint64(dropout.seed), dropout.base,
+                                       numpy.uint64(dropout.add))
 
 
 # ---- NumPy twin ---------------------------------------------------------------------------------

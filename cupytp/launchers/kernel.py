@@ -6,6 +6,12 @@ time: the arguments are written into `ArgumentSlots` (ctypes storage made once p
 argument types, with the array of their addresses that cuLaunchKernel reads) and the launch is
 one driver call. Arguments: CuPy arrays (passed as their data pointers), NumPy scalars, Python
 ints (int64), floats (double) and bools; a signature with anything else goes to CuPy's call.
+
+`kernel.planned(grid, block, template, shared_mem=0)` fixes a launch's configuration and the
+scalar arguments that do not change (the `template` leaves the others open): the returned
+`PlannedLaunch`, called with the open arguments alone, writes them and launches (a launcher that
+calls one shape again and again pays neither the other arguments' conversion nor the lookup of
+their types).
 """
 import ctypes
 import threading
@@ -77,6 +83,46 @@ class Kernel:
     def _load(self):
         self._function = self.raw.kernel.ptr
         return self._function
+
+    def planned(self, grid, block, template, shared_mem=0):
+        """A `PlannedLaunch` of this kernel (module docstring)."""
+        return PlannedLaunch(self, grid, block, template, shared_mem)
+
+
+class PlannedLaunch:
+    """One kernel's launch with its grid, block, shared memory and fixed scalars written once:
+    `launch(*values)` fills the template's open slots, in order (None: a device array, or its
+    address as an int; a scalar type such as numpy.uint64: a scalar of that type) and launches
+    on the current stream."""
+    __slots__ = ("kernel", "config", "slots", "open", "_lock")
+
+    def __init__(self, kernel, grid, block, template, shared_mem):
+        array_type = kernel._xp.ndarray
+        types = tuple(array_type if arg is None else arg if isinstance(arg, type) else type(arg)
+                      for arg in template)
+        if not ArgumentSlots.supports(types, array_type):
+            raise TypeError(f"a planned launch takes arrays and scalars of "
+                            f"{sorted(map(str, _CTYPES))}, got {types}")
+        self.kernel, self.slots, self._lock = kernel, ArgumentSlots(types, array_type), \
+            threading.Lock()
+        self.open = tuple((i, arg is None) for i, arg in enumerate(template)
+                          if arg is None or isinstance(arg, type))
+        for i in self.slots.scalars:
+            if not isinstance(template[i], type):
+                self.slots.values[i].value = template[i]
+        self.config = (*as_three(grid), *as_three(block), shared_mem)
+
+    def __call__(self, *values):
+        kernel, slots = self.kernel, self.slots
+        function = kernel._function or kernel._load()
+        cuda = kernel._xp.cuda
+        slot_values = slots.values
+        with self._lock:
+            for (i, is_array), value in zip(self.open, values):
+                slot_values[i].value = value.data.ptr if is_array and type(value) is not int \
+                    else value
+            cuda.driver.launchKernel(function, *self.config, cuda.get_current_stream().ptr,
+                                     slots.address, 0)
 
 
 def as_three(dims):

@@ -8,7 +8,7 @@ import pytest
 
 import cupytp
 from cupytp import ops
-from cupytp.backend import asnumpy, bfloat16, xp
+from cupytp.backend import asnumpy, bfloat16, on_gpu, xp
 from cupytp.launchers import cudnn_attention
 from cupytp.launchers.flash_attention import (
     AttentionDropout, attention_backward, attention_backward_numpy, attention_forward,
@@ -264,6 +264,12 @@ def test_attention_implementation_choice(monkeypatch):
     monkeypatch.setenv("CUPYTP_ATTENTION", "auto")
     assert not cudnn_attention.applies(q, k, 0.0)                  # NumPy arrays: the twin
     assert not cudnn_attention.applies(xp.asarray(q), xp.asarray(k), 0.1)    # dropout: flash
+    assert not cudnn_attention.applies(xp.asarray(q), xp.asarray(k), 0.0)    # 32 scores: flash
+    if on_gpu and cudnn_attention._frontend(False) is not None:
+        big = xp.empty((1, 1, 2 ** 12, 64), bfloat16)                      # 2^24 scores
+        assert cudnn_attention.applies(big, big, 0.0)
+        monkeypatch.setenv("CUPYTP_ATTENTION", "cudnn")
+        assert cudnn_attention.applies(xp.asarray(q), xp.asarray(k), 0.0)
     monkeypatch.setenv("CUPYTP_ATTENTION", "fastest")
     with pytest.raises(ValueError, match="CUPYTP_ATTENTION='fastest'"):
         cudnn_attention.applies(q, k, 0.0)

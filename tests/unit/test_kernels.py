@@ -12,7 +12,7 @@ from cupytp.backend import asnumpy, bfloat16, on_gpu, xp
 from cupytp.launchers import ceil_div, compute_dtype, dtype_suffix, get_kernel, sources
 from cupytp.launchers.adamw import adamw_scalars, adamw_step, adamw_step_numpy
 from cupytp.launchers.gelu import gelu, gelu_backward, gelu_backward_numpy, gelu_numpy
-from cupytp.launchers.kernel import ArgumentSlots, as_three
+from cupytp.launchers.kernel import ArgumentSlots, Kernel, as_three
 from cupytp.launchers.multi_tensor import CHUNK, cast_, cast_numpy, chunk_blocks, scale_
 from cupytp.launchers.multi_tensor import scale_numpy
 from cupytp.launchers.multi_tensor import sum_of_squares, sum_of_squares_numpy, tensor_table
@@ -96,6 +96,44 @@ def test_argument_slots_hold_each_argument_as_its_c_type():
     assert values == [0x7F00_0000_1000, -5, 1.5, 2 ** 63 + 3, 7, 2.5, -2 ** 40, True]
     assert [as_three(d) for d in (4, (4,), (4, 5), (4, 5, 6))] == \
         [(4, 1, 1), (4, 1, 1), (4, 5, 1), (4, 5, 6)]
+
+
+def test_planned_launch_writes_fixed_scalars_once_and_open_arguments_per_call():
+    """A planned launch's kernelParams: the template's scalars as written when planned, its
+    open slots (arrays, addresses, typed scalars) as given to each call; grid, block and shared
+    memory as planned."""
+    class Array:
+        def __init__(self, ptr):
+            self.data = type("Pointer", (), {"ptr": ptr})()
+
+    launches = []
+
+    class Driver:
+        @staticmethod
+        def launchKernel(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+            pointers = (ctypes.c_void_p * 5).from_address(params)
+            read = [ctypes.c_uint64, ctypes.c_int32, ctypes.c_uint64, ctypes.c_uint64,
+                    ctypes.c_float]
+            launches.append(((gx, gy, gz, bx, by, bz, shared, stream),
+                             [kind.from_address(p).value for kind, p in zip(read, pointers)]))
+
+    class Xp:
+        ndarray = Array
+
+        class cuda:
+            driver = Driver
+            get_current_stream = staticmethod(lambda: type("Stream", (), {"ptr": 77})())
+
+    kernel = Kernel(type("Raw", (), {"kernel": type("Function", (), {"ptr": 5})()})(), Xp)
+    launch = kernel.planned((3, 2), 128, (None, numpy.int32(-4), numpy.uint64, None,
+                                          numpy.float32(0.5)), shared_mem=64)
+    launch(Array(0x1000), numpy.uint64(9), 0x2000)
+    launch(Array(0x3000), 11, Array(0x4000))
+    config = (3, 2, 1, 128, 1, 1, 64, 77)
+    assert launches == [(config, [0x1000, -4, 9, 0x2000, 0.5]),
+                        (config, [0x3000, -4, 11, 0x4000, 0.5])]
+    with pytest.raises(TypeError, match="a planned launch takes"):
+        kernel.planned(1, 1, (None, [1]))
 
 
 @pytest.mark.skipif(on_gpu, reason="the NumPy backend's error")
