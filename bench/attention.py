@@ -244,8 +244,7 @@ LOOP = [(2, 12, 64, 64), (8, 12, 64, 64), (8, 12, 128, 64), (8, 12, 256, 64),
 def loop(n):
     """µs per forward-and-backward pair of each kind in a loop of n (module docstring)."""
     kinds = [("flash", flash_attention)]
-    if cudnn_attention.applies(xp.empty((1, 1, 64, 64), bfloat16),
-                               xp.empty((1, 1, 64, 64), bfloat16), 0.0):
+    if cudnn_attention.choice() != "flash" and cudnn_attention._frontend(False) is not None:
         kinds.append(("cudnn", cudnn_attention))
     print("\n| shape (B,H,T,D) causal | " + " | ".join(f"{k} µs/pair" for k, _ in kinds) + " |")
     print("|---|" + "---|" * len(kinds))

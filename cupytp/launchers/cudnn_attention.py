@@ -27,7 +27,7 @@ from cupytp.launchers.flash_attention import DTYPES, HEAD_DIMS, check_grads, che
 from cupytp.launchers.flash_attention import like_output, output_strides
 
 CHOICES = ("auto", "flash", "cudnn", "matmul")
-CUDNN_MIN_SCORES = 2 ** 24      # `auto`: smaller attention runs the RawKernel (docs/benchmarks.md)
+CUDNN_MIN_SCORES = 2 ** 20      # `auto`: smaller attention runs the RawKernel (docs/benchmarks.md)
 
 
 def choice():
