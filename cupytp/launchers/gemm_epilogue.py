@@ -20,7 +20,10 @@ epilogue applied to it unrounded (GeLU is GPT-2's tanh form), one rounding to th
 the sums over rows accumulate in float32. On a GPU without a cuBLASLt algorithm for the product
 (or with CUPYTP_CUBLASLT=0, or operands off cuBLASLt's alignment) the same values come from the
 product, rounded, and the bias_add / gelu / column_sum kernels; so do float64 products, whose
-cuBLASLt GeLU epilogues are single-precision math.
+cuBLASLt GeLU epilogues are single-precision math, and GeLU gradients of at least
+DGELU_EPILOGUE_MAX elements, where cuBLASLt runs the epilogue as a pass of its own that is slower
+than the two kernels (H100, bf16, (rows x 768) @ (768 x 3072): 16384 rows 467-471 us against
+318-449 us for the kernels; 8192 rows 247 us against 244-691 us, unsteady; 4096 rows even).
 """
 import numpy
 
@@ -31,6 +34,7 @@ from cupytp.launchers import bias_add, column_sum as column_sums, gelu as gelus,
 # cublasLtEpilogue_t
 _BIAS, _GELU_AUX_BIAS, _DGELU_BGRAD, _BGRADA = 4, 164, 208, 256
 _BIAS_ALIGNMENT = 16
+DGELU_EPILOGUE_MAX = 2 ** 25    # elements of a GeLU gradient from which the kernels run it
 _plans = {}             # (epilogue, operands' signature) -> gemm.Product with cuBLASLt, or None
 
 
@@ -79,7 +83,8 @@ def matmul_gelu_grad(g, w_t, pre):
                          f"{g.dtype}, got {pre.shape} {pre.dtype}")
     if not is_device_array(g):
         return matmul_gelu_grad_numpy(g, w_t, pre)
-    product = _plan(_DGELU_BGRAD, g, w_t, g.dtype, False)
+    product = _plan(_DGELU_BGRAD, g, w_t, g.dtype, False) if pre.size < DGELU_EPILOGUE_MAX \
+        else None
     if product is not None and _aligned((g, w_t, pre)):
         d = xp.empty(pre.shape, dtype=g.dtype)
         sums = xp.empty(pre.shape[1:], dtype=g.dtype)

@@ -171,6 +171,19 @@ def test_without_cublaslt_the_kernels_give_the_same_values(monkeypatch):
 
 @pytest.mark.gpu
 @requires_gpu
+def test_large_gelu_gradients_run_the_kernels(monkeypatch):
+    """From DGELU_EPILOGUE_MAX elements on, the GeLU gradient is the product and the kernels:
+    the twin's values, and no cuBLASLt plan made for it."""
+    monkeypatch.setattr(epilogue, "DGELU_EPILOGUE_MAX", 64 * 128)
+    monkeypatch.setattr(epilogue, "_plans", {})
+    name, function, arguments, want = device_cases(bfloat16)[3]
+    assert name == "gelu_grad" and arguments[2].size == 64 * 128
+    assert_matches_twin(function(*arguments), want, name)
+    assert not epilogue._plans
+
+
+@pytest.mark.gpu
+@requires_gpu
 def test_each_bias_gets_its_own_descriptor_and_the_oldest_is_dropped(monkeypatch):
     """One plan serves products with different biases and pre-activations, alternating, through
     a descriptor per bias pointer; with room for one descriptor, each call makes a new one."""
