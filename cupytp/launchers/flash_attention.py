@@ -59,6 +59,8 @@ def attention_forward(q, k, v, causal, scale, dropout=None):
     if not is_device_array(q):
         _check(q=q, k=k, v=v)
         return attention_forward_numpy(q, k, v, causal, scale, dropout)
+    if type(k) is not type(q) or type(v) is not type(q):
+        _check(q=q, k=k, v=v)           # the error naming the mix of kinds
     arrays = _read_in_place((q, k, v))
     o, lse = _outputs(q)
     _planned(_ForwardPlan, arrays, causal, scale, dropout)(*arrays, o, lse,
@@ -72,6 +74,8 @@ def attention_backward(q, k, v, o, lse, do, causal, scale, dropout=None, grads=N
         check_lse(lse, q)
         grads = check_grads(grads, q, k, v)
         return fill(grads, attention_backward_numpy(q, k, v, o, lse, do, causal, scale, dropout))
+    if any(type(a) is not type(q) for a in (k, v, o, do)):
+        _check(q=q, k=k, v=v, o=o, do=do)      # the error naming the mix of kinds
     grads = check_grads(grads, q, k, v)
     arrays = _read_in_place((q, k, v, o, do))
     check_lse(lse, q)

@@ -256,6 +256,17 @@ def test_flash_kernel_dropout_mask_is_bit_exact(d):
     numpy.testing.assert_array_equal(asnumpy(o).astype(F64) != 0, expected)
 
 
+@requires_gpu
+def test_mixing_numpy_and_cupy_arrays_is_named():
+    q, k, v = qkv(1, 2, 4, 4, 64)
+    device = [xp.asarray(a) for a in (q, k, v)]
+    with pytest.raises(ValueError, match="NumPy and CuPy arrays cannot be mixed"):
+        attention_forward(device[0], k, device[2], True, 0.125)
+    o, lse = attention_forward(*device, True, 0.125)
+    with pytest.raises(ValueError, match="NumPy and CuPy arrays cannot be mixed"):
+        attention_backward(*device, o, lse, q, True, 0.125)
+
+
 def test_attention_implementation_choice(monkeypatch):
     q, k, _ = qkv(1, 2, 4, 4, 64)
     monkeypatch.setenv("CUPYTP_ATTENTION", "flash")
