@@ -201,10 +201,11 @@ class _BackwardPlan:
 
 def _check(**arrays):
     q = arrays["q"]
-    kinds = {type(a).__name__ for a in arrays.values()}
-    if len(kinds) != 1:
-        raise ValueError(f"flash attention: arrays of one kind needed, got {sorted(kinds)}: "
-                         "NumPy and CuPy arrays cannot be mixed")
+    kinds = {type(a) for a in arrays.values()}
+    if len(kinds) != 1:     # both kinds are named ndarray: name their modules too
+        names = sorted(f"{kind.__module__.split('.')[0]}.{kind.__name__}" for kind in kinds)
+        raise ValueError(f"flash attention: arrays of one kind needed, got {names}: NumPy and "
+                         "CuPy arrays cannot be mixed")
     if not supported(q, arrays["k"], arrays["v"]):
         raise ValueError(f"flash attention takes (B, H, T, D) bf16 or fp16 arrays of one dtype "
                          f"with D in {HEAD_DIMS}; got q {q.dtype} {q.shape}, k "
