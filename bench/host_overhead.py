@@ -3,8 +3,9 @@
 Runs eager steps of GPT-2 (forward, backward, clipping, AdamW, zero_grad) on one rank and prints
 one RESULT line: framework ops per step (DTensors made by ops, forward and backward), host time
 per step and per op, the split of a step into forward, backward and optimizer, and the cyclic
-garbage collector's collections and time per step (`--gc` sets its policy for the timed steps). Then a
-cProfile of a few steps: the functions with the most time of their own, and the most cumulative.
+garbage collector's collections and time per step (`--gc` sets its policy for the timed steps).
+Then a cProfile of a few steps: the functions with the most time of their own, and the most
+cumulative.
 
 Default shapes keep the device work negligible, so what is timed is Python:
 - CPU: GPT-2 124M's 12 layers at width 64 (one head of 64, so bf16 attention takes the flash
@@ -135,14 +136,14 @@ def main():
         gc.freeze()
     elif args.gc == "off":
         gc.disable()
-    collections = GarbageCollections()
+    collector = GarbageCollections()
     backend.synchronize()
-    collections.on = True
+    collector.on = True
     start = time.perf_counter()
     for _ in range(args.steps):
         loss = step()
     backend.synchronize()
-    collections.on = False
+    collector.on = False
     gc.enable()
     wall_ms = 1e3 * (time.perf_counter() - start) / args.steps
     median = 1e3 * numpy.median(numpy.array(phases), axis=0)      # ms: robust to a busy host
@@ -155,8 +156,8 @@ def main():
           f"B={B} T={T} ops_per_step={ops_per_step} host_ms={host_ms:.2f} "
           f"us_per_op={1e3 * host_ms / ops_per_step:.1f} cpu_ms={cpu_ms:.2f} "
           f"cpu_us_per_op={1e3 * cpu_ms / ops_per_step:.1f} wall_ms={wall_ms:.2f} {split} "
-          f"gc={args.gc} gc_ms={1e3 * sum(collections.seconds) / args.steps:.2f} "
-          f"gc_per_step={'/'.join(f'{n / args.steps:.2f}' for n in collections.counts)} "
+          f"gc={args.gc} gc_ms={1e3 * sum(collector.seconds) / args.steps:.2f} "
+          f"gc_per_step={'/'.join(f'{n / args.steps:.2f}' for n in collector.counts)} "
           f"loss={loss.item()!r}", flush=True)
 
     if args.profile_steps:

@@ -81,7 +81,7 @@ def attention_backward(q, k, v, o, lse, do, causal, scale, dropout=None, grads=N
     check_lse(lse, q)
     lse = lse if c_contiguous(lse) else xp.ascontiguousarray(lse)   # read as (B, H, T) rows
     _planned(_BackwardPlan, arrays + grads, causal, scale, dropout)(
-        *arrays, lse, *grads, _dropout_values(dropout))
+        *arrays, lse, *grads, *_dropout_values(dropout))
     return grads
 
 
@@ -184,7 +184,7 @@ class _BackwardPlan:
                 (None, None, numpy.int32(h), numpy.int32(t), *_strides(dq),
                  numpy.float32(scale))))
 
-    def __call__(self, q, k, v, o, do, lse, dq, dk, dv, dropout_values):
+    def __call__(self, q, k, v, o, do, lse, dq, dk, dv, *dropout_values):
         if self.empty:
             for grad in (dq, dk, dv):
                 grad.fill(0)
