@@ -7,7 +7,7 @@ and the call site: the first frame outside the cupytp package, compared by line 
 for broadcast, scatter and gather, whose source rank's code naturally differs); the framework's
 own frame is shown too, not compared. The ranks exchange them with one small host all-gather
 over the group's MPI communicator, polled against the group's timeout. Point-to-point sends and
-receives are not compared (only two ranks take part).
+receives (send, recv, sendrecv) are not compared (only two ranks take part in each).
 """
 import os
 import sys
@@ -54,7 +54,7 @@ class FingerprintCheck:
     """The observer that `init()` registers under CUPYTP_DEBUG=1."""
 
     def before(self, call):
-        if call.op in ("send", "recv"):
+        if call.op in ("send", "recv", "sendrecv"):
             return
         (path, line, function), inner = call_sites()
         rooted = call.op in _ROOTED

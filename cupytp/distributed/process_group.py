@@ -201,6 +201,10 @@ def _describe_send(group, array, dst):
     return f"dst={dst}", tuple(array.shape), str(array.dtype), array.nbytes
 
 
+def _describe_sendrecv(group, array, dst, src, shape=None, async_op=False):
+    return f"dst={dst}, src={src}", tuple(array.shape), str(array.dtype), array.nbytes
+
+
 def _describe_recv(group, shape, dtype, src):
     dtype = backend.dtype(dtype)
     return (f"src={src}", tuple(shape), str(dtype),
@@ -421,6 +425,27 @@ class ProcessGroup:
         out = backend.xp.empty(tuple(shape), dtype=backend.dtype(dtype))
         self._exchange([], [(out, src)], False).wait()
         return out
+
+    @_observed(_describe_sendrecv)
+    def sendrecv(self, array, dst, src, shape=None, async_op=False):
+        """Send `array` to rank `dst` while receiving an array of `shape` (default: array's) and
+        array's dtype from rank `src`, in one batch: a ring's step, every rank sending to its
+        successor and receiving from its predecessor at once. Returns the array received (on a
+        group of one rank: `array` itself); with `async_op=True` a Work whose wait() gives it."""
+        self._check("sendrecv", array, None)
+        self._check_peer("sendrecv", dst)
+        self._check_peer("sendrecv", src)
+        shape = tuple(array.shape) if shape is None else tuple(int(n) for n in shape)
+        if self.size == 1:
+            if shape != array.shape:
+                raise ValueError(f"sendrecv: on a group of one rank the array received is the "
+                                 f"one sent, of shape {array.shape}, not {shape}")
+            return _done(array) if async_op else array
+        xp = backend.xp
+        out = xp.empty(shape, dtype=array.dtype)
+        send = array if array.flags.c_contiguous else xp.ascontiguousarray(array)
+        pending = self._exchange([(send, dst)], [(out, src)], async_op)
+        return self._run(pending, lambda: out, async_op)
 
     def barrier(self):
         """Return once every rank of the group has called barrier."""

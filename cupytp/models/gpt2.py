@@ -84,9 +84,18 @@ class GPT2Transformer(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd, mesh, config.layer_norm_epsilon, config.bias)
         self._position_ids = {}                # (T, mesh) -> 0, 1, ..., T-1, made once
 
-    def forward(self, ids):
+    def forward(self, ids, positions=None):
+        """The final norm's output (B, T, C) for token `ids` (B, T) at `positions` (T,), by
+        default 0, 1, ..., T-1; ids whose sequence is split across ranks (context parallelism)
+        need their positions given (`ContextParallel.positions`)."""
         b, t = ids.shape
-        x = self.drop(self.wte(ids) + self.wpe(self.positions(t, ids.mesh)))    # (B, T, C)
+        if positions is None:
+            if any(p.is_shard(1) and n > 1 for p, n in zip(ids.placements, ids.mesh.shape)):
+                raise ValueError("ids sharded on the sequence need their positions: pass "
+                                 "positions= (cupytp.parallel.ContextParallel.positions(T) for "
+                                 "ids from its shard())")
+            positions = self.positions(t, ids.mesh)
+        x = self.drop(self.wte(ids) + self.wpe(positions))                      # (B, T, C)
         for block in self.h:
             x = nn.recompute(block, x) if self.recompute else block(x)
         return self.ln_f(x)
@@ -141,11 +150,12 @@ class GPT2(nn.Module):
         if mesh is not None:
             apply_tensor_parallel(self, mesh)
 
-    def forward(self, ids, targets=None):
+    def forward(self, ids, targets=None, positions=None):
+        """(logits, loss): `positions` as in GPT2Transformer.forward."""
         if ids.shape[1] > self.config.block_size:
             raise ValueError(f"sequence length {ids.shape[1]} is longer than the model's "
                              f"context of {self.config.block_size} tokens")
-        logits = self.lm_head(self.transformer(ids))                  # (B, T, V/tp)
+        logits = self.lm_head(self.transformer(ids, positions))       # (B, T, V/tp)
         loss = None if targets is None else ops.cross_entropy(
             logits, targets, vocab_size=self.config.vocab_size)       # fp32, padding excluded
         return _mask_padding(logits, self.config.vocab_size), loss

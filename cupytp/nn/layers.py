@@ -42,7 +42,9 @@ class DLinear(Module):
     sliced), output Partial; the bias (Replicated) is added once, after the all-reduce that the
     addition itself triggers. Without a bias the output stays Partial until something needs it.
     In backward a column-parallel layer all-reduces its input's (Partial) gradient itself, while
-    it computes its weight's gradient.
+    it computes its weight's gradient. Sequence parallelism: a column-parallel layer all-gathers
+    an input sharded on its sequence (and reduce-scatters the gradient back); a row-parallel
+    one's output is reduce-scattered into a sequence-sharded residual stream (see forward).
     """
 
     def __init__(self, in_features, out_features, mesh=None, weight=Replicated(), bias=True,
@@ -61,10 +63,14 @@ class DLinear(Module):
         else:
             self.bias = None
 
-    def forward(self, x, residual=None):
+    def forward(self, x, residual=None, placements=None):
         """x @ weight + bias, plus `residual` when given (`ops.bias_residual_add`: the bias and
-        the residual joined in one pass, with the fp32 bias)."""
+        the residual joined in one pass, with the fp32 bias; a Partial product is reduced to the
+        residual's layout there). `placements`: the layout a row-parallel (Partial) product is
+        reduced to before the bias joins (a reduce-scatter into a sequence-sharded stream)."""
         y = ops.matmul(x, self.weight, reduce_input_grad=True)
+        if placements is not None and y.placements != placements:
+            y = y.redistribute(placements)
         if residual is not None:
             return residual + y if self.bias is None else \
                 ops.bias_residual_add(y, self.bias, residual)
@@ -117,6 +123,9 @@ class DEmbedding(Module):
 
     weight Shard(0) (vocab-parallel): `[vocab/tp, dim]`; ids out of this rank's range give zeros
     and the output is Partial, reduced by the next op that needs it. Replicated: plain lookup.
+    `sequence_parallel` (set by the tensor-parallel plan): the output is sharded along tp on the
+    ids' last dimension, the sequence (a Partial one reduce-scattered there): the residual
+    stream of sequence parallelism starts here.
     """
 
     def __init__(self, num_embeddings, embedding_dim, mesh=None, weight=Replicated(),
@@ -126,9 +135,13 @@ class DEmbedding(Module):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.weight = randn((num_embeddings, embedding_dim), mesh, tp_placements(mesh, weight),
                             dtype=dtype, std=init_std, requires_grad=True)
+        self.sequence_parallel = False
 
     def forward(self, ids):
-        return ops.embedding(ids, self.weight)
+        y = ops.embedding(ids, self.weight)
+        if self.sequence_parallel:      # (B, T/tp, C)
+            y = y.redistribute(sequence_sharded(y.placements, tp_dim(y.mesh), ids.ndim - 1))
+        return y
 
     def parallel_layout(self, style):
         return {"vocab": (Shard(0),), "colwise": (Shard(1),), "replicate": (Replicated(),)}[style]
@@ -158,11 +171,14 @@ class GeLU(Module):
 
 
 class Dropout(Module):
-    """Dropout with the sharding-invariant generator: the same mask on any mesh."""
+    """Dropout with the sharding-invariant generator: the same mask on any mesh.
+    `context_parallel` (set by cupytp.parallel.ContextParallel.apply): on a sequence permuted by
+    it, the mask is drawn by token position (`ops.dropout`'s order)."""
 
     def __init__(self, p=0.0):
         super().__init__()
         self.p = p
+        self.context_parallel = None
 
     @property
     def active(self):
@@ -170,7 +186,9 @@ class Dropout(Module):
         return self.training and self.p > 0
 
     def forward(self, x):
-        return ops.dropout(x, self.p, self.training)
+        order = None if self.context_parallel is None or not self.active else \
+            self.context_parallel.order_of(x)
+        return ops.dropout(x, self.p, self.training, order=order)
 
 
 class DMLP(Module):
@@ -192,7 +210,7 @@ class DMLP(Module):
         """The MLP of x (of norm(x) with a LayerNorm module `norm`), plus `residual` when given
         (joined with c_proj's bias; one fused op with the norm, `ops.mlp_residual`, when both
         biases are there and no dropout is in effect)."""
-        if residual is not None and _fusable(self.c_fc, self.c_proj, self.dropout):
+        if residual is not None and _fusable(self.c_fc, self.c_proj, self.dropout, x):
             return ops.mlp_residual(x, residual, self.c_fc.weight, self.c_fc.bias,
                                     self.c_proj.weight, self.c_proj.bias, _norm_args(norm))
         x = x if norm is None else norm(x)
@@ -210,6 +228,8 @@ class DAttention(Module):
     c_attn.weight is `[C, 3, C]`: the `[C, 3C]` fused q|k|v weight of GPT-2 with q, k and v on
     their own axis, sharded on the last (heads: `[C, 3, C/tp]`), so every rank holds q, k and v
     of the same heads. c_proj is row-parallel. Heads must divide by the tensor-parallel size.
+    `context_parallel` (a cupytp.parallel.ContextParallel, set by its `apply`): the sequence is
+    split across that mesh dimension's ranks, and the attention runs as its ring.
     """
 
     def __init__(self, embed_dim, num_heads, mesh=None, bias=True, dropout=0.0, dtype="fp32",
@@ -224,6 +244,7 @@ class DAttention(Module):
                               init_std=proj_init_std or init_std)
         self.attn_dropout = Dropout(dropout)
         self.resid_dropout = Dropout(dropout)
+        self.context_parallel = None
         check_heads(self)
 
     def forward(self, x, residual=None, norm=None):
@@ -234,13 +255,15 @@ class DAttention(Module):
         b, t, c = x.shape
         h = self.num_heads
         p = self.attn_dropout.p if self.training else 0.0
-        if residual is not None and _fusable(self.c_attn, self.c_proj, self.resid_dropout):
+        if residual is not None and _fusable(self.c_attn, self.c_proj, self.resid_dropout, x):
             return ops.attention_residual(x, residual, self.c_attn.weight, self.c_attn.bias,
                                           self.c_proj.weight, self.c_proj.bias, h, p,
                                           norm=_norm_args(norm))
         x = x if norm is None else norm(x)
         qkv = self.c_attn(x).reshape(b, t, 3, h, c // h)            # (B, T, 3, H/tp, D)
-        y = ops.packed_attention(qkv, causal=True, dropout_p=p)      # (B, T, H/tp, D)
+        attend = ops.packed_attention if self.context_parallel is None else \
+            self.context_parallel.attention
+        y = attend(qkv, causal=True, dropout_p=p)                    # (B, T, H/tp, D)
         y = y.reshape(b, t, c)                                       # (B, T, C/tp)
         return project(self.c_proj, self.resid_dropout, y, residual)
 
@@ -248,9 +271,16 @@ class DAttention(Module):
         return {"c_attn": "heads", "c_proj": "rowwise"}
 
 
-def _fusable(first, proj, dropout):
-    """True when a sublayer (first layer → proj → dropout) may run as one fused op."""
-    return first.bias is not None and proj.bias is not None and not dropout.active
+def _fusable(first, proj, dropout, x):
+    """True when a sublayer (first layer → proj → dropout) may run as one fused op on x: not
+    when x is sharded on its sequence (sequence and context parallelism run the chain)."""
+    return first.bias is not None and proj.bias is not None and not dropout.active and \
+        not any(p.is_shard(1) for p in x.placements)
+
+
+def sequence_sharded(placements, mesh_dim, dim):
+    """`placements` with Shard(dim) on `mesh_dim`: an activation's sequence-parallel layout."""
+    return placements[:mesh_dim] + (Shard(dim),) + placements[mesh_dim + 1:]
 
 
 def _norm_args(norm):
@@ -260,10 +290,11 @@ def _norm_args(norm):
 
 def project(proj, dropout, x, residual):
     """dropout(proj(x)), plus `residual` when given: without dropout in effect the projection
-    adds its bias and the residual in one pass (`DLinear.forward`'s `residual`)."""
+    adds its bias and the residual in one pass (`DLinear.forward`'s `residual`); with it, the
+    projection is reduced straight to the residual's layout."""
     if residual is not None and not dropout.active:
         return proj(x, residual)
-    y = dropout(proj(x))
+    y = dropout(proj(x, placements=None if residual is None else residual.placements))
     return y if residual is None else residual + y
 
 
@@ -335,4 +366,4 @@ def scaled_init(init_std, n_layer):
 
 __all__ = ["DLinear", "DColumnLinear", "DRowLinear", "DEmbedding", "LayerNorm", "GeLU",
            "Dropout", "DMLP", "DAttention", "DQKV", "DBlock", "DLMHead", "tp_dim",
-           "tp_placements", "scaled_init"]
+           "tp_placements", "sequence_sharded", "scaled_init"]

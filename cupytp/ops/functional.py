@@ -18,7 +18,7 @@ from cupytp.ops.elementwise import mul
 from cupytp.ops.amp import autocast_dtype
 from cupytp.ops.linalg import autocast_operand, einsum
 from cupytp.ops.reduction import leading_sum_placements, sum as reduce_sum
-from cupytp.tensor.random import default_generator
+from cupytp.tensor.random import default_generator, global_indices, uniform_at
 
 
 def _unsharded(op, x, dim):
@@ -307,16 +307,22 @@ def cross_entropy(logits, targets, ignore_index=-100, reduction="mean", vocab_si
     return total / reduce_sum(valid)
 
 
-def dropout(x, p, training=True, generator=None):
+def dropout(x, p, training=True, generator=None, order=None):
     """Zero each element with probability `p`, scale the rest by 1/(1-p). The mask comes from
-    the counter-based generator by global element index: the same on any mesh."""
+    the counter-based generator by global element index: the same on any mesh. `order`: for a
+    tensor whose dimension 1 (the sequence) is a permutation (context parallelism's zigzag), the
+    position of each of its global indices there (an integer array of x.shape[1]): the mask is
+    then drawn by position, the one the sequence in its natural order gets."""
     if not 0 <= p < 1:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
     if not training or p == 0:
         return x
     generator = generator or default_generator
     offsets, local_shape = x.layout.local_block()
-    keep = generator.uniform(x.shape, offsets, local_shape) >= p
+    if order is None:
+        keep = generator.uniform(x.shape, offsets, local_shape) >= p
+    else:
+        keep = _uniform_in_order(generator, x.shape, offsets, local_shape, order) >= p
     scale = (keep / (1.0 - p)).astype(x.dtype)
     layout = x.layout
     out = make(x._local * scale, layout.mesh, layout.shape, layout.placements)
@@ -325,6 +331,21 @@ def dropout(x, p, training=True, generator=None):
         g = linear_grad(g, layout.placements)
         return (make(g._local * scale, layout.mesh, layout.shape, g.placements),)
     return engine.record(out, (x,), backward, "dropout")
+
+
+def _uniform_in_order(generator, shape, offsets, local_shape, order):
+    """`generator.uniform` of a block whose dimension-1 indices stand for positions `order`."""
+    if len(order) != shape[1]:
+        raise ValueError(f"dropout: order has {len(order)} positions for a dimension 1 of "
+                         f"{shape[1]}")
+    xp = backend.xp
+    seed, base, add = generator.philox_args(math.prod(shape))
+    rows = xp.asarray(order[offsets[1]:offsets[1] + local_shape[1]], dtype=xp.uint64)
+    index = global_indices(shape, offsets[:1] + (0,) + offsets[2:],
+                           local_shape[:1] + (1,) + local_shape[2:])
+    stride = math.prod(shape[2:])
+    index = index + rows.reshape((1, -1) + (1,) * (len(shape) - 2)) * xp.uint64(stride)
+    return uniform_at(seed, index + (base + xp.uint64(add)))
 
 
 def scaled_dot_product_attention(q, k, v, causal=True, dropout_p=0.0, generator=None):

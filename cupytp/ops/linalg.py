@@ -251,11 +251,20 @@ def _operand(spec, x, targets, operands):
 def einsum(spec, a, b, out_dtype=None, reduce_input_grad=False):
     """Two-operand einsum with explicit letters, e.g. 'btc,cd->btd' or 'bhtd,bhsd->bhts'.
     `out_dtype`: a wider float dtype for the result (the fp32 sums of 16-bit operands).
-    `reduce_input_grad`: in backward, a Partial gradient of `a` (a column-parallel layer's
-    Replicated input) is all-reduced here, on the communication stream while b's gradient (the
-    weight's) is computed, instead of by whatever op consumes it later."""
+    `reduce_input_grad`: the product is a column-parallel layer's. In backward a Partial
+    gradient of `a` (its Replicated input) is reduced here, on the communication stream while
+    b's gradient (the weight's) is computed, instead of by whatever op consumes it later. An
+    `a` sharded on a kept letter of its own (the sequence) along a mesh dimension where b
+    shards its output letter (sequence parallelism) is all-gathered there first, after
+    autocast's cast, and its gradient is reduce-scattered back to a's layout."""
     same_mesh("einsum", [a, b])
     sa, sb, out, shape = _parse(spec, a, b)
+    gathered = None
+    if reduce_input_grad:
+        gather = _sequence_gather(sa, sb, out, a.placements, b.placements)
+        if gather is not None:
+            gathered = grad_placements(a.placements)
+            a = autocast_operand(a).redistribute(gather)
     targets_a, targets_b, placements = cached(
         (_rule, spec, a.shape, a.placements, b.shape, b.placements), _rule, spec, sa, sb, out, a, b)
     a, input_a = _operand(spec, a, targets_a, [a, b])
@@ -264,7 +273,8 @@ def einsum(spec, a, b, out_dtype=None, reduce_input_grad=False):
     result = make(local, a.mesh, shape, placements)
     dtype = result.dtype if out_dtype is None else a.dtype   # a dtype: the tape keeps no values
     a_dtype, b_dtype = input_a.dtype, input_b.dtype
-    a_grad_placements = grad_placements(input_a.placements) if reduce_input_grad else None
+    a_grad_placements = None if not reduce_input_grad else \
+        gathered or grad_placements(input_a.placements)
 
     def backward(g):
         g = astype(g, dtype)
@@ -279,6 +289,20 @@ def einsum(spec, a, b, out_dtype=None, reduce_input_grad=False):
             grad_a = reducing.wait()
         return grad_a, grad_b
     return engine.record(result, (input_a, input_b), backward, "einsum")
+
+
+@functools.lru_cache(maxsize=4096)
+def _sequence_gather(sa, sb, out, placements_a, placements_b):
+    """The placements a column-parallel product all-gathers its input `a` to (Replicated on the
+    mesh dims where a shards a kept letter b lacks and b a kept letter a lacks: a
+    sequence-sharded input meeting column-sharded weights), or None when none does."""
+    gather = list(placements_a)
+    for dim, (pa, pb) in enumerate(zip(placements_a, placements_b)):
+        if isinstance(pa, Shard) and isinstance(pb, Shard):
+            own_a, own_b = sa[pa.dim], sb[pb.dim]
+            if own_a in out and own_a not in sb and own_b in out and own_b not in sa:
+                gather[dim] = Replicated()
+    return tuple(gather) if gather != list(placements_a) else None
 
 
 def matmul(a, b, reduce_input_grad=False):

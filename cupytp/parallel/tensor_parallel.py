@@ -9,6 +9,15 @@ from a dense model, and the parallel model computes exactly what the dense one d
 
 `apply_tensor_parallel(model, mesh)` builds the Megatron plan by itself: column → row in every
 MLP and attention, vocab-parallel embedding for an embedding tied to a DLMHead.
+
+Sequence parallelism (`sequence_parallel=True`, Megatron's, arXiv 2205.05198): between the
+tensor-parallel regions the activations (B, T, C) are Shard(1) along tp instead of Replicated,
+so norms, dropout and the residual stream hold T/tp tokens per rank. The plan only starts that
+stream: the vocab-parallel embeddings reduce-scatter their output on the sequence. The rest is
+the layout rules: a column-parallel product all-gathers its sequence-sharded input (its
+gradient reduce-scattered back), a row-parallel output is reduce-scattered into the
+sequence-sharded residual (Partial → Shard), and a norm's weight gradient, Partial along tp,
+is all-reduced when accumulated. The same bytes move as without it.
 """
 from fnmatch import fnmatchcase
 
@@ -31,7 +40,7 @@ def relayout(tensor, mesh, placements):
     tensor.grad = None
 
 
-def _apply_style(module, name, mesh, style):
+def _apply_style(module, name, mesh, style, sequence_parallel=False):
     if style not in STYLES:
         raise ValueError(f"plan style {style!r} for {name!r} is not one of {STYLES}")
     if style == "auto":
@@ -39,7 +48,8 @@ def _apply_style(module, name, mesh, style):
             raise ValueError(f"{name!r} ({type(module).__name__}) has no plan of its own: give "
                              "it a style such as 'colwise' or 'rowwise'")
         for child, child_style in module.parallel_plan().items():
-            _apply_style(getattr(module, child), f"{name}.{child}", mesh, child_style)
+            _apply_style(getattr(module, child), f"{name}.{child}", mesh, child_style,
+                         sequence_parallel)
     else:
         layout = getattr(module, "parallel_layout", None)
         try:
@@ -52,13 +62,16 @@ def _apply_style(module, name, mesh, style):
         for tensor, placement in zip(tensors, placements):
             if tensor is not None:
                 relayout(tensor, mesh, tp_placements(mesh, placement))
+        if style == "vocab":
+            module.sequence_parallel = sequence_parallel
     if isinstance(module, DAttention):
         check_heads(module)
 
 
-def parallelize_module(model, mesh, plan):
+def parallelize_module(model, mesh, plan, sequence_parallel=False):
     """Re-lay `model` onto `mesh` by `plan` ({pattern: style}, patterns as in fnmatch over
-    dotted module names). Returns the model."""
+    dotted module names). `sequence_parallel`: the "vocab" embeddings start a residual stream
+    sharded on the sequence along tp (module docstring). Returns the model."""
     replicated = (Replicated(),) * mesh.ndim
     for _, tensor in list(model.named_parameters()) + list(model.named_buffers()):
         relayout(tensor, mesh, replicated)
@@ -69,7 +82,7 @@ def parallelize_module(model, mesh, plan):
             raise ValueError(f"plan entry {pattern!r} matches no module; module names look like "
                              f"{[name for name, _ in modules[1:4]]}")
         for name, module in matched:
-            _apply_style(module, name, mesh, style)
+            _apply_style(module, name, mesh, style, sequence_parallel)
     return model
 
 
@@ -87,6 +100,7 @@ def megatron_plan(model):
     return plan
 
 
-def apply_tensor_parallel(model, mesh):
-    """Megatron-style tensor parallelism for a model built from cupytp.nn, in one call."""
-    return parallelize_module(model, mesh, megatron_plan(model))
+def apply_tensor_parallel(model, mesh, sequence_parallel=False):
+    """Megatron-style tensor parallelism for a model built from cupytp.nn, in one call; with
+    `sequence_parallel`, the activations between its regions sharded on the sequence along tp."""
+    return parallelize_module(model, mesh, megatron_plan(model), sequence_parallel)

@@ -62,9 +62,14 @@ def _plan(current, target):
 
 
 def _direct_ok(current, target, mesh_dim, dims):
-    """A one-collective change at `mesh_dim` is safe when no other mesh dim shards `dims`."""
+    """A one-collective change at `mesh_dim` is safe when no other mesh dim shards `dims`, or
+    only outer ones (before it) that keep their placement: this mesh dim then splits, or joins,
+    the block those give this rank (a sequence sharded over cp, then reduce-scattered over tp
+    by sequence parallelism)."""
+    n = len(current)
     return not any(_involves(p, dims) for k, p in enumerate(current + target)
-                   if k % len(current) != mesh_dim)
+                   if k % n != mesh_dim and not (k % n < mesh_dim and
+                                                 current[k % n] == target[k % n]))
 
 
 def redistribute(x, placements, async_op=False):
