@@ -1,5 +1,6 @@
 """Communication lives in two places: ProcessGroup (cupytp/distributed) moves bytes and
-redistribute decides when they move. Nothing else in the package calls a collective, and
+redistribute decides when they move. Nothing else in the package calls a collective, but for
+the ring of context parallelism (point-to-point steps no change of placement expresses), and
 nothing outside cupytp/distributed (package, examples, benchmarks, tests) reaches MPI itself:
 they use the runtime's helpers (barrier, broadcast_object, all_gather_object)."""
 import re
@@ -7,10 +8,12 @@ import re
 from launch import REPO
 
 COLLECTIVE_CALL = re.compile(r"\.(all_reduce|all_gather|reduce_scatter|broadcast|scatter|gather"
-                             r"|all_to_all|send|recv)\(")
+                             r"|all_to_all|send|recv|sendrecv)\(")
 RAW_MPI = re.compile(r"mpi4py|\bMPI\.COMM_WORLD|world_comm\(|host_comm")
-# the places that move data: the transition table, and building a tensor from a source rank
-COMMUNICATES = {"cupytp/tensor/redistribute.py", "cupytp/tensor/factory.py"}
+# the places that move data: the transition table, building a tensor from a source rank, and
+# the ring attention of context parallelism
+COMMUNICATES = {"cupytp/tensor/redistribute.py", "cupytp/tensor/factory.py",
+                "cupytp/parallel/context.py"}
 
 
 def sources(*folders):

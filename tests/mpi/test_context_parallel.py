@@ -1,0 +1,185 @@
+"""Context parallelism (the sequence split along a "cp" mesh dimension, attention as a ring):
+`ProcessGroup.sendrecv` around a ring; ring attention equal to attention over the whole
+sequence (causal or not, zigzag or contiguous, uneven chunks, heads split over tp, dropout),
+in float64 and on the flash kernels' NumPy twin; a GPT-2 with dropout trains exactly like one
+rank for cp = 2 and 4, with recomputation, with tensor (and sequence) parallelism beside it and
+with fully sharded data parallelism; the ring's messages per layer; clear errors."""
+import json
+
+import numpy
+import pytest
+
+import cupytp
+from cupytp import backend, ops
+from cupytp.debug import CommTracer
+from cupytp.parallel import ContextParallel
+from cupytp.tensor import Replicated, Shard, local_mesh
+from dense_reference import full, lay_out, rng_array
+from split_gpt2 import (
+    BATCH, CONFIG, assert_trains_alike, batch, build, dense_run, train, with_config)
+
+
+def needs(world, ranks):
+    if world.world_size < ranks or world.world_size % ranks:
+        pytest.skip(f"needs a multiple of {ranks} ranks")
+
+
+def test_sendrecv_passes_blocks_around_a_ring(world):
+    """Every rank sends its block (of its own length) to the next and gets the previous
+    rank's, blocking and asynchronously; the tracer sees one sendrecv each."""
+    needs(world, 2)
+    group = cupytp.DeviceMesh((world.world_size,), ("cp",)).get_process_group("cp")
+    n, r = group.size, group.rank
+    block = backend.asarray(numpy.full((r + 1, 3), float(r)))
+    with CommTracer() as tracer:
+        got = group.sendrecv(block, (r + 1) % n, (r - 1) % n, shape=(((r - 1) % n) + 1, 3))
+        work = group.sendrecv(got, (r + 1) % n, (r - 1) % n, shape=(((r - 2) % n) + 1, 3),
+                              async_op=True)
+        again = work.wait()
+    numpy.testing.assert_array_equal(backend.asnumpy(got),
+                                     numpy.full(((r - 1) % n + 1, 3), (r - 1) % n))
+    numpy.testing.assert_array_equal(backend.asnumpy(again),
+                                     numpy.full(((r - 2) % n + 1, 3), (r - 2) % n))
+    rows = json.loads(tracer.to_json())["rows"]
+    assert [(row["op"], row["calls"]) for row in rows] == [("sendrecv", 2)]
+    one = cupytp.local_mesh().get_process_group(0)
+    assert one.sendrecv(block, 0, 0) is block
+    with pytest.raises(ValueError, match="not in group"):
+        group.sendrecv(block, n, 0)
+
+
+def cp_mesh(world, tp=1):
+    return cupytp.DeviceMesh((world.world_size // tp, tp), ("cp", "tp"))
+
+
+@pytest.mark.parametrize("causal,load_balance,dropout", [
+    (True, True, 0.0), (True, True, 0.3), (True, False, 0.3), (False, True, 0.0)])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_ring_attention_is_attention_over_the_whole_sequence(world, tp, causal, load_balance,
+                                                            dropout):
+    """q|k|v (B, T, 3, H, D) float64, T = 13 split over cp (uneven chunks), heads over tp: the
+    output and q|k|v's gradient of one rank's attention, in the ring's order; the same dropout
+    mask (drawn by position)."""
+    needs(world, 2 * tp)
+    mesh = cp_mesh(world, tp)
+    cp = ContextParallel(mesh, load_balance=load_balance)
+    b, t, h, d = 2, 13, 4, 3
+    value, weight = rng_array((b, t, 3, h, d), 1), rng_array((b, t, h, d), 2)
+    cupytp.manual_seed(4)
+    qkv = lay_out(value, local_mesh(), (Replicated(),), requires_grad=True)
+    out = ops.packed_attention(qkv, causal, dropout)
+    (out * lay_out(weight, local_mesh(), (Replicated(),))).sum().backward()
+    order = cp.order(t)
+    cupytp.manual_seed(4)
+    ring_qkv = lay_out(value[:, order], mesh, (Shard(1), Shard(3)), requires_grad=True)
+    ring_out = cp.attention(ring_qkv, causal, dropout)
+    assert ring_out.placements == (Shard(1), Shard(2))
+    (ring_out * lay_out(weight[:, order], mesh, (Shard(1), Shard(2)))).sum().backward()
+    numpy.testing.assert_allclose(full(ring_out), full(out)[:, order], rtol=1e-12, atol=1e-14)
+    assert ring_qkv.grad.placements == ring_qkv.placements
+    numpy.testing.assert_allclose(full(ring_qkv.grad), full(qkv.grad)[:, order], rtol=1e-11,
+                                  atol=1e-13)
+
+
+def test_ring_attention_on_the_flash_kernels(world):
+    """bf16 with head size 64 takes the flash kernels (their NumPy twin here): the ring's
+    merged blocks agree with one rank's flash attention to bf16's rounding, gradients too."""
+    needs(world, 2)
+    mesh = cp_mesh(world)
+    cp = ContextParallel(mesh)
+    b, t, h, d = 1, 11, 1, 64
+    value = rng_array((b, t, 3, h, d), 5).astype("bfloat16")
+    weight = rng_array((b, t, h, d), 6).astype("bfloat16")
+    qkv = lay_out(value, local_mesh(), (Replicated(),), requires_grad=True)
+    (ops.packed_attention(qkv) * lay_out(weight, local_mesh(), (Replicated(),))).sum().backward()
+    order = cp.order(t)
+    ring_qkv = lay_out(value[:, order], mesh, (Shard(1), Replicated()), requires_grad=True)
+    ring_out = cp.attention(ring_qkv)
+    (ring_out * lay_out(weight[:, order], mesh, (Shard(1), Replicated()))).sum().backward()
+    expected = full(ops.packed_attention(lay_out(value, local_mesh(), (Replicated(),))))
+    numpy.testing.assert_allclose(full(ring_out).astype(float),
+                                  expected[:, order].astype(float), atol=2e-2)
+    numpy.testing.assert_allclose(full(ring_qkv.grad).astype(float),
+                                  full(qkv.grad)[:, order].astype(float), atol=6e-2)
+    with pytest.raises(ValueError, match="attention dropout under context parallelism"):
+        cp.attention(ring_qkv, dropout_p=0.1)
+
+
+@pytest.mark.parametrize("load_balance,recompute", [(True, False), (False, True)])
+def test_context_parallel_gpt2_trains_like_one_rank(world, load_balance, recompute):
+    """cp = 2 or 4 over T = 13 tokens (uneven chunks), causal, dropout 0.1 on the embeddings,
+    the attention and the residuals: two AdamW steps give one rank's losses, every gradient and
+    the parameters after."""
+    needs(world, 2)
+    mesh = cp_mesh(world)
+    cp = ContextParallel(mesh, load_balance=load_balance)
+    model = build(mesh, cp=cp, recompute=recompute)
+    assert_trains_alike(train(model, mesh, cp), dense_run(recompute))
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_context_times_tensor_parallel(world, sequence_parallel):
+    """A (cp, tp) = (2, 2) mesh, heads split over tp, with and without sequence parallelism
+    (the sequence then split over cp, and within that over tp): one rank's training."""
+    needs(world, 4)
+    mesh = cupytp.DeviceMesh((2, world.world_size // 2), ("cp", "tp"))
+    cp = ContextParallel(mesh)
+    model = build(mesh, sequence_parallel=sequence_parallel, cp=cp)
+    assert_trains_alike(train(model, mesh, cp), dense_run())
+
+
+def test_context_parallel_with_fully_sharded_data_parallel(world):
+    """A (dp, cp, tp) = (2, 2, 1) mesh, the model fully sharded over dp, the batch split over
+    dp and each sequence over cp: one rank's training."""
+    needs(world, 4)
+    mesh = cupytp.DeviceMesh((2, world.world_size // 2, 1), ("dp", "cp", "tp"))
+    cp = ContextParallel(mesh)
+    model = build(mesh, cp=cp, fsdp=True)
+    assert_trains_alike(train(model, mesh, cp), dense_run())
+
+
+def test_ring_messages_per_layer(world):
+    """Per attention layer and step: cp − 1 key/value blocks forward; backward cp − 1 blocks
+    again and cp of their gradients (the last one home); each the size of its rank's block."""
+    needs(world, 2)
+    mesh = cp_mesh(world)
+    cp = ContextParallel(mesh)
+    model = build(mesh, cp=cp, config=with_config(dropout=0.0))
+    ids, targets, positions = batch(mesh, cp)
+    with CommTracer() as tracer:
+        _, loss = model(ids, targets, positions=positions)
+        loss.backward()
+    rows = {(r["phase"], r["module"]): r for r in json.loads(tracer.to_json())["rows"]
+            if r["op"] == "sendrecv"}
+    assert set(rows) == {("forward", "GPT2.transformer.DBlock.attn"),
+                         ("backward", "GPT2.transformer.DBlock.attn")}
+    n, r, t = cp.size, cp.rank, ids.shape[1]
+    block = [sum(BATCH.shape[0] * (e - a) for a, e in cp.segments(t, j)) * 2 * CONFIG.n_embd * 8
+             for j in range(n)]                        # (B, T_j, 2, H, D) float64
+    sent_forward = sum(block[(r - s) % n] for s in range(n - 1))
+    sent_backward = sent_forward + sum(block[(r - s) % n] for s in range(n))
+    forward, backward = (rows[(phase, "GPT2.transformer.DBlock.attn")]
+                         for phase in ("forward", "backward"))
+    assert (forward["calls"], backward["calls"]) == (CONFIG.n_layer * (n - 1),
+                                                     CONFIG.n_layer * (2 * n - 1))
+    assert (forward["bytes"], backward["bytes"]) == (CONFIG.n_layer * sent_forward,
+                                                     CONFIG.n_layer * sent_backward)
+
+
+def test_bad_input(world):
+    needs(world, 2)
+    mesh = cp_mesh(world)
+    with pytest.raises(ValueError, match="no dimension 'seq'"):
+        ContextParallel(mesh, "seq")
+    cp = ContextParallel(mesh)
+    model = build(mesh, cp=cp)
+    ids, targets, _ = batch(mesh, cp)
+    with pytest.raises(ValueError, match="need their positions"):
+        model(ids, targets)
+    with pytest.raises(ValueError, match="sequence \\(dim 1\\)"):
+        cp.shard(ids)
+    with pytest.raises(ValueError, match="not on"):
+        cp.apply(build())
+    sharded_over_cp = cupytp.DeviceMesh((world.world_size,), ("cp",))
+    with pytest.raises(ValueError, match="name one 'tp'"):
+        ContextParallel(sharded_over_cp).apply(build(sharded_over_cp))

@@ -1,0 +1,114 @@
+"""Sequence parallelism (activations Shard(1) along tp between the tensor-parallel regions): a
+GPT-2 with dropout trains exactly like one rank (1-D and 2-D meshes, uneven sequence shards,
+with and without recomputation); the collectives of a block are the design's (all-gather and
+reduce-scatter where tensor parallelism all-reduces, the same bytes on the wire, plus the norms'
+and row-parallel biases' gradients reduced over tp); the column-parallel rule alone, nested
+inside a context-parallel shard of the same dimension."""
+import json
+
+import numpy
+import pytest
+
+import cupytp
+from cupytp import nn
+from cupytp.debug import CommTracer
+from cupytp.tensor import Replicated, Shard
+from dense_reference import full, lay_out, rng_array
+from split_gpt2 import BATCH, CONFIG, assert_trains_alike, batch, build, dense_run, train
+
+
+def tensor_parallel(mesh):
+    if mesh.size("tp") == 1:
+        pytest.skip("needs 2 tensor-parallel ranks")
+    if CONFIG.n_head % mesh.size("tp"):
+        pytest.skip("the heads do not split")
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_sequence_parallel_gpt2_trains_like_one_rank(mesh, recompute):
+    """T = 13 tokens over tp = 2 or 4 (uneven shards), dropout 0.1 everywhere, on a tp mesh
+    and a (dp, tp) mesh: every loss and gradient of one rank's training."""
+    tensor_parallel(mesh)
+    model = build(mesh, sequence_parallel=True, recompute=recompute)
+    assert model.transformer.wte.sequence_parallel
+    assert_trains_alike(train(model, mesh), dense_run(recompute))
+
+
+def wire_bytes(row, ranks):
+    """Bytes a ring algorithm puts on each rank's link for a CommTracer row (its bytes are
+    this rank's input): all-reduce 2(n−1)/n, reduce-scatter (n−1)/n of the input, all-gather
+    (n−1) times it."""
+    factor = {"all_reduce": 2 * (ranks - 1) / ranks, "reduce_scatter": (ranks - 1) / ranks,
+              "all_gather": ranks - 1}[row["op"]]
+    return factor * row["bytes"]
+
+
+def block_rows(model, mesh):
+    """The tracer's rows of the blocks (module GPT2.transformer.DBlock...) of one training
+    step on 12 tokens (even shards: every rank moves the same bytes), on the tp group."""
+    ids, targets, _ = batch(mesh, tokens=BATCH[:, :13])
+    with CommTracer() as tracer:
+        _, loss = model(ids, targets)
+        loss.backward()
+    return [r for r in json.loads(tracer.to_json())["rows"]
+            if r["module"].startswith("GPT2.transformer.DBlock") and r["group"] == "tp"]
+
+
+def calls(rows, phase, op):
+    return sum(r["calls"] for r in rows if r["phase"] == phase and r["op"] == op)
+
+
+def test_sequence_parallel_moves_the_same_bytes_per_block(mesh1d):
+    """Per block: tensor parallelism all-reduces twice forward and twice backward; sequence
+    parallelism all-gathers and reduce-scatters instead (forward and backward, twice each),
+    the same bytes on the wire, and all-reduces the gradients of the two LayerNorms' weight and
+    bias and of the two row-parallel biases (C each), Partial along tp once the rows they sum
+    over are split."""
+    tensor_parallel(mesh1d)
+    n, layers, itemsize = mesh1d.size("tp"), CONFIG.n_layer, 8
+    plain = block_rows(build(mesh1d), mesh1d)
+    split = block_rows(build(mesh1d, sequence_parallel=True), mesh1d)
+    assert {r["op"] for r in plain} == {"all_reduce"}
+    assert (calls(plain, "forward", "all_reduce"), calls(plain, "backward", "all_reduce")) == \
+        (2 * layers, 2 * layers)
+    for phase in ("forward", "backward"):
+        assert calls(split, phase, "all_gather") == calls(split, phase, "reduce_scatter") == \
+            2 * layers
+    assert calls(split, "forward", "all_reduce") == 0
+    gradients = [r for r in split if r["op"] == "all_reduce"]
+    assert sum(r["calls"] for r in gradients) == 6 * layers
+    assert sum(r["bytes"] for r in gradients) == 6 * layers * CONFIG.n_embd * itemsize
+    activations = [r for r in split if r["op"] != "all_reduce"]
+    assert sum(wire_bytes(r, n) for r in activations) == \
+        pytest.approx(sum(wire_bytes(r, n) for r in plain))
+
+
+def test_column_parallel_gathers_a_sequence_sharded_input(world):
+    """A column-parallel layer on x (B, T, C) sharded on T along tp — and along cp too, outside
+    it, on a (cp, tp) mesh: one all-gather over tp forward, one reduce-scatter over tp
+    backward (not an all-reduce and a slice), the dense values and gradients, x's gradient
+    laid out like x."""
+    n = world.world_size
+    if n == 1:
+        pytest.skip("needs 2 ranks")
+    shape = (2, n // 2) if n % 2 == 0 and n > 2 else (1, n)
+    mesh = cupytp.DeviceMesh(shape, ("cp", "tp"))
+    xv, gv = rng_array((2, 7, 6), 1), rng_array((2, 7, 10), 2)
+    cupytp.manual_seed(3)
+    dense = nn.DLinear(6, 10, dtype="fp64")
+    cupytp.manual_seed(3)
+    layer = nn.DColumnLinear(6, 10, mesh, dtype="fp64")
+    expected = full(dense(cupytp.from_local(xv)))
+    x = lay_out(xv, mesh, (Shard(1), Shard(1)), requires_grad=True)
+    with CommTracer() as tracer:
+        y = layer(x)
+        (y * lay_out(gv, mesh, (Replicated(), Replicated()))).sum().backward()
+    numpy.testing.assert_allclose(full(y), expected, rtol=1e-13)
+    assert y.placements == (Shard(1), Shard(2))
+    assert x.grad.placements == x.placements
+    numpy.testing.assert_allclose(full(x.grad), gv @ full(layer.weight).T, rtol=1e-12)
+    numpy.testing.assert_allclose(full(layer.weight.grad),
+                                  numpy.einsum("btc,btd->cd", xv, gv), rtol=1e-12)
+    ops = [(r["phase"], r["op"]) for r in json.loads(tracer.to_json())["rows"]
+           if r["group"] == "tp"]
+    assert ops == [("forward", "all_gather"), ("backward", "reduce_scatter")]

@@ -1,0 +1,85 @@
+"""A tiny float64 GPT-2 with dropout trained a few AdamW steps on one fixed batch, on one rank or
+with its sequence split (sequence parallelism along tp, context parallelism along cp), and the
+comparison of the two: losses, every gradient of every step, the parameters after."""
+import dataclasses
+
+import numpy
+
+import cupytp
+from cupytp.models.gpt2 import GPT2, GPT2Config
+from cupytp.optim import AdamW
+from cupytp.parallel import ContextParallel, apply_tensor_parallel, fully_shard
+from cupytp.tensor import Replicated, Shard, local_mesh
+from dense_reference import full, lay_out
+
+CONFIG = GPT2Config(vocab_size=37, block_size=16, n_layer=2, n_head=4, n_embd=8, dropout=0.1)
+BATCH = numpy.random.default_rng(2).integers(0, CONFIG.vocab_size, size=(4, 14))  # T = 13
+
+
+def build(mesh=None, sequence_parallel=False, cp=None, recompute=False, fsdp=False,
+          config=CONFIG):
+    """The model (float64) on `mesh` (None: one rank), tensor-parallel over its "tp" dim; the
+    vocabulary padded as for tp = 4 on every mesh, so all of them have the same parameters."""
+    cupytp.manual_seed(0)
+    model = GPT2(config, tp=4, recompute=recompute).to("fp64")
+    if mesh is not None:
+        apply_tensor_parallel(model, mesh, sequence_parallel=sequence_parallel)
+        if cp is not None:
+            cp.apply(model)
+        if fsdp:
+            fully_shard(model, mesh)
+    return model
+
+
+def batch(mesh, cp=None, tokens=BATCH):
+    """(ids, targets, positions): the batch split over "dp" (when the mesh has it), the
+    sequence over cp in its order (positions None without cp)."""
+    if mesh is None:
+        mesh = local_mesh()
+    placements = tuple(Shard(0) if name == "dp" else Replicated() for name in mesh.dim_names)
+    ids, targets = (lay_out(a, mesh, placements) for a in (tokens[:, :-1], tokens[:, 1:]))
+    if cp is None:
+        return ids, targets, None
+    return cp.shard(ids), cp.shard(targets), cp.positions(ids.shape[1])
+
+
+def train(model, mesh=None, cp=None, steps=2):
+    """`steps` AdamW steps with dropout: per step the loss and {name: full gradient}; then the
+    parameters."""
+    optimizer = AdamW(model.parameters(), lr=1e-2)
+    cupytp.manual_seed(7)                               # the dropout masks
+    losses, grads = [], []
+    for _ in range(steps):
+        ids, targets, positions = batch(mesh, cp)
+        _, loss = model(ids, targets, positions=positions)
+        loss.backward()
+        losses.append(float(full(loss)))
+        grads.append({name: full(p.grad) for name, p in model.named_parameters()})
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, grads, {name: full(p) for name, p in model.named_parameters()}
+
+
+def assert_trains_alike(got, expected, rtol=1e-12, atol=1e-12):
+    """Losses, every gradient of every step and the parameters after: equal to float64's last
+    bits (sums taken in another order)."""
+    numpy.testing.assert_allclose(got[0], expected[0], rtol=rtol)
+    for step, (mine, theirs) in enumerate(zip(got[1], expected[1])):
+        assert mine.keys() == theirs.keys()
+        for name, want in theirs.items():
+            numpy.testing.assert_allclose(mine[name], want, rtol=rtol, atol=atol,
+                                          err_msg=f"gradient of {name}, step {step}")
+    for name, want in expected[2].items():
+        numpy.testing.assert_allclose(got[2][name], want, rtol=rtol, atol=atol, err_msg=name)
+
+
+def dense_run(recompute=False, config=CONFIG):
+    return train(build(recompute=recompute, config=config))
+
+
+def with_config(**changes):
+    return dataclasses.replace(CONFIG, **changes)
+
+
+__all__ = ["CONFIG", "BATCH", "ContextParallel", "build", "batch", "train", "assert_trains_alike",
+           "dense_run", "with_config"]
