@@ -40,7 +40,7 @@ from cupytp.tensor.random import default_generator, uniform_at
 from cupytp.distributed.process_group import split_sizes
 
 
-# ---- the sequence's order -------------------------------------------------------------------------
+# ---- the sequence's order -----------------------------------------------------------------------
 def segments(length, parts, rank, load_balance=True):
     """The (start, stop) ranges of the global sequence that rank `rank` of `parts` holds, in its
     local order (ascending): the zigzag pair of chunks, or one contiguous range."""
@@ -94,7 +94,7 @@ def block_plan(query_ranges, key_ranges, causal):
     return blocks
 
 
-# ---- local math of one block ----------------------------------------------------------------------
+# ---- local math of one block --------------------------------------------------------------------
 def merge(o, lse, o_block, lse_block):
     """Fold a block's partial attention (o_block (..., T, D), lse_block (..., T)) into the
     running (o, lse), in place: o = (o·e^lse + o_block·e^lse_block) / e^lse_new with
@@ -168,7 +168,7 @@ class _Flash:
         return cudnn_attention if cudnn_attention.applies(q, k, 0.0) else flash_attention
 
 
-# ---- the ring -------------------------------------------------------------------------------------
+# ---- the ring -----------------------------------------------------------------------------------
 class ContextParallel:
     """The sequence split across mesh dimension `dim` of `mesh`: tokens in zigzag order with
     `load_balance` (for causal attention), else contiguous.

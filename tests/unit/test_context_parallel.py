@@ -1,11 +1,19 @@
 """Context parallelism's pieces on one process: the zigzag order (every token once, the causal
 work balanced), the blocks of each ring step against the causal mask, and the log-sum-exp merge
-of partial attention against a NumPy twin (softmax attention over all the keys at once)."""
+of partial attention against a NumPy twin (softmax attention over all the keys at once), and
+every rank's blocks on the flash kernels against one flash attention (on a GPU: the kernels on
+strided block views)."""
+import math
+
 import numpy
 import pytest
 
+import cupytp
+from cupytp.backend import asnumpy, bfloat16, xp
 from cupytp.distributed.process_group import split_sizes
-from cupytp.parallel.context import block_plan, merge, positions_of, segments
+from cupytp.launchers.flash_attention import attention_backward, attention_forward
+from cupytp.ops.functional import unpacked
+from cupytp.parallel.context import _Flash, block_plan, merge, positions_of, segments
 
 
 @pytest.mark.parametrize("parts", [1, 2, 3, 4])
@@ -95,3 +103,56 @@ def test_merge_of_partial_results_is_attention_over_all_keys():
     finite = numpy.isfinite(expected_lse)
     numpy.testing.assert_allclose(lse[finite], expected_lse[finite], rtol=1e-12)
     assert not o[:, 7].any()
+
+
+@pytest.mark.parametrize("parts,length", [(2, 37), (4, 130)])
+def test_ring_blocks_on_the_flash_kernels(parts, length):
+    """Every rank's ring, played on one device: its blocks (strided views into the packed
+    q|k|v, causal on its own, unmasked against the others) on the flash kernels (their NumPy
+    twin on the CPU), merged by log-sum-exp, then the backward from the merged output and
+    log-sum-exp: one flash attention over the whole sequence, gradients summed, to bf16's
+    rounding."""
+    cupytp.init()
+    b, h, d = 2, 2, 64
+    scale = 1 / math.sqrt(d)
+    rng = numpy.random.default_rng(1)
+    packed = xp.asarray(rng.standard_normal((b, length, 3, h, d)).astype(bfloat16))
+    grad_out = xp.asarray(rng.standard_normal((b, length, h, d)).astype(bfloat16))
+    q, k, v = unpacked(packed)
+    o_ref, lse_ref = attention_forward(q, k, v, True, scale)
+    grads_ref = attention_backward(q, k, v, o_ref, lse_ref, grad_out.transpose(0, 2, 1, 3),
+                                   True, scale)
+    held = [segments(length, parts, r) for r in range(parts)]
+    where = [xp.asarray(positions_of(s)) for s in held]
+    kv = [xp.ascontiguousarray(packed[:, w, 1:]) for w in where]
+    grad_q, grad_kv = xp.zeros(q.shape, numpy.float32), xp.zeros(packed.shape, numpy.float32)
+    kernels = _Flash()
+    for r in range(parts):
+        local_q = unpacked(xp.ascontiguousarray(packed[:, where[r]]))[0]     # (B, H, T/cp, D)
+        o = xp.zeros(local_q.shape, numpy.float32)
+        lse = xp.full(local_q.shape[:3], -numpy.inf, numpy.float32)
+        steps = [(s, block_plan(held[r], held[s], True)) for s in range(parts)]
+        for s, blocks in steps:
+            keys, values = (kv[s][:, :, i].transpose(0, 2, 1, 3) for i in (0, 1))
+            for rows, cols, diagonal in blocks:
+                merge(o[:, :, rows], lse[:, :, rows], *kernels.forward(
+                    local_q[:, :, rows], keys[:, :, cols], values[:, :, cols], diagonal, scale,
+                    None))
+        numpy.testing.assert_allclose(asnumpy(o), asnumpy(o_ref[:, :, where[r]]).astype(float),
+                                      atol=2e-2)
+        numpy.testing.assert_allclose(asnumpy(lse), asnumpy(lse_ref[:, :, where[r]]), rtol=1e-4)
+        o = xp.ascontiguousarray(o.transpose(0, 2, 1, 3)).astype(bfloat16).transpose(0, 2, 1, 3)
+        do = xp.ascontiguousarray(grad_out[:, where[r]]).transpose(0, 2, 1, 3)
+        for s, blocks in steps:
+            keys, values = (kv[s][:, :, i].transpose(0, 2, 1, 3) for i in (0, 1))
+            for rows, cols, diagonal in blocks:
+                dq, dk, dv = kernels.backward(local_q[:, :, rows], keys[:, :, cols],
+                                              values[:, :, cols], o[:, :, rows], lse[:, :, rows],
+                                              do[:, :, rows], diagonal, scale, None)
+                grad_q[:, :, where[r][rows]] += dq
+                grad_kv[:, where[s][cols], 1] += dk.transpose(0, 2, 1, 3)
+                grad_kv[:, where[s][cols], 2] += dv.transpose(0, 2, 1, 3)
+    got = (grad_q, grad_kv[:, :, 1].transpose(0, 2, 1, 3), grad_kv[:, :, 2].transpose(0, 2, 1, 3))
+    for name, mine, want in zip("qkv", got, grads_ref):
+        numpy.testing.assert_allclose(asnumpy(mine), asnumpy(want).astype(float), atol=5e-2,
+                                      err_msg=f"d{name}")
