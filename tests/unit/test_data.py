@@ -116,11 +116,13 @@ def test_read_tokens_errors(tmp_path):
     with pytest.raises(DataError, match="is empty"):
         read_tokens(empty)
     short = tmp_path / "short.bin"
-    short.write_bytes(bytes(100))
+    short.write_bytes(np.array([20240520, 1, 2], "<i4").tobytes())
     with pytest.raises(DataError, match="shorter than the 1024-byte header"):
         read_tokens(short)
-    with pytest.raises(DataError, match="magic 123, expected 20240520"):
-        read_tokens(write_raw(tmp_path / "magic.bin", [123, 1, 2], 4))
+    odd = tmp_path / "odd.bin"
+    odd.write_bytes(bytes(7))
+    with pytest.raises(DataError, match="neither llm.c's layout.*nor nanoGPT's.*odd number"):
+        read_tokens(odd)
     with pytest.raises(DataError, match="version 2"):
         read_tokens(write_raw(tmp_path / "version.bin", [20240520, 2, 2], 4))
     with pytest.raises(DataError, match="holds no tokens"):

@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from cupytp.train_log import TrainLog, estimate_mfu, format_bytes, plot_loss, read_log
+from cupytp.train_log import COLUMNS, TrainLog, estimate_mfu, format_bytes, plot_loss, read_log
 
 
 def read_csv(path):
@@ -20,9 +20,9 @@ def test_rows_go_to_csv_and_jsonl(tmp_path):
     log.log(10, loss=3.25, val_loss=3.5, mfu=0.41, mem_gib=None)
     rows = read_csv(tmp_path / "run" / "log.csv")
     assert rows == [
-        ["step", "loss", "val_loss", "lr", "tokens_per_s", "mfu", "mem_gib"],
-        ["0", "4.5", "", "0.0006", "12000", "", ""],
-        ["10", "3.25", "3.5", "", "", "0.41", ""],
+        ["step", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "mem_gib"],
+        ["0", "4.5", "", "0.0006", "", "12000", "", ""],
+        ["10", "3.25", "3.5", "", "", "", "0.41", ""],
     ]
     with open(tmp_path / "run" / "log.jsonl") as file:
         lines = [json.loads(line) for line in file]
@@ -31,12 +31,32 @@ def test_rows_go_to_csv_and_jsonl(tmp_path):
     assert read_log(tmp_path / "run") == lines
 
 
-def test_reopening_appends_without_a_second_header(tmp_path):
-    TrainLog(tmp_path).log(1, loss=2.0)
-    TrainLog(tmp_path).log(2, loss=1.5)
-    rows = read_csv(tmp_path / "log.csv")
-    assert [row[0] for row in rows] == ["step", "1", "2"]
-    assert [row["step"] for row in read_log(tmp_path)] == [1, 2]
+def test_a_new_log_replaces_an_earlier_runs(tmp_path):
+    """A second run into the same directory holds only its own rows (and no stale plot)."""
+    first = TrainLog(tmp_path)
+    first.log(0, loss=3.0)
+    first.log(5, loss=2.0)
+    (tmp_path / "loss.png").write_bytes(b"old plot")
+    second = TrainLog(tmp_path)
+    assert second.replaced and not first.replaced
+    second.log(0, loss=9.0)
+    assert read_csv(tmp_path / "log.csv") == [list(COLUMNS), ["0", "9.0"] + [""] * 6]
+    assert read_log(tmp_path) == [{"step": 0, "loss": 9.0}]
+    assert not (tmp_path / "loss.png").exists()
+
+
+def test_resuming_continues_the_log_without_the_steps_it_redoes(tmp_path):
+    log = TrainLog(tmp_path)
+    for step in range(6):
+        log.log(step, loss=10.0 - step)
+    resumed = TrainLog(tmp_path, resume_at=4)       # the checkpoint was at step 4
+    resumed.log(4, loss=5.5)
+    assert [row[0] for row in read_csv(tmp_path / "log.csv")] == ["step", "0", "1", "2", "3",
+                                                                  "4"]
+    assert [(row["step"], row["loss"]) for row in read_log(tmp_path)] == [
+        (0, 10.0), (1, 9.0), (2, 8.0), (3, 7.0), (4, 5.5)]
+    TrainLog(tmp_path / "new", resume_at=4).log(4, loss=1.0)     # resumed into a new directory
+    assert read_log(tmp_path / "new") == [{"step": 4, "loss": 1.0}]
 
 
 def test_column_errors(tmp_path):
@@ -45,7 +65,7 @@ def test_column_errors(tmp_path):
         log.log(0, loss=1.0, lr=1e-3)
     log.log(0, loss=1.0, grad_norm=0.5)
     with pytest.raises(ValueError, match="log.csv has columns .*use another out_dir"):
-        TrainLog(tmp_path)
+        TrainLog(tmp_path, resume_at=1)
     with pytest.raises(ValueError, match="needs a 'step' column"):
         TrainLog(tmp_path / "other", columns=("loss",))
 
