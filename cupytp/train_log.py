@@ -9,6 +9,7 @@ import csv
 import glob
 import json
 import os
+import time
 
 import numpy as np
 
@@ -126,7 +127,9 @@ class TensorBoardLog:
         if resume_at is None:
             for path in glob.glob(os.path.join(log_dir, "events.out.tfevents.*")):
                 os.remove(path)
-        self.writer = SummaryWriter(log_dir, purge_step=resume_at, flush_secs=10)
+        # the suffix keeps the files of two runs started in one second apart, in order
+        self.writer = SummaryWriter(log_dir, purge_step=resume_at, flush_secs=10,
+                                    filename_suffix=f".{time.time_ns()}")
 
     def log(self, step, **values):
         for name, value in values.items():

@@ -111,3 +111,72 @@ def test_estimate_mfu():
     assert estimate_mfu(6 * 124e6, 400e3, 989e12) == pytest.approx(0.3009, abs=1e-4)
     with pytest.raises(ValueError, match="peak_flops must be positive"):
         estimate_mfu(1.0, 1.0, 0)
+
+
+def read_scalars(log_dir):
+    """{tag: [(step, value)]} of the TensorBoard event files in `log_dir` (TFRecord framing:
+    length, its CRC, the Event message, its CRC), purged steps dropped as TensorBoard does."""
+    import struct
+    from tensorboardX.proto import event_pb2
+    found = {}
+    for path in sorted(log_dir.glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        at = 0
+        while at < len(data):
+            (length,) = struct.unpack("<Q", data[at:at + 8])
+            event = event_pb2.Event.FromString(data[at + 12:at + 12 + length])
+            at += 12 + length + 4
+            if event.session_log.status == event.session_log.START:    # purge_step
+                found = {tag: [p for p in points if p[0] < event.step]
+                         for tag, points in found.items()}
+            for value in event.summary.value:
+                found.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return found
+
+
+def test_tensorboard_log_writes_every_metric(tmp_path):
+    pytest.importorskip("tensorboardX")
+    from cupytp.train_log import TensorBoardLog
+    log = TensorBoardLog(str(tmp_path))
+    log.log(0, loss=4.0, val_loss=4.5, lr=1e-3, grad_norm=2.0, tokens_per_s=1000.0, mfu=0.25,
+            mem_gib=1.5)
+    log.log(10, loss=3.0, lr=None)
+    log.close()
+    scalars = read_scalars(tmp_path)
+    assert scalars == {"train/loss": [(0, 4.0), (10, 3.0)], "val/loss": [(0, 4.5)],
+                       "train/lr": [(0, pytest.approx(1e-3))], "train/grad_norm": [(0, 2.0)],
+                       "perf/tokens_per_s": [(0, 1000.0)], "perf/mfu": [(0, 0.25)],
+                       "perf/mem_gib": [(0, 1.5)]}
+    resumed = TensorBoardLog(str(tmp_path), resume_at=5)         # keeps step 0, drops 10
+    resumed.log(5, loss=3.5)
+    resumed.close()
+    assert read_scalars(tmp_path)["train/loss"] == [(0, 4.0), (5, 3.5)]
+    fresh = TensorBoardLog(str(tmp_path))                        # a new run: earlier files go
+    fresh.log(0, loss=9.0)
+    fresh.close()
+    assert read_scalars(tmp_path) == {"train/loss": [(0, 9.0)]}
+
+
+@pytest.mark.parametrize("kind,package", [("TensorBoardLog", "tensorboardX"),
+                                          ("WandbLog", "wandb")])
+def test_a_missing_package_names_the_pip_command(tmp_path, monkeypatch, kind, package):
+    import cupytp.train_log as train_log
+    monkeypatch.setitem(sys.modules, package, None)          # import fails as if not installed
+    arguments = (str(tmp_path),) if kind == "TensorBoardLog" else ("project", str(tmp_path))
+    with pytest.raises(train_log.MissingPackageError, match=f"needs the {package} package: "
+                                                            f"pip install {package}$"):
+        getattr(train_log, kind)(*arguments)
+
+
+def test_wandb_log_offline(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from cupytp.train_log import WandbLog
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    log = WandbLog("cupytp-test", str(tmp_path), config={"lr": 1e-3})
+    log.log(0, loss=4.0, val_loss=4.5, grad_norm=1.0, mem_gib=None)
+    log.log(1, loss=3.0)
+    log.close()
+    assert log.mode == "offline"
+    runs = list((tmp_path / "wandb").glob(f"offline-run-*-{log.id}"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
