@@ -24,11 +24,17 @@ os.environ.setdefault("CUPY_TF32", "1")     # fp32 matmuls on tensor cores (befo
 import numpy  # noqa: E402
 
 
+LAUNCHER_RANKS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
+
+
 def rank_zero():
-    """Whether this process is rank 0 of the job (from MPI itself: it holds before and after
-    cupytp.init(), and when init() itself failed)."""
-    from mpi4py import MPI
-    return MPI.COMM_WORLD.rank == 0
+    """Whether this process is rank 0 of the job: the runtime's rank once cupytp.init() ran,
+    before that (or when `import cupytp` itself failed) the rank its launcher gave it (MPICH,
+    Open MPI, PMIx, Slurm; a process started alone is rank 0)."""
+    distributed = sys.modules.get("cupytp.distributed")
+    if distributed is not None and distributed.is_initialized():
+        return distributed.get_rank() == 0
+    return all(os.environ.get(name, "0").strip() in ("", "0") for name in LAUNCHER_RANKS)
 
 
 def fail(message, status=2):
