@@ -1,20 +1,36 @@
-"""cupytp: tensor-parallel and fully-sharded training on raw CuPy arrays, NCCL and MPI."""
-from cupytp import backend
-from cupytp.autograd import no_grad
-from cupytp.distributed import DeviceMesh, init, init_device_mesh
-from cupytp.graph import GraphCaptureError, cuda_graph
-from cupytp.memory import (
+"""cupytp: tensor-parallel and fully-sharded training on raw CuPy arrays, NCCL and MPI.
+
+`import cupytp` checks the CUPYTP_* environment variables first (`cupytp.env`). The layers
+below the models are imported here; the others (`cupytp.checkpoint`, `cupytp.optim`,
+`cupytp.models`, ...) load on first use of the attribute, so `import cupytp` then
+`cupytp.checkpoint.save(...)` works without importing the subpackage by name.
+"""
+import importlib
+
+from cupytp import env
+
+env.check()
+
+from cupytp import backend  # noqa: E402
+from cupytp.autograd import no_grad  # noqa: E402
+from cupytp.distributed import DeviceMesh, init, init_device_mesh  # noqa: E402
+from cupytp.graph import GraphCaptureError, cuda_graph  # noqa: E402
+from cupytp.memory import (  # noqa: E402
     empty_cache, memory_stats, memory_summary, reset_peak_memory_stats, set_memory_limit)
-from cupytp.ops import (
+from cupytp.ops import (  # noqa: E402
     ShardingError, autocast, concat, cross_entropy, dropout, einsum, embedding, gelu, layer_norm,
     log_softmax, matmul, softmax, split, stack)
-from cupytp.tensor import (
+from cupytp.tensor import (  # noqa: E402
     DTensor, Layout, Partial, Replicated, Shard, arange, distribute, from_local,
     full, local_mesh, manual_seed, ones, rand, randn, zeros)
 
-from cupytp import debug      # after the layers it looks at
+from cupytp import debug  # noqa: E402    after the layers it looks at
 
 __version__ = "0.1.0"
+
+# subpackages loaded on first attribute access (PEP 562)
+LAZY_SUBMODULES = ("checkpoint", "data", "launchers", "models", "nn", "optim", "parallel",
+                   "train_log")
 
 __all__ = [
     "backend", "no_grad", "DeviceMesh", "init", "init_device_mesh", "GraphCaptureError",
@@ -23,5 +39,15 @@ __all__ = [
     "concat", "cross_entropy", "dropout", "einsum", "embedding", "gelu", "layer_norm",
     "log_softmax", "matmul", "softmax", "split", "stack", "DTensor", "Layout", "Partial",
     "Replicated", "Shard", "arange", "distribute", "from_local", "full",
-    "local_mesh", "manual_seed", "ones", "rand", "randn", "zeros", "debug",
+    "local_mesh", "manual_seed", "ones", "rand", "randn", "zeros", "debug", "env",
 ]
+
+
+def __getattr__(name):
+    if name in LAZY_SUBMODULES:
+        return importlib.import_module(f"cupytp.{name}")   # also sets the attribute
+    raise AttributeError(f"module 'cupytp' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(LAZY_SUBMODULES))

@@ -5,10 +5,10 @@
 and with the variable unset CuPy is taken when it imports and sees at least one device.
 bfloat16 comes from ml_dtypes on both backends.
 """
-import os
-
 import ml_dtypes
 import numpy
+
+from cupytp import env
 
 bfloat16 = numpy.dtype(ml_dtypes.bfloat16)
 
@@ -42,9 +42,7 @@ def _usable_cupy():
 
 
 def _select():
-    wanted = os.environ.get("CUPYTP_DEVICE", "").strip().lower()
-    if wanted not in ("", "cpu", "gpu"):
-        raise BackendError(f"CUPYTP_DEVICE={wanted!r} is not understood: use 'cpu' or 'gpu'")
+    wanted = env.get("CUPYTP_DEVICE")
     if wanted == "cpu":
         return numpy
     cupy, why = _usable_cupy()

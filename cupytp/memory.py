@@ -39,7 +39,7 @@ import traceback
 import weakref
 from bisect import bisect_left, insort
 
-from cupytp import backend
+from cupytp import backend, env
 
 MiB = 2 ** 20
 ALIGNMENT = 512                 # every block size is a multiple of this
@@ -619,11 +619,7 @@ def new_private_pool():
 
 def allocator_choice():
     """CUPYTP_ALLOCATOR: 'cupytp' (the default: this module's pool) or 'cupy' (CuPy's pool)."""
-    choice = os.environ.get("CUPYTP_ALLOCATOR", "cupytp").strip().lower() or "cupytp"
-    if choice not in ("cupytp", "cupy"):
-        raise ValueError(f"CUPYTP_ALLOCATOR={choice!r} is not understood: use 'cupytp' (the "
-                         "framework's pool, the default) or 'cupy' (CuPy's own pool)")
-    return choice
+    return env.get("CUPYTP_ALLOCATOR")
 
 
 def install():

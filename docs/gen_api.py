@@ -22,6 +22,7 @@ PACKAGES = [
     ("cupytp.models", None),
     ("cupytp.data", None),
     ("cupytp.train_log", None),
+    ("cupytp.env", None),
 ]
 OUT = Path(__file__).resolve().parent / "api.md"
 

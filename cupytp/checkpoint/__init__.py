@@ -11,7 +11,7 @@ hyperparameters; `extra`) and one `rank-NNNNN.safetensors` per rank that wrote b
 `ckpt/latest` names the newest complete checkpoint. Every rank must see the same directory (on
 several nodes: a shared filesystem).
 """
-from cupytp.checkpoint.sharded import load, save
+from cupytp.checkpoint.sharded import load, read_extra, save
 from cupytp.checkpoint.storage import CheckpointError
 
-__all__ = ["load", "save", "CheckpointError"]
+__all__ = ["load", "read_extra", "save", "CheckpointError"]

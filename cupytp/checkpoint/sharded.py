@@ -65,6 +65,17 @@ def save(directory, step, model=None, optimizer=None, extra=None, keep_last=None
         raise
 
 
+def read_extra(directory):
+    """(the checkpoint directory `load(directory)` would read, its `extra` dict with "step"),
+    without reading any tensor: what a run needs to know before it builds its model.
+    Collective: every rank calls it."""
+    rank = rt.get_rank()
+    path = _on_every_rank(lambda: storage.resolve(directory) if rank == 0 else None,
+                          gather=True)[0]
+    index = _on_every_rank(lambda: storage.read_index(path))
+    return path, dict(index["extra"], step=index["step"])
+
+
 def load(directory, model=None, optimizer=None):
     """Load a checkpoint into `model` and `optimizer` (either may be None), resharded to their
     meshes and placements, and return its `extra` dict with "step" added.

@@ -21,6 +21,8 @@ import secrets
 import shutil
 import signal
 
+from cupytp import env
+
 INDEX = "index.json"
 LATEST = "latest"
 FORMAT = "cupytp-checkpoint"
@@ -175,7 +177,7 @@ def fault(point, rank):
     (SIGKILL) on reaching <point> of a save: "shard" (its shard file written and fsynced),
     "index" (rank 0: index written, not yet renamed) or "renamed" (rank 0: renamed, `latest`
     not yet updated)."""
-    if os.environ.get(FAULT_VARIABLE) == f"{rank}:{point}":
+    if env.get(FAULT_VARIABLE) == f"{rank}:{point}":
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -1,10 +1,14 @@
 """Batches of (input, target) windows from a token file, split across data-parallel ranks.
 
-The tokens are cut into windows of seq_len + 1 tokens that start every seq_len tokens. One global
-stream orders all windows, epoch after epoch (each epoch a fresh permutation seeded with
-seed + epoch), and every step takes the next batch_size * dp_size windows of it: dp rank r gets
-the r-th block of batch_size. So dp_size=2 sees exactly the windows of dp_size=1 with twice the
-batch, and tensor-parallel ranks that pass the same dp_rank get the same batch.
+Two ways to draw windows of seq_len + 1 tokens (`sampling`):
+- "epoch" (the default): the tokens are cut into windows that start every seq_len tokens. One
+  global stream orders all windows, epoch after epoch (each epoch a fresh permutation seeded
+  with seed + epoch), so each epoch sees every window once.
+- "random": each window starts at a random offset in 0..N-seq_len-1, as nanoGPT's `get_batch`
+  draws them; step s's offsets come from a generator seeded with (seed, s).
+Either way every step takes the next batch_size * dp_size windows: dp rank r gets the r-th block
+of batch_size. So dp_size=2 sees exactly the windows of dp_size=1 with twice the batch, and
+tensor-parallel ranks that pass the same dp_rank get the same batch.
 """
 import os
 
@@ -12,18 +16,23 @@ import numpy as np
 
 from cupytp.data.token_file import DataError, read_tokens
 
+SAMPLINGS = ("epoch", "random")
+
 
 class TokenLoader:
     """`next_batch()` -> (x, y), int64 arrays of shape (batch_size, seq_len), y = x shifted by one.
 
-    `step` is the index of the next batch; set it to resume a run where it stopped.
+    `step` is the index of the next batch; set it to resume a run where it stopped. With
+    `vocab_size`, a batch holding a token id outside 0..vocab_size-1 is a DataError.
     """
 
     def __init__(self, path_or_tokens, batch_size, seq_len, dp_rank=0, dp_size=1, seed=0,
-                 shuffle=True):
+                 shuffle=True, sampling="epoch", vocab_size=None):
         if batch_size < 1 or seq_len < 1:
             raise ValueError(f"batch_size and seq_len must be positive, got {batch_size} "
                              f"and {seq_len}")
+        if sampling not in SAMPLINGS:
+            raise ValueError(f"sampling {sampling!r} is not one of {', '.join(SAMPLINGS)}")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} is not in 0..{dp_size - 1} (dp_size {dp_size})")
         if isinstance(path_or_tokens, (str, os.PathLike)):
@@ -42,6 +51,9 @@ class TokenLoader:
         self.dp_size = dp_size
         self.seed = seed
         self.shuffle = shuffle
+        self.sampling = sampling
+        self.vocab_size = vocab_size
+        self.source = source
         self.num_windows = (self.tokens.size - 1) // seq_len
         self.step = 0
         self._epoch_order = (None, None)                    # (epoch, its window order)
@@ -55,10 +67,19 @@ class TokenLoader:
     def batch_at(self, step):
         """This rank's (x, y) for global step `step`; the same on every call."""
         global_batch = self.batch_size * self.dp_size
-        first = step * global_batch + self.dp_rank * self.batch_size
-        starts = self._window_starts(first, self.batch_size)
+        if self.sampling == "random":
+            offsets = np.random.default_rng((self.seed, step)).integers(
+                0, self.tokens.size - self.seq_len, size=global_batch)
+            starts = offsets[self.dp_rank * self.batch_size:][:self.batch_size]
+        else:
+            first = step * global_batch + self.dp_rank * self.batch_size
+            starts = self._window_starts(first, self.batch_size)
         offsets = np.arange(self.seq_len + 1)
         windows = self.tokens[starts[:, None] + offsets].astype(np.int64)  # (B, T+1)
+        if self.vocab_size is not None and windows.max() >= self.vocab_size:
+            raise DataError(f"token id {int(windows.max())} in {self.source} is outside the "
+                            f"vocabulary of {self.vocab_size}: the tokens were made with another "
+                            "tokenizer (--tokenizer; a nanoGPT directory's meta.pkl)")
         x = np.ascontiguousarray(windows[:, :-1])                          # (B, T)
         y = np.ascontiguousarray(windows[:, 1:])                           # (B, T)
         return x, y
@@ -66,7 +87,7 @@ class TokenLoader:
     def state_dict(self):
         """Where the stream stands: windows taken so far by all dp ranks, and what orders them."""
         return {"windows": self.step * self.batch_size * self.dp_size, "seed": self.seed,
-                "shuffle": self.shuffle, "seq_len": self.seq_len,
+                "shuffle": self.shuffle, "sampling": self.sampling, "seq_len": self.seq_len,
                 "num_windows": self.num_windows}
 
     def load_state_dict(self, state):
@@ -74,7 +95,8 @@ class TokenLoader:
         its windows; the stream must be the same and this loader's global batch must divide the
         windows taken."""
         mine = self.state_dict()
-        changed = [name for name in ("seed", "shuffle", "seq_len", "num_windows")
+        state = {"sampling": "epoch", **state}          # states saved before random sampling
+        changed = [name for name in ("seed", "shuffle", "sampling", "seq_len", "num_windows")
                    if state[name] != mine[name]]
         if changed:
             raise ValueError("the data stream differs from the saved one in " + ", ".join(

@@ -1,4 +1,7 @@
-"""Turn a text corpus into train and validation token files, once per text and tokenizer."""
+"""Train and validation tokens: a text corpus tokenized once per text and tokenizer (the token
+files kept in a cache directory), or a directory of `.bin` token files (llm.c's shards, or
+nanoGPT's train.bin / val.bin with its meta.pkl)."""
+import glob
 import hashlib
 import json
 import os
@@ -7,6 +10,7 @@ import re
 import numpy as np
 
 from cupytp.data.token_file import DataError, atomic_write, read_tokens, write_tokens
+from cupytp.data.tokenizer import CharTokenizer
 
 PREPARE_FORMAT = 1
 
@@ -14,6 +18,27 @@ PREPARE_FORMAT = 1
 def default_corpus_path():
     """The corpus shipped with the package: tiny Shakespeare (about 1 MB of text)."""
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "tinyshakespeare.txt")
+
+
+def default_cache_dir():
+    """Where `prepare_corpus` keeps token files by default: $XDG_CACHE_HOME/cupytp/tokens, else
+    ~/.cache/cupytp/tokens."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "cupytp", "tokens")
+
+
+def read_token_dir(directory):
+    """(train tokens, val tokens, tokenizer or None) of a directory of `.bin` files: every
+    *train*.bin, then every *val*.bin, in name order (llm.c's shards, or nanoGPT's train.bin and
+    val.bin); the tokenizer is the character vocabulary of a nanoGPT meta.pkl beside them."""
+    files = {split: sorted(glob.glob(os.path.join(directory, f"*{split}*.bin")))
+             for split in ("train", "val")}
+    if not files["train"] or not files["val"]:
+        raise DataError(f"{directory} holds no *train*.bin and *val*.bin token files")
+    train, val = (np.concatenate([read_tokens(f) for f in files[split]]) if len(files[split]) > 1
+                  else read_tokens(files[split][0]) for split in ("train", "val"))
+    meta = os.path.join(directory, "meta.pkl")
+    return train, val, CharTokenizer.from_meta(meta) if os.path.isfile(meta) else None
 
 
 def prepare_corpus(text_path, out_dir, tokenizer, val_fraction=0.1):

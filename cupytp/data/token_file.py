@@ -1,7 +1,11 @@
-"""Token files in the nanoGPT / llm.c `.bin` layout, and the error every data module raises.
+"""Token files in llm.c's and nanoGPT's `.bin` layouts, and the error every data module raises.
 
-Layout: a header of 256 little-endian int32 (header[0] = 20240520 magic, header[1] = 1 version,
-header[2] = number of tokens), then the tokens as little-endian uint16.
+llm.c (what `write_tokens` writes): a header of 256 little-endian int32 (header[0] = 20240520
+magic, header[1] = 1 version, header[2] = number of tokens), then the tokens as little-endian
+uint16. nanoGPT (its prepare.py's `train.bin` / `val.bin`): the uint16 tokens alone, no header.
+`read_tokens` tells them apart by the magic: as a uint16 pair it would be tokens 56392 and 308,
+and 56392 is past GPT-2's vocabulary (50257), so no nanoGPT file of a vocabulary that size
+starts with it.
 """
 import contextlib
 import os
@@ -71,7 +75,8 @@ def write_tokens(path, tokens):
 
 
 def read_tokens(path):
-    """Memory-map the tokens of a `.bin` file: a read-only uint16 np.memmap of shape (N,)."""
+    """Memory-map the tokens of a `.bin` file, llm.c's (with its header) or nanoGPT's (headerless
+    uint16): a read-only uint16 np.memmap of shape (N,)."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise DataError(f"token file {path} does not exist")
@@ -80,13 +85,13 @@ def read_tokens(path):
     size = os.path.getsize(path)
     if size == 0:
         raise DataError(f"token file {path} is empty")
+    if size < 4 or int(np.fromfile(path, dtype="<i4", count=1)[0]) != MAGIC:
+        return _read_headerless(path, size)
     if size < HEADER_BYTES:
         raise DataError(f"token file {path} is {size} bytes, shorter than the "
-                        f"{HEADER_BYTES}-byte header")
+                        f"{HEADER_BYTES}-byte header its magic number announces")
     header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
-    magic, version, count = (int(value) for value in header[:3])
-    if magic != MAGIC:
-        raise DataError(f"{path} is not a token file: magic {magic}, expected {MAGIC}")
+    version, count = (int(value) for value in header[1:3])
     if version != VERSION:
         raise DataError(f"token file {path} has version {version}; only version {VERSION} "
                         f"(uint16 tokens) is supported")
@@ -97,3 +102,12 @@ def read_tokens(path):
         raise DataError(f"token file {path} is {size} bytes but its header counts {count} "
                         f"tokens ({expected_size} bytes): the file is truncated or corrupt")
     return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(count,))
+
+
+def _read_headerless(path, size):
+    """nanoGPT's layout: the whole file is uint16 tokens."""
+    if size % 2:
+        raise DataError(f"token file {path} is {size} bytes: neither llm.c's layout (it lacks the "
+                        f"magic number {MAGIC}) nor nanoGPT's headerless uint16 tokens (an odd "
+                        "number of bytes)")
+    return np.memmap(path, dtype="<u2", mode="r", shape=(size // 2,))

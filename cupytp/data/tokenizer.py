@@ -1,4 +1,5 @@
-"""Tokenizers that need no download: bytes, a byte-level BPE trained here, and tiktoken's GPT-2.
+"""Tokenizers that need no download: bytes, a byte-level BPE trained here, nanoGPT's character
+vocabularies (its `meta.pkl`), and tiktoken's GPT-2.
 
 Every tokenizer has `encode(str) -> list[int]`, `decode(list[int]) -> str`, `vocab_size`, `eot_id`
 and `name`. `encode` treats its whole input as text: it never emits the end-of-text id, which the
@@ -8,8 +9,10 @@ it back.
 """
 import hashlib
 import heapq
+import io
 import json
 import os
+import pickle
 import re
 from collections import Counter, defaultdict
 from typing import Protocol
@@ -40,7 +43,7 @@ class Tokenizer(Protocol):
 
     name: str
     vocab_size: int
-    eot_id: int
+    eot_id: int | None          # None: the vocabulary has no end-of-text token
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -236,6 +239,65 @@ class BPETokenizer:
         if not isinstance(state.get("merges"), list) or not isinstance(state.get("pattern"), str):
             raise DataError(f"BPE tokenizer file {path} lacks its merges list or pattern")
         return cls(state["merges"], state["pattern"])
+
+
+class CharTokenizer:
+    """One token per character of a fixed vocabulary: nanoGPT's shakespeare_char `meta.pkl`
+    ({"vocab_size": V, "itos": {id: char}, "stoi": {char: id}}). It has no end-of-text id
+    (eot_id None)."""
+
+    eot_id = None
+
+    def __init__(self, itos):
+        self.itos = {int(i): str(ch) for i, ch in itos.items()}
+        if sorted(self.itos) != list(range(len(self.itos))):
+            raise DataError("a character vocabulary needs ids 0..V-1, each once")
+        self.stoi = {ch: i for i, ch in self.itos.items()}
+        self.vocab_size = len(self.itos)
+        text = "".join(self.itos[i] for i in range(self.vocab_size))
+        self.name = f"char{self.vocab_size}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+
+    @classmethod
+    def from_meta(cls, path):
+        """The vocabulary of a nanoGPT `meta.pkl`. Only plain values are unpickled (no code a
+        pickle could name runs)."""
+        path = os.fspath(path)
+        try:
+            with open(path, "rb") as file:
+                meta = _PlainUnpickler(io.BytesIO(file.read())).load()
+        except FileNotFoundError:
+            raise DataError(f"vocabulary file {path} does not exist") from None
+        except (pickle.UnpicklingError, EOFError, ValueError) as err:
+            raise DataError(f"{path} is not a nanoGPT meta.pkl of plain values: {err}") from None
+        if not isinstance(meta, dict) or not isinstance(meta.get("itos"), dict):
+            raise DataError(f"{path} holds no 'itos' vocabulary (nanoGPT's meta.pkl has "
+                            "vocab_size, itos and stoi)")
+        tokenizer = cls(meta["itos"])
+        if meta.get("vocab_size", tokenizer.vocab_size) != tokenizer.vocab_size:
+            raise DataError(f"{path} says vocab_size {meta['vocab_size']} but its itos holds "
+                            f"{tokenizer.vocab_size} characters")
+        return tokenizer
+
+    def encode(self, text):
+        try:
+            return [self.stoi[ch] for ch in text]
+        except KeyError as err:
+            raise ValueError(f"character {err.args[0]!r} is not in the {self.vocab_size}-character "
+                             "vocabulary") from None
+
+    def decode(self, ids, errors="replace"):
+        for token_id in ids:
+            if not 0 <= token_id < self.vocab_size:
+                raise ValueError(f"token id {token_id} is outside the vocabulary "
+                                 f"(size {self.vocab_size})")
+        return "".join(self.itos[token_id] for token_id in ids)
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Unpickles dicts, lists, strings and numbers; any class or function is refused."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"it names {module}.{name}")
 
 
 class TiktokenTokenizer:

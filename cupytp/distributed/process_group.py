@@ -16,11 +16,10 @@ registered, a call costs one list test.
 """
 import functools
 import inspect
-import os
 
 import numpy
 
-from cupytp import backend
+from cupytp import backend, env
 
 REDUCE_OPS = frozenset(("sum", "avg", "max", "min", "prod"))
 SUPPORTED_DTYPES = frozenset(backend.dtype(name) for name in
@@ -33,19 +32,12 @@ class CollectiveTimeoutError(RuntimeError):
 
 def default_timeout():
     """Seconds a collective may take: CUPYTP_TIMEOUT, else 600."""
-    value = os.environ.get("CUPYTP_TIMEOUT", "600")
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise ValueError(f"CUPYTP_TIMEOUT={value!r} is not a number of seconds") from None
-    if seconds <= 0:
-        raise ValueError(f"CUPYTP_TIMEOUT must be positive, got {seconds}")
-    return seconds
+    return env.get("CUPYTP_TIMEOUT")
 
 
 def debug_enabled():
     """CUPYTP_DEBUG=1: collectives compared across ranks before they run, from_local checked."""
-    return os.environ.get("CUPYTP_DEBUG", "0").strip() not in ("", "0")
+    return env.get("CUPYTP_DEBUG")
 
 
 def split_sizes(length, parts):

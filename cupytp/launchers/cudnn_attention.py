@@ -18,24 +18,20 @@ without that entry point gets the public `execute`.
 """
 import ctypes
 import functools
-import os
 import threading
 
+from cupytp import env
 from cupytp.backend import bfloat16, xp
 from cupytp.launchers import is_device_array, lasting_buffer
 from cupytp.launchers.flash_attention import DTYPES, HEAD_DIMS, check_grads, check_lse
 from cupytp.launchers.flash_attention import like_output, output_strides
 
-CHOICES = ("auto", "flash", "cudnn", "matmul")
 CUDNN_MIN_SCORES = 2 ** 20      # `auto`: smaller attention runs the RawKernel (docs/benchmarks.md)
 
 
 def choice():
     """The value of CUPYTP_ATTENTION (auto when unset)."""
-    value = os.environ.get("CUPYTP_ATTENTION", "auto").strip().lower() or "auto"
-    if value not in CHOICES:
-        raise ValueError(f"CUPYTP_ATTENTION={value!r} is not one of {CHOICES}")
-    return value
+    return env.get("CUPYTP_ATTENTION")
 
 
 def applies(q, k, dropout_p):

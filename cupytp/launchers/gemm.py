@@ -21,7 +21,7 @@ import os
 
 import numpy
 
-from cupytp import backend
+from cupytp import backend, env
 from cupytp.launchers import is_device_array, lasting_buffer
 
 # cudaDataType, cublasComputeType_t, cublasOperation_t, cublasGemmAlgo_t
@@ -118,11 +118,7 @@ _workspace_arrays = []          # ... kept for the life of the process
 
 def use_cublaslt():
     """CUPYTP_CUBLASLT: '1' (the default: products through cuBLASLt) or '0' (cublasGemmEx)."""
-    choice = os.environ.get("CUPYTP_CUBLASLT", "1").strip() or "1"
-    if choice not in ("0", "1"):
-        raise ValueError(f"CUPYTP_CUBLASLT={choice!r} is not understood: use 1 (cuBLASLt, the "
-                         "default) or 0 (cublasGemmEx)")
-    return choice == "1"
+    return env.get("CUPYTP_CUBLASLT")
 
 
 class _Lt:

@@ -50,6 +50,7 @@ class GPT2Config:
 
 PRESETS = {
     "tiny": GPT2Config(vocab_size=257, block_size=256, n_layer=4, n_head=4, n_embd=128),
+    "10M": GPT2Config(vocab_size=257, block_size=256, n_layer=6, n_head=6, n_embd=384),
     "124M": GPT2Config(),
     "350M": GPT2Config(n_layer=24, n_head=16, n_embd=1024),
     "774M": GPT2Config(n_layer=36, n_head=20, n_embd=1280),
@@ -58,7 +59,7 @@ PRESETS = {
 
 
 def preset(name, **overrides):
-    """A GPT2Config by preset name ("tiny", "124M", "350M", "774M", "1558M")."""
+    """A GPT2Config by preset name ("tiny", "10M", "124M", "350M", "774M", "1558M")."""
     if name not in PRESETS:
         raise ValueError(f"unknown GPT-2 preset {name!r}: choose one of {', '.join(PRESETS)}")
     return replace(PRESETS[name], **overrides)

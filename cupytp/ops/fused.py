@@ -30,11 +30,11 @@ The LayerNorm's weight and bias (the same mesh, shape (C,)) are Replicated on ev
 Any other layout, or attention the flash kernels do not take, runs the chain of ops, as does
 everything inside `fusion(False)` (or with CUPYTP_FUSED=0).
 """
-import os
 from contextlib import contextmanager
 
 import numpy
 
+from cupytp import env
 from cupytp.launchers import compute_dtype, cudnn_attention, flash_attention
 from cupytp.launchers.cast import converted
 from cupytp.launchers.gemm_epilogue import (
@@ -48,7 +48,7 @@ from cupytp.ops.functional import attention_setup, layer_norm, packed_attention,
 from cupytp.ops.linalg import einsum, local_einsum, matmul
 from cupytp.tensor.redistribute import redistribute_local
 
-_enabled = os.environ.get("CUPYTP_FUSED", "1") != "0"
+_enabled = env.get("CUPYTP_FUSED")
 
 # the tensor-parallel placements of (first weight, its bias, proj_weight, proj_bias)
 MLP_SPLIT = (Shard(1), Shard(0), Shard(0), Replicated())

@@ -323,12 +323,92 @@ def test_ctrl_c_saves_and_the_resumed_run_matches_an_uninterrupted_one(tmp_path)
     process.send_signal(signal.SIGINT)
     output, errors = process.communicate(timeout=300)
     assert process.returncode != 0 and "saved checkpoint" in output, errors[-3000:]
-    stopped = int((saves / "latest").read_text().strip().split("-")[1])
+    latest = (saves / "latest").read_text().strip()
+    stopped = int(latest.split("-")[1])
     assert 1 <= stopped < 12, "the run ended before Ctrl-C reached it"
     assert sorted(losses_by_step(out)) == list(range(stopped))
+    # one numbering: the steps done, the checkpoint's step, the step the resumed run starts at
+    assert errors.strip() == f"interrupted at step {stopped}; checkpoint {saves / latest}; " \
+                             f"logs in {out}"
     result = run(SMALL + steps + ["--out", str(out), "--checkpoint-dir", str(saves), "--resume"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert_same_losses(losses_by_step(out), losses_by_step(reference))
+    assert [line for line in result.stdout.splitlines() if "resumed" in line] == \
+        [f"resumed from {saves / latest} at step {stopped}"]
+    first = [line for line in result.stdout.splitlines() if line.startswith("first loss")]
+    assert first[0].split()[2] == f"{losses_by_step(reference)[0]:.4f}"   # the run's, not the
+    with open(out / "log.jsonl") as f:                                   # segment's
+        assert [json.loads(line)["step"] for line in f] == list(range(13))
+
+
+def test_resuming_a_step_directory_saves_beside_it(tmp_path):
+    """--checkpoint-dir ROOT/step-N --resume (the form a "not a checkpoint" error suggests)
+    continues from that step and writes the new checkpoints into ROOT, beside it."""
+    saves = tmp_path / "saves"
+    common = SMALL + ["--checkpoint-interval", "2"]
+    result = run(common + ["--steps", "4", "--out", str(tmp_path / "a"), "--checkpoint-dir",
+                           str(saves)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    step2 = saves / "step-00000002"
+    before = listing(step2)
+    result = run(common + ["--steps", "6", "--out", str(tmp_path / "b"), "--checkpoint-dir",
+                           str(step2), "--resume"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resumed from {step2} at step 2" in result.stdout
+    assert listing(saves) == ["latest", "step-00000002", "step-00000004", "step-00000006"]
+    assert listing(step2) == before
+    assert (saves / "latest").read_text() == "step-00000006\n"
+
+
+def test_a_new_run_refuses_a_checkpoint_dir_that_holds_checkpoints(tmp_path):
+    saves = tmp_path / "saves"
+    result = run(SMALL + ["--steps", "2", "--out", str(tmp_path / "a"), "--checkpoint-dir",
+                          str(saves)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = run(SMALL + ["--steps", "3", "--out", str(tmp_path / "b"), "--checkpoint-dir",
+                          str(saves)])
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert errors == [f"train_gpt2: error: --checkpoint-dir {saves} already holds checkpoints "
+                      f"(the latest: {saves / 'step-00000002'}): add --resume to continue them, "
+                      "or choose another --checkpoint-dir"]
+    assert listing(saves) == ["latest", "step-00000002"]
+
+
+def test_resuming_on_another_dp_keeps_the_global_batch(tmp_path):
+    """--batch-size is per data-parallel rank: left out, a run resumed on dp=2 takes half the
+    checkpoint's batch per rank and follows the uninterrupted dp=1 run; given so that the
+    global batch changes, one line says so. Another --tp names the --tp to keep."""
+    skip_unless_ranks(2)
+    common = SMALL + ["--steps", "6"]
+    whole, saves = tmp_path / "whole", tmp_path / "saves"
+    result = run(common + ["--batch-size", "4", "--out", str(whole), "--checkpoint-dir",
+                           str(saves), "--checkpoint-interval", "3"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    died = tmp_path / "died"
+    shutil.copytree(saves / "step-00000003", died / "step-00000003")
+    resumed = tmp_path / "resumed"
+    result = run(common + ["--out", str(resumed), "--checkpoint-dir", str(died), "--resume"],
+                 ranks=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "mesh dp=2 tp=1" in result.stdout and "note:" not in result.stdout
+    expected = {step: loss for step, loss in losses_by_step(whole).items() if step >= 3}
+    got = losses_by_step(resumed)
+    assert sorted(got) == sorted(expected)
+    for step, loss in expected.items():        # dp=2 sums the batch's halves in another order
+        assert got[step] == pytest.approx(loss, rel=1e-5), step
+    shutil.rmtree(died / "step-00000006")
+    (died / "latest").write_text("step-00000003\n")
+    result = run(common + ["--batch-size", "6", "--out", str(resumed), "--checkpoint-dir",
+                           str(died), "--resume"], ranks=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    notes = [line for line in result.stdout.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "the global batch is now 12 sequences (--batch-size 6 per " \
+        "data-parallel rank × dp 2); the checkpoint trained with 4" in notes[0]
+    result = run(common + ["--steps", "8", "--tp", "2", "--out", str(resumed),
+                           "--checkpoint-dir", str(died), "--resume"], ranks=2)
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and f"{died / 'step-00000006'} was saved with --tp 1: resume it " \
+        "with --tp 1" in errors[0], result.stderr[-3000:]
 
 
 @pytest.mark.parametrize("args,message", [

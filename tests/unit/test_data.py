@@ -116,11 +116,13 @@ def test_read_tokens_errors(tmp_path):
     with pytest.raises(DataError, match="is empty"):
         read_tokens(empty)
     short = tmp_path / "short.bin"
-    short.write_bytes(bytes(100))
+    short.write_bytes(np.array([20240520, 1, 2], "<i4").tobytes())
     with pytest.raises(DataError, match="shorter than the 1024-byte header"):
         read_tokens(short)
-    with pytest.raises(DataError, match="magic 123, expected 20240520"):
-        read_tokens(write_raw(tmp_path / "magic.bin", [123, 1, 2], 4))
+    odd = tmp_path / "odd.bin"
+    odd.write_bytes(bytes(7))
+    with pytest.raises(DataError, match="neither llm.c's layout.*nor nanoGPT's.*odd number"):
+        read_tokens(odd)
     with pytest.raises(DataError, match="version 2"):
         read_tokens(write_raw(tmp_path / "version.bin", [20240520, 2, 2], 4))
     with pytest.raises(DataError, match="holds no tokens"):
@@ -511,3 +513,100 @@ def test_shakespeare_to_batches_with_bpe(bpe, tmp_path):
     np.testing.assert_array_equal(x[:, 1:], y[:, :-1])
     val_x, _ = next(TokenLoader(val_bin, batch_size=2, seq_len=64, shuffle=False).val_batches(1))
     assert bpe.decode(val_x[0].tolist()) in bpe.decode(read_tokens(val_bin).tolist())
+
+
+# ---- nanoGPT's files, random windows --------------------------------------------------------------
+
+
+def nanogpt_char_dir(directory, text):
+    """What nanoGPT's data/shakespeare_char/prepare.py writes: headerless uint16 train.bin and
+    val.bin (90% / 10%) and meta.pkl with the character vocabulary."""
+    import pickle
+    chars = sorted(set(text))
+    stoi, itos = {ch: i for i, ch in enumerate(chars)}, dict(enumerate(chars))
+    ids = np.array([stoi[ch] for ch in text], dtype=np.uint16)
+    split = int(len(ids) * 0.9)
+    directory.mkdir(parents=True, exist_ok=True)
+    ids[:split].tofile(directory / "train.bin")
+    ids[split:].tofile(directory / "val.bin")
+    with open(directory / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": len(chars), "itos": itos, "stoi": stoi}, f)
+    return ids, split, chars
+
+
+def test_nanogpt_bin_files_and_meta_pkl_read(tmp_path, shakespeare):
+    from cupytp.data import CharTokenizer, read_token_dir
+    text = shakespeare[:20000]
+    ids, split, chars = nanogpt_char_dir(tmp_path, text)
+    train, val, tokenizer = read_token_dir(tmp_path)
+    np.testing.assert_array_equal(train, ids[:split])
+    np.testing.assert_array_equal(val, ids[split:])
+    assert isinstance(tokenizer, CharTokenizer) and tokenizer.vocab_size == len(chars)
+    assert tokenizer.decode(train[:500].tolist()) == text[:500]
+    assert tokenizer.encode(text[:50]) == ids[:50].tolist()
+    with pytest.raises(ValueError, match="'€' is not in the"):
+        tokenizer.encode("€")
+    (tmp_path / "meta.pkl").unlink()               # llm.c-style shards keep working beside them
+    write_tokens(tmp_path / "train_002.bin", [1, 2, 3])   # after train.bin
+    train, _, tokenizer = read_token_dir(tmp_path)
+    assert tokenizer is None and train[-3:].tolist() == [1, 2, 3]
+    assert len(train) == split + 3
+
+
+def test_meta_pkl_runs_no_code(tmp_path):
+    import pickle
+    from cupytp.data import CharTokenizer
+    with open(tmp_path / "meta.pkl", "wb") as f:
+        pickle.dump({"itos": {0: "a"}, "hook": os.system}, f)
+    with pytest.raises(DataError, match="not a nanoGPT meta.pkl of plain values: it names"):
+        CharTokenizer.from_meta(tmp_path / "meta.pkl")
+    with open(tmp_path / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": 3, "itos": {0: "a", 1: "b"}}, f)
+    with pytest.raises(DataError, match="says vocab_size 3 but its itos holds 2"):
+        CharTokenizer.from_meta(tmp_path / "meta.pkl")
+
+
+def test_random_windows_follow_nanogpts_get_batch():
+    """sampling="random": each step's B·dp windows start at offsets drawn uniformly from
+    0..N-T-1 (nanoGPT's torch.randint(len(data) - block_size, (batch_size,))); x = data[i:i+T],
+    y = data[i+1:i+1+T]; dp rank r gets the r-th block of them."""
+    tokens = np.arange(1000, dtype=np.uint16) * 7 % 997
+    B, T, dp, seed = 3, 16, 2, 5
+    loaders = [TokenLoader(tokens, B, T, r, dp, seed, sampling="random") for r in range(dp)]
+    for step in range(4):
+        offsets = np.random.default_rng((seed, step)).integers(0, tokens.size - T, B * dp)
+        x_ref = np.stack([tokens[i:i + T] for i in offsets]).astype(np.int64)
+        y_ref = np.stack([tokens[i + 1:i + 1 + T] for i in offsets]).astype(np.int64)
+        x = np.concatenate([loader.next_batch()[0] for loader in loaders[:1]] +
+                           [loader.batch_at(step)[0] for loader in loaders[1:]])
+        np.testing.assert_array_equal(x, x_ref)
+        np.testing.assert_array_equal(np.concatenate([l.batch_at(step)[1] for l in loaders]),
+                                      y_ref)
+    short = np.arange(T + 1, dtype=np.uint16)         # one window fits: offset 0 alone
+    x, y = TokenLoader(short, 2, T, sampling="random").next_batch()
+    np.testing.assert_array_equal(x, [short[:T]] * 2)
+    np.testing.assert_array_equal(y, [short[1:]] * 2)
+
+
+def test_random_sampling_resumes_and_is_part_of_the_stream():
+    tokens = np.arange(500, dtype=np.uint16)
+    loader = TokenLoader(tokens, 2, 8, sampling="random", seed=1)
+    for _ in range(3):
+        loader.next_batch()
+    resumed = TokenLoader(tokens, 4, 8, sampling="random", seed=1)     # a global batch of 4
+    with pytest.raises(ValueError, match="not a whole number of global batches of 4"):
+        resumed.load_state_dict(loader.state_dict())
+    again = TokenLoader(tokens, 1, 8, 1, 2, sampling="random", seed=1)
+    again.load_state_dict(loader.state_dict())
+    np.testing.assert_array_equal(again.next_batch()[0], loader.next_batch()[0][1:])
+    with pytest.raises(ValueError, match=r"sampling \(random saved, epoch now\)"):
+        TokenLoader(tokens, 2, 8, seed=1).load_state_dict(loader.state_dict())
+
+
+def test_a_token_outside_the_vocabulary_is_named():
+    loader = TokenLoader(np.array([1, 2, 3, 4, 300, 6], np.uint16), 1, 2, shuffle=False,
+                         vocab_size=257)
+    loader.next_batch()
+    with pytest.raises(DataError, match="token id 300 in the token array is outside the "
+                                        "vocabulary of 257"):
+        loader.next_batch()

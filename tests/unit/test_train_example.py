@@ -3,6 +3,7 @@ measured before the update, bad input (flags, a non-finite loss, Ctrl-C) ends in
 (once, not once per rank) with a non-zero exit."""
 import csv
 import importlib.util
+import json
 import math
 import os
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import numpy
 import pytest
 
 from launch import REPO, mpiexec, under_mpiexec
@@ -25,7 +27,17 @@ def run(args, ranks=1, timeout=600, env=None):
     if ranks > 1:
         return mpiexec(ranks, command, timeout=timeout, env=env)
     return subprocess.run([sys.executable] + command, cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ, PYTHONPATH=str(REPO)))
+                          timeout=timeout, env=dict(os.environ, PYTHONPATH=str(REPO),
+                                                    **(env or {})))
+
+
+def one_error_line(result):
+    """The one `error:` line of a failed run (an assertion error if there are more, or a
+    traceback)."""
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert result.returncode != 0
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    return errors[0]
 
 
 def rows(out):
@@ -132,6 +144,10 @@ def test_ctrl_c_is_one_line_and_plots_what_was_logged(tmp_path):
     (["--eval-interval", "0"], "argument --eval-interval: 0 is not an integer > 0"),
     (["--log-interval", "0"], "argument --log-interval: 0 is not an integer > 0"),
     (["--grad-accum", "-1"], "argument --grad-accum: -1 is not an integer > 0"),
+    (["--warmup", "1000"], "argument --warmup: 1000 steps of warm-up is more than --steps 1"),
+    (["--dropout", "1"], "argument --dropout: 1 is not below 1"),
+    (["--checkpoint-interval", "-2"], "argument --checkpoint-interval: -2 is not an integer "
+                                      ">= 0"),
     (["--checkpoint", "UNWRITABLE"], "is not a writable directory"),
     pytest.param(["--tokenizer", "tiktoken"], "needs the tiktoken package",
                  marks=pytest.mark.skipif(importlib.util.find_spec("tiktoken") is not None,
@@ -154,3 +170,162 @@ def test_bad_input_one_line_nonzero_exit(tmp_path, args, message):
     assert len(errors) == 1 and message in errors[0], result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "out" / "log.csv").exists(), "training started"
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("variable,value", [
+    ("CUPYTP_DEVICE", "tpu"), ("CUPYTP_TIMEOUT", "soon"), ("CUPYTP_DEBUG", "yes please"),
+    ("CUPYTP_LOG_RANKS", "all"), ("CUPYTP_ATTENTION", "fastest"), ("CUPYTP_ALLOCATOR", "torch"),
+    ("CUPYTP_FUSED", "maybe"), ("CUPYTP_CUBLASLT", "2"), ("CUPYTP_CHECKPOINT_FAULT", "now"),
+    ("CUPYTP_DEBGU", "1"),
+])
+def test_a_bad_environment_value_is_one_line(tmp_path, ranks, variable, value):
+    result = run(SMALL + ["--steps", "1", "--out", str(tmp_path)], ranks=ranks,
+                 env={variable: value}, timeout=120)
+    line = one_error_line(result)
+    assert line.startswith(f"train_gpt2: error: {variable}"), line
+    assert "not understood" in line or "did you mean" in line
+    assert "GPT-2" not in result.stdout
+
+
+@pytest.mark.parametrize("flag", ["--out", "--checkpoint-dir", "--checkpoint", "--tensorboard"])
+@pytest.mark.parametrize("place,reason", [("FILE", "is a file, not a directory"),
+                                          ("FILE/sub", "is not a writable directory")])
+def test_bad_output_places_fail_before_anything_is_built(tmp_path, flag, place, reason):
+    """Checked before the data, the model or a step: one line naming the flag (not an error at
+    the first save, after the last step)."""
+    (tmp_path / "FILE").write_text("")
+    target = str(tmp_path / place)
+    out = ["--out", str(tmp_path / "out")] if flag != "--out" else []
+    result = run(SMALL + ["--steps", "2"] + out + [flag, target], timeout=120)
+    assert one_error_line(result).startswith(f"train_gpt2: error: {flag} {target} {reason}")
+    assert result.stdout == "", "the run started"
+
+
+def test_a_second_run_replaces_the_logs(tmp_path):
+    """A new run into the same --out holds only its own rows (loss.png would draw both runs as
+    one); the line saying where the metrics go says so."""
+    out = str(tmp_path)
+    first = run(SMALL + ["--steps", "5", "--log-interval", "1", "--out", out])
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert [row["step"] for row in rows(out)] == ["0", "1", "2", "3", "4", "5"]
+    second = run(SMALL + ["--steps", "2", "--log-interval", "1", "--lr", "1e-4", "--out", out])
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert [row["step"] for row in rows(out)] == ["0", "1", "2"]
+    assert f"metrics: {out}/log.csv, log.jsonl, loss.png (replacing an earlier run's)" in \
+        second.stdout
+    with open(os.path.join(out, "log.jsonl")) as f:
+        assert [json.loads(line)["step"] for line in f] == [0, 1, 2]
+
+
+def test_sampling_shows_progress(tmp_path):
+    result = run(SMALL[:-4] + ["--steps", "1", "--sample-tokens", "12", "--out", str(tmp_path)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    before, sample = result.stdout.split("--- sample ---\n")
+    assert "sampling 12 tokens" in before.splitlines()[-1]
+    assert len(sample.rsplit("\n---", 1)[0]) >= 1
+
+
+def test_gpu_defaults_follow_nanogpts_shakespeare_char_recipe(monkeypatch):
+    """On a GPU a run with no flags trains a 6-layer, 6-head, 384-wide model in bf16 with
+    dropout 0.2 (a model that learns past a bigram's loss on 1 MB of text; 124M does not); the
+    CPU default stays the tiny model's ~2-3 minute run."""
+    spec = importlib.util.spec_from_file_location("train_gpt2", REPO / "examples/train_gpt2.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    from cupytp.models.gpt2 import preset
+    monkeypatch.setattr(script.backend, "device_name", "gpu")
+    args = script.parse_args([])
+    config = preset(args.model)
+    assert (config.n_layer, config.n_head, config.n_embd, config.block_size) == (6, 6, 384, 256)
+    assert (args.dtype, args.dropout, args.lr, args.batch_size, args.seq_len) == \
+        ("bf16", 0.2, 1e-3, 64, 256)
+    assert args.steps >= 2000 and args.warmup <= args.steps // 10
+    monkeypatch.setattr(script.backend, "device_name", "cpu")
+    args = script.parse_args([])
+    assert (args.model, args.dtype, args.steps, args.dropout) == ("tiny", "fp32", 400, 0.0)
+    assert script.parse_args(["--steps", "20"]).warmup == 2      # a short run warms up less
+
+
+def test_trains_on_nanogpt_char_files(tmp_path):
+    """--data on nanoGPT's shakespeare_char output (headerless train.bin / val.bin, meta.pkl):
+    the vocabulary is meta.pkl's, batches are random windows with --sampling random, and the
+    sample decodes with the character vocabulary."""
+    import pickle
+    text = open(REPO / "cupytp/data/tinyshakespeare.txt", encoding="utf-8").read()[:60000]
+    chars = sorted(set(text))
+    stoi = {ch: i for i, ch in enumerate(chars)}
+    ids = numpy.array([stoi[ch] for ch in text], dtype=numpy.uint16)
+    data = tmp_path / "shakespeare_char"
+    data.mkdir()
+    ids[:54000].tofile(data / "train.bin")
+    ids[54000:].tofile(data / "val.bin")
+    with open(data / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": len(chars), "itos": dict(enumerate(chars)), "stoi": stoi}, f)
+    result = run(SMALL[:-4] + ["--data", str(data), "--sampling", "random", "--steps", "3",
+                               "--sample-tokens", "20", "--out", str(tmp_path / "out")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"vocab {len(chars)} (padded 64)" in result.stdout
+    sample = result.stdout.split("--- sample ---\n")[1].rsplit("\n---", 1)[0]
+    assert len(sample) == 20 and set(sample) <= set(chars)
+    assert abs(losses(str(tmp_path / "out"))[0] - math.log(len(chars))) < 0.3
+    result = run(SMALL + ["--data", str(data), "--tokenizer", "byte", "--steps", "1",
+                          "--out", str(tmp_path / "out")])
+    assert "does not apply: the meta.pkl in" in one_error_line(result)
+
+
+def test_metrics_go_to_tensorboard_and_wandb(tmp_path):
+    pytest.importorskip("tensorboardX")
+    from test_train_log import read_scalars
+    board, out = tmp_path / "tb", str(tmp_path / "out")
+    result = run(SMALL + ["--steps", "3", "--log-interval", "1", "--out", out,
+                          "--tensorboard", str(board)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"metrics: {out}/log.csv, log.jsonl, loss.png; TensorBoard {board}" in result.stdout
+    scalars = read_scalars(board)
+    assert [step for step, _ in scalars["train/loss"]] == [0, 1, 2]
+    assert [v for _, v in scalars["train/loss"]] == pytest.approx(losses(out), rel=1e-6)
+    assert {"val/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s",
+            "perf/mem_gib"} <= set(scalars)
+
+
+def test_wandb_offline_run(tmp_path):
+    pytest.importorskip("wandb")
+    out = tmp_path / "out"
+    result = run(SMALL + ["--steps", "2", "--out", str(out), "--wandb", "cupytp-test"],
+                 env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "W&B project cupytp-test (run " in result.stdout and ", offline)" in result.stdout
+    assert list((out / "wandb").glob("offline-run-*"))
+
+
+@pytest.mark.parametrize("flag,package", [("--tensorboard", "tensorboardX"),
+                                          ("--wandb", "wandb")])
+def test_a_missing_metrics_package_is_one_line(tmp_path, flag, package):
+    """As where the package is not installed: a module of that name that fails to import."""
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / f"{package}.py").write_text("raise ImportError('not installed')\n")
+    result = subprocess.run(
+        [sys.executable, "examples/train_gpt2.py"] + SMALL +
+        ["--steps", "1", "--out", str(tmp_path / "out"), flag, str(tmp_path / "x")],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, PYTHONPATH=f"{shim}{os.pathsep}{REPO}"))
+    assert one_error_line(result) == (f"train_gpt2: error: {flag} needs the {package} package: "
+                                      f"pip install {package}")
+
+
+@pytest.mark.gpu
+def test_gpu_default_recipe_learns_past_a_bigram_model(tmp_path):
+    """The README's GPU run, shortened to 1000 steps (the schedule decays over them): the
+    validation loss ends clearly below the ~2.45 of a bigram model on these bytes, where the
+    former default (124M, fp32) sat."""
+    from cupytp import backend
+    if not backend.on_gpu:
+        pytest.skip("needs a GPU")
+    out = str(tmp_path)
+    result = run(["--steps", "1000", "--sample-tokens", "100", "--out", out], timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "GPT-2 10M: 10.7" in result.stdout and " bf16, 16384 tokens/step" in result.stdout
+    final = [row for row in rows(out) if row["step"] == "1000"][0]
+    assert float(final["val_loss"]) < 2.0, final

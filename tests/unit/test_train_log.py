@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from cupytp.train_log import TrainLog, estimate_mfu, format_bytes, plot_loss, read_log
+from cupytp.train_log import COLUMNS, TrainLog, estimate_mfu, format_bytes, plot_loss, read_log
 
 
 def read_csv(path):
@@ -20,9 +20,9 @@ def test_rows_go_to_csv_and_jsonl(tmp_path):
     log.log(10, loss=3.25, val_loss=3.5, mfu=0.41, mem_gib=None)
     rows = read_csv(tmp_path / "run" / "log.csv")
     assert rows == [
-        ["step", "loss", "val_loss", "lr", "tokens_per_s", "mfu", "mem_gib"],
-        ["0", "4.5", "", "0.0006", "12000", "", ""],
-        ["10", "3.25", "3.5", "", "", "0.41", ""],
+        ["step", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "mem_gib"],
+        ["0", "4.5", "", "0.0006", "", "12000", "", ""],
+        ["10", "3.25", "3.5", "", "", "", "0.41", ""],
     ]
     with open(tmp_path / "run" / "log.jsonl") as file:
         lines = [json.loads(line) for line in file]
@@ -31,12 +31,32 @@ def test_rows_go_to_csv_and_jsonl(tmp_path):
     assert read_log(tmp_path / "run") == lines
 
 
-def test_reopening_appends_without_a_second_header(tmp_path):
-    TrainLog(tmp_path).log(1, loss=2.0)
-    TrainLog(tmp_path).log(2, loss=1.5)
-    rows = read_csv(tmp_path / "log.csv")
-    assert [row[0] for row in rows] == ["step", "1", "2"]
-    assert [row["step"] for row in read_log(tmp_path)] == [1, 2]
+def test_a_new_log_replaces_an_earlier_runs(tmp_path):
+    """A second run into the same directory holds only its own rows (and no stale plot)."""
+    first = TrainLog(tmp_path)
+    first.log(0, loss=3.0)
+    first.log(5, loss=2.0)
+    (tmp_path / "loss.png").write_bytes(b"old plot")
+    second = TrainLog(tmp_path)
+    assert second.replaced and not first.replaced
+    second.log(0, loss=9.0)
+    assert read_csv(tmp_path / "log.csv") == [list(COLUMNS), ["0", "9.0"] + [""] * 6]
+    assert read_log(tmp_path) == [{"step": 0, "loss": 9.0}]
+    assert not (tmp_path / "loss.png").exists()
+
+
+def test_resuming_continues_the_log_without_the_steps_it_redoes(tmp_path):
+    log = TrainLog(tmp_path)
+    for step in range(6):
+        log.log(step, loss=10.0 - step)
+    resumed = TrainLog(tmp_path, resume_at=4)       # the checkpoint was at step 4
+    resumed.log(4, loss=5.5)
+    assert [row[0] for row in read_csv(tmp_path / "log.csv")] == ["step", "0", "1", "2", "3",
+                                                                  "4"]
+    assert [(row["step"], row["loss"]) for row in read_log(tmp_path)] == [
+        (0, 10.0), (1, 9.0), (2, 8.0), (3, 7.0), (4, 5.5)]
+    TrainLog(tmp_path / "new", resume_at=4).log(4, loss=1.0)     # resumed into a new directory
+    assert read_log(tmp_path / "new") == [{"step": 4, "loss": 1.0}]
 
 
 def test_column_errors(tmp_path):
@@ -45,7 +65,7 @@ def test_column_errors(tmp_path):
         log.log(0, loss=1.0, lr=1e-3)
     log.log(0, loss=1.0, grad_norm=0.5)
     with pytest.raises(ValueError, match="log.csv has columns .*use another out_dir"):
-        TrainLog(tmp_path)
+        TrainLog(tmp_path, resume_at=1)
     with pytest.raises(ValueError, match="needs a 'step' column"):
         TrainLog(tmp_path / "other", columns=("loss",))
 
@@ -91,3 +111,72 @@ def test_estimate_mfu():
     assert estimate_mfu(6 * 124e6, 400e3, 989e12) == pytest.approx(0.3009, abs=1e-4)
     with pytest.raises(ValueError, match="peak_flops must be positive"):
         estimate_mfu(1.0, 1.0, 0)
+
+
+def read_scalars(log_dir):
+    """{tag: [(step, value)]} of the TensorBoard event files in `log_dir` (TFRecord framing:
+    length, its CRC, the Event message, its CRC), purged steps dropped as TensorBoard does."""
+    import struct
+    from tensorboardX.proto import event_pb2
+    found = {}
+    for path in sorted(log_dir.glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        at = 0
+        while at < len(data):
+            (length,) = struct.unpack("<Q", data[at:at + 8])
+            event = event_pb2.Event.FromString(data[at + 12:at + 12 + length])
+            at += 12 + length + 4
+            if event.session_log.status == event.session_log.START:    # purge_step
+                found = {tag: [p for p in points if p[0] < event.step]
+                         for tag, points in found.items()}
+            for value in event.summary.value:
+                found.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return found
+
+
+def test_tensorboard_log_writes_every_metric(tmp_path):
+    pytest.importorskip("tensorboardX")
+    from cupytp.train_log import TensorBoardLog
+    log = TensorBoardLog(str(tmp_path))
+    log.log(0, loss=4.0, val_loss=4.5, lr=1e-3, grad_norm=2.0, tokens_per_s=1000.0, mfu=0.25,
+            mem_gib=1.5)
+    log.log(10, loss=3.0, lr=None)
+    log.close()
+    scalars = read_scalars(tmp_path)
+    assert scalars == {"train/loss": [(0, 4.0), (10, 3.0)], "val/loss": [(0, 4.5)],
+                       "train/lr": [(0, pytest.approx(1e-3))], "train/grad_norm": [(0, 2.0)],
+                       "perf/tokens_per_s": [(0, 1000.0)], "perf/mfu": [(0, 0.25)],
+                       "perf/mem_gib": [(0, 1.5)]}
+    resumed = TensorBoardLog(str(tmp_path), resume_at=5)         # keeps step 0, drops 10
+    resumed.log(5, loss=3.5)
+    resumed.close()
+    assert read_scalars(tmp_path)["train/loss"] == [(0, 4.0), (5, 3.5)]
+    fresh = TensorBoardLog(str(tmp_path))                        # a new run: earlier files go
+    fresh.log(0, loss=9.0)
+    fresh.close()
+    assert read_scalars(tmp_path) == {"train/loss": [(0, 9.0)]}
+
+
+@pytest.mark.parametrize("kind,package", [("TensorBoardLog", "tensorboardX"),
+                                          ("WandbLog", "wandb")])
+def test_a_missing_package_names_the_pip_command(tmp_path, monkeypatch, kind, package):
+    import cupytp.train_log as train_log
+    monkeypatch.setitem(sys.modules, package, None)          # import fails as if not installed
+    arguments = (str(tmp_path),) if kind == "TensorBoardLog" else ("project", str(tmp_path))
+    with pytest.raises(train_log.MissingPackageError, match=f"needs the {package} package: "
+                                                            f"pip install {package}$"):
+        getattr(train_log, kind)(*arguments)
+
+
+def test_wandb_log_offline(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from cupytp.train_log import WandbLog
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    log = WandbLog("cupytp-test", str(tmp_path), config={"lr": 1e-3})
+    log.log(0, loss=4.0, val_loss=4.5, grad_norm=1.0, mem_gib=None)
+    log.log(1, loss=3.0)
+    log.close()
+    assert log.mode == "offline"
+    runs = list((tmp_path / "wandb").glob(f"offline-run-*-{log.id}"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
