@@ -30,11 +30,12 @@ BLOCKS_PER_SM = 16      # at most this many blocks per multiprocessor; the threa
 NULL = numpy.uint64(0)
 
 
-def applies(x, bias=None, residual=None):
+def applies(x_dtype, bias_dtype=None, residual_dtype=None):
     """True for the dtypes the kernels take: x of a kernel dtype, the residual of x's dtype or
-    its compute dtype, the bias of the output's (x's without a residual, else the residual's)."""
-    out = x.dtype if residual is None else residual.dtype
-    return _pair(x.dtype, out) and (bias is None or bias.dtype == out)
+    its compute dtype, the bias of the output's (x's without a residual, else the residual's);
+    None for an absent bias or residual."""
+    out = x_dtype if residual_dtype is None else residual_dtype
+    return _pair(x_dtype, out) and (bias_dtype is None or bias_dtype == out)
 
 
 def _pair(dtype, out_dtype):
@@ -45,7 +46,7 @@ def _pair(dtype, out_dtype):
 def _check(x, p, counters, bias, residual):
     if not 0 < p < 1:
         raise ValueError(f"dropout: p must be in (0, 1), got {p}")
-    if not applies(x, bias, residual):
+    if not applies(x.dtype, *(None if a is None else a.dtype for a in (bias, residual))):
         raise ValueError(f"dropout: no kernel for x {x.dtype} with bias "
                          f"{None if bias is None else bias.dtype} and residual "
                          f"{None if residual is None else residual.dtype}: the residual has x's "

@@ -169,6 +169,11 @@ class Dropout(Module):
         """True when forward changes its input (training with p > 0)."""
         return self.training and self.p > 0
 
+    @property
+    def effective_p(self):
+        """The probability forward drops with: p while training, else 0."""
+        return self.p if self.training else 0.0
+
     def forward(self, x):
         return ops.dropout(x, self.p, self.training)
 
@@ -189,12 +194,12 @@ class DMLP(Module):
         self.dropout = Dropout(dropout)
 
     def forward(self, x, residual=None, norm=None):
-        """The MLP of x (of norm(x) with a LayerNorm module `norm`), plus `residual` when given
-        (joined with c_proj's bias; one fused op with the norm, `ops.mlp_residual`, when both
-        biases are there and no dropout is in effect)."""
-        if residual is not None and _fusable(self.c_fc, self.c_proj, self.dropout):
+        """The MLP of x (of norm(x) with a LayerNorm module `norm`), its dropout, plus `residual`
+        when given: then one fused op with the norm, `ops.mlp_residual`."""
+        if residual is not None:
             return ops.mlp_residual(x, residual, self.c_fc.weight, self.c_fc.bias,
-                                    self.c_proj.weight, self.c_proj.bias, _norm_args(norm))
+                                    self.c_proj.weight, self.c_proj.bias, _norm_args(norm),
+                                    self.dropout.effective_p)
         x = x if norm is None else norm(x)
         h = ops.matmul(x, self.c_fc.weight, reduce_input_grad=True)  # (B, T, 4C/tp)
         h = ops.gelu(h) if self.c_fc.bias is None else ops.bias_gelu(h, self.c_fc.bias)
@@ -227,17 +232,16 @@ class DAttention(Module):
         check_heads(self)
 
     def forward(self, x, residual=None, norm=None):
-        """Attention over x (over norm(x) with a LayerNorm module `norm`), plus `residual` when
-        given (joined with c_proj's bias; one fused op with the norm,
-        `ops.attention_residual`, when both biases are there and the output has no
-        dropout)."""
+        """Attention over x (over norm(x) with a LayerNorm module `norm`), its dropouts, plus
+        `residual` when given: then one fused op with the norm, `ops.attention_residual`."""
         b, t, c = x.shape
         h = self.num_heads
-        p = self.attn_dropout.p if self.training else 0.0
-        if residual is not None and _fusable(self.c_attn, self.c_proj, self.resid_dropout):
+        p = self.attn_dropout.effective_p
+        if residual is not None:
             return ops.attention_residual(x, residual, self.c_attn.weight, self.c_attn.bias,
                                           self.c_proj.weight, self.c_proj.bias, h, p,
-                                          norm=_norm_args(norm))
+                                          norm=_norm_args(norm),
+                                          resid_dropout_p=self.resid_dropout.effective_p)
         x = x if norm is None else norm(x)
         qkv = self.c_attn(x).reshape(b, t, 3, h, c // h)            # (B, T, 3, H/tp, D)
         y = ops.packed_attention(qkv, causal=True, dropout_p=p)      # (B, T, H/tp, D)
@@ -248,23 +252,18 @@ class DAttention(Module):
         return {"c_attn": "heads", "c_proj": "rowwise"}
 
 
-def _fusable(first, proj, dropout):
-    """True when a sublayer (first layer → proj → dropout) may run as one fused op."""
-    return first.bias is not None and proj.bias is not None and not dropout.active
-
-
 def _norm_args(norm):
     """A fused op's `norm` argument, (weight, bias, eps), of a LayerNorm module (or None)."""
     return None if norm is None else (norm.weight, norm.bias, norm.eps)
 
 
 def project(proj, dropout, x, residual):
-    """dropout(proj(x)), plus `residual` when given: without dropout in effect the projection
-    adds its bias and the residual in one pass (`DLinear.forward`'s `residual`)."""
-    if residual is not None and not dropout.active:
-        return proj(x, residual)
-    y = dropout(proj(x))
-    return y if residual is None else residual + y
+    """dropout(proj(x)), plus `residual` when given: then the projection's bias, the dropout
+    and the residual in one pass (`ops.bias_dropout_add`)."""
+    if residual is None:
+        return dropout(proj(x))
+    y = ops.matmul(x, proj.weight, reduce_input_grad=True)
+    return ops.bias_dropout_add(y, proj.bias, residual, dropout.effective_p)
 
 
 def check_heads(attention):

@@ -99,10 +99,13 @@ def layer_norm(x, weight, bias, eps=1e-5):
     b_local = bias._local.astype(x.dtype, copy=False) if bias is not None else None
     wanted = autocast_dtype()
     out_dtype = wanted if wanted is not None and x.dtype == xp.float32 else x.dtype
+    saved = engine.records((x, weight, bias))
     y, xhat, rstd = layer_norm_forward(xp.ascontiguousarray(x._local), w_local, b_local, eps,
-                                       out_dtype)
+                                       out_dtype, saved)
     layout, x_dtype = x.layout, x.dtype     # closures keep layouts, not tensors
     out = make(y, layout.mesh, layout.shape, layout.placements)
+    if not saved:
+        return out
 
     def backward(g, given):
         # a Partial g (a column-parallel layer's input gradient) is reduced here, once, in its
@@ -325,7 +328,7 @@ def dropout(x, p, training=True, generator=None):
     counters = (generator or default_generator).counters(x.shape, *x.layout.local_block())
     layout = x.layout
     y, mask = forward(backend.xp.ascontiguousarray(x._local), p, counters,
-                      keep_mask=engine.is_grad_enabled() and x.requires_grad)
+                      keep_mask=engine.records((x,)))
     out = make(y, layout.mesh, layout.shape, layout.placements)
 
     def backward(g):
@@ -352,7 +355,7 @@ def bias_dropout_add(y, bias, residual, p, training=True, generator=None):
                          "have one shape")
     if not training or p == 0:
         return residual + y if bias is None else bias_residual_add(y, bias, residual)
-    if not kernels.applies(y, bias, residual):
+    if not kernels.applies(y.dtype, None if bias is None else bias.dtype, residual.dtype):
         return residual + dropout(y if bias is None else y + bias, p, generator=generator)
     operands = [residual, y] if bias is None else [residual, y, bias]
     operands, mesh, shape, placements = laid_out("bias_dropout_add", operands, NONLINEAR)
@@ -361,10 +364,8 @@ def bias_dropout_add(y, bias, residual, p, training=True, generator=None):
     counters = (generator or default_generator).counters(shape, *layout.local_block())
     xp = backend.xp
     local = [None if t is None else xp.ascontiguousarray(t._local) for t in (y, bias, residual)]
-    needed = engine.is_grad_enabled() and (y.requires_grad or
-                                           (bias is not None and bias.requires_grad))
     out_local, mask = kernels.dropout(local[0], p, counters, local[1], local[2],
-                                      keep_mask=needed)
+                                      keep_mask=engine.records((y, bias)))
     out = make(out_local, mesh, shape, placements)
     y_dtype = y.dtype
 
