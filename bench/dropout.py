@@ -13,24 +13,10 @@ import argparse
 import numpy
 
 import cupytp
+from copy_bandwidth import timed          # median ms from CUDA events (bench/ is on the path)
 from cupytp import backend
 from cupytp.launchers import dropout
 from cupytp.tensor import Generator
-
-
-def timed(fn, repeats):
-    """Median device µs of fn() over `repeats` launches (after one warm-up)."""
-    xp = backend.xp
-    fn()
-    times = []
-    for _ in range(repeats):
-        begin, end = xp.cuda.Event(), xp.cuda.Event()
-        begin.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(1e3 * xp.cuda.get_elapsed_time(begin, end))
-    return float(numpy.median(times))
 
 
 def main():
@@ -64,7 +50,7 @@ def main():
     device = xp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     print(f"dropout kernels, {shape} bf16, p={p}, {device}")
     for name, fn, moved in cases:
-        us = timed(fn, args.repeats)
+        us = 1e3 * timed(fn, args.repeats)
         print(f"  {name:58} {us:8.1f} us {moved / us / 1e3:7.0f} GB/s")
 
 

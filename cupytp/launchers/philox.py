@@ -8,6 +8,7 @@ uint64 device array that CUDA-graph replays rewrite (see `cupytp.tensor.random`)
 Box-Muller over the two uniforms of the four words. The twins compute with the module of their
 arrays (CuPy's or NumPy's: on a GPU the NumPy twin runs on host arrays).
 """
+import functools
 import math
 from typing import NamedTuple
 
@@ -94,10 +95,12 @@ def global_indices(shape, offsets, local_shape, xp=None):
     return index
 
 
+@functools.lru_cache(maxsize=1024)
 def merged_block(shape, offsets, local_shape):
     """(global index of the block's first element, [(local extent, global stride)] of its
     dimensions merged where the block is contiguous in the global tensor too, outermost
-    first): the block's local row-major index l maps to first + sum_d i_d stride_d."""
+    first): the block's local row-major index l maps to first + sum_d i_d stride_d. Tuples in,
+    worked out once per block."""
     first, stride, dims = 0, 1, []
     for n, total, offset in zip(reversed(local_shape), reversed(shape), reversed(offsets)):
         first += offset * stride
@@ -107,7 +110,7 @@ def merged_block(shape, offsets, local_shape):
             else:
                 dims.append([n, stride])
         stride *= total
-    return first, [tuple(d) for d in reversed(dims)] or [(1, 1)]
+    return first, tuple(tuple(d) for d in reversed(dims)) or ((1, 1),)
 
 
 class Counters(NamedTuple):
@@ -137,7 +140,7 @@ class Counters(NamedTuple):
                              f"{self.shape} is split along {len(dims)} runs of dimensions; the "
                              f"kernels take at most {MAX_DIMS}: redistribute the tensor so that "
                              "fewer of its dimensions are sharded")
-        padded = [(1, 0)] * (MAX_DIMS - len(dims)) + dims
+        padded = [(1, 0)] * (MAX_DIMS - len(dims)) + list(dims)
         extents = [numpy.int64(n) for n, _ in padded[1:]]
         strides = [numpy.int64(s) for _, s in padded]
         return (numpy.uint64(self.seed), self.base, numpy.uint64(self.add + first),
