@@ -76,17 +76,27 @@ __device__ void dropout_forward(const T* x, const R* bias, const R* residual, R*
                 col = col + 1 == cols ? 0 : col + 1;
             }
         }
-        const unsigned long long g0 = block.global(i0);
+        // the counters first, then eight independent Philox chains with no branch between them
+        // (draws past the tail are made and masked off)
+        unsigned long long counter[ELEMENTS];
+        if (runs) {
+            const unsigned long long first = counter0 + block.global(i0);
+#pragma unroll
+            for (int k = 0; k < ELEMENTS; ++k)
+                counter[k] = first + k * block.s3;
+        } else {
+#pragma unroll
+            for (int k = 0; k < ELEMENTS; ++k)
+                counter[k] = counter0 + block.global(i0 + k);
+        }
         unsigned bits = 0;
 #pragma unroll
-        for (int k = 0; k < ELEMENTS; ++k) {
-            if (k < n) {
-                const unsigned long long g = runs ? g0 + k * block.s3 : block.global(i0 + k);
-                const bool kept = philox_bits53(counter0 + g, seed) >= threshold;
-                bits |= static_cast<unsigned>(kept) << k;
-                v[k] *= kept ? scale : C(0);
-            }
-        }
+        for (int k = 0; k < ELEMENTS; ++k)
+            bits |= static_cast<unsigned>(philox_bits53(counter[k], seed) >= threshold) << k;
+        bits &= (1u << n) - 1;
+#pragma unroll
+        for (int k = 0; k < ELEMENTS; ++k)
+            v[k] *= (bits >> k) & 1u ? scale : C(0);
         if (residual) {
             C r[ELEMENTS];
             load_widened(r, residual + i0, n, vectors);
