@@ -2,9 +2,13 @@
 # One device call on a 2-GPU machine: cupytp's training step beside the PyTorch anchors (copied
 # from the shared anchors folder into .carry/anchors, named in the device tool's carry), in the
 # same call; the anchors do not clip gradients, so neither do these runs.
-# Usage: bench/gpu_bench.sh [check] [comm] [train1] [train2] [train] [host] [fsdp] [profile]
-# [profile2] [profile3] (default: train host; train = train1 train2, the 1-GPU and the TP=2 pairs; fsdp:
-# fully_shard beside PyTorch FSDP2 with bf16 parameters and fp32 reduction, untied models;
+# Usage: bench/gpu_bench.sh [check] [comm] [train1] [train2] [train] [host] [fsdp] [small] [eval]
+# [dropout] [profile] [profile2] [profile3] (default: train host; train = train1 train2, the 1-GPU
+# and the TP=2 pairs; fsdp: fully_shard beside PyTorch FSDP2 with bf16 parameters and fp32
+# reduction, untied models; small: the small GPT of small-data users (6 x 384, vocab 65, B=64,
+# T=256, no biases) with dropout 0.2 and 0, captured and eager, beside PyTorch eager and
+# torch.compile with fused AdamW; eval: the 124M evaluation forward beside its training step;
+# dropout: 124M, 774M and 1558M with dropout 0.1 beside torch.compile with fused AdamW;
 # profile, profile2, profile3: device time per kind of kernel at 124M on one GPU, at 24x2048 at TP=2,
 # of the 1.4B fully_shard step beside FSDP2's). A
 # cuDNN frontend wheel carried in .carry/wheels is installed first (the machines have no
@@ -61,6 +65,36 @@ for part in $what; do
       run ours_fsdp_small mpiexec -n 2 $fsdp --model 124M --B 8 --label fsdp-163M
       pairs+=("fsdp-1.4B-B4=$out/ours_fsdp_big.log,$out/torch_fsdp_big.log"
               "fsdp-163M-B8=$out/ours_fsdp_small.log,$out/torch_fsdp_small.log") ;;
+    small)   # the small GPT: dropout 0.2 and 0, ours captured and eager, PyTorch eager and compiled
+      small="--layers 6 --embd 384 --heads 6 --vocab 65 --B 64 --T 256 --bias 0 --dtype bf16"
+      for p in 0.2 0; do
+        run ours_small_$p python3 bench/train_gpt2.py --tp 1 --grad-clip 0 $small --dropout $p \
+            --steps 30 --label small-d$p-graph
+        run ours_small_eager_$p python3 bench/train_gpt2.py --tp 1 --grad-clip 0 $small \
+            --dropout $p --steps 30 --no-cuda-graph --label small-d$p-eager
+        run torch_small_$p python3 $anchors/torch_tp_gpt2.py $small --dropout $p --fused 1 \
+            --steps 30
+        run torch_small_compile_$p python3 $anchors/torch_tp_gpt2.py $small --dropout $p \
+            --fused 1 --compile 1 --steps 30
+        pairs+=("small-d$p-graph/eager=$out/ours_small_$p.log,$out/torch_small_$p.log"
+                "small-d$p-graph/compile=$out/ours_small_$p.log,$out/torch_small_compile_$p.log"
+                "small-d$p-eager/eager=$out/ours_small_eager_$p.log,$out/torch_small_$p.log")
+      done ;;
+    eval)    # the 124M evaluation forward (no tape, captured) beside its training step
+      run ours_eval python3 bench/train_gpt2.py --tp 1 --dtype bf16 --grad-clip 0 --eval \
+          --label 124M-eval
+      grep -h "^EVAL" "$out/ours_eval.log" ;;
+    dropout) # GPT-2 sizes with dropout 0.1 beside torch.compile + fused AdamW, same dropout
+      for model in 124M:8 774M:8 1558M:4; do
+        name=${model%:*}; b=${model#*:}
+        case $name in 124M) shape="";; 774M) shape="--layers 36 --embd 1280 --heads 20";;
+                      1558M) shape="--layers 48 --embd 1600 --heads 25";; esac
+        run ours_drop_$name python3 bench/train_gpt2.py --model $name --tp 1 --dtype bf16 \
+            --grad-clip 0 --dropout 0.1 --B $b --label $name-d0.1
+        run torch_drop_$name python3 $anchors/torch_tp_gpt2.py --dtype bf16 $shape --B $b \
+            --dropout 0.1 --fused 1 --compile 1 --steps 10
+        pairs+=("$name-d0.1-B$b/compile=$out/ours_drop_$name.log,$out/torch_drop_$name.log")
+      done ;;
     profile)   # device time per kind of kernel, ours (eager: 2 + 5 + 5 steps) and PyTorch's
       run profile_ours python3 bench/kernel_profile.py --per 10 -- bench/train_gpt2.py --tp 1 \
           --dtype bf16 --no-cuda-graph --steps 5 --warmup 2

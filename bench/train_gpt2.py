@@ -6,9 +6,16 @@ Times full steps (forward, backward, clipping, AdamW) after warm-up, with the de
 around the timed region; on GPU the step is one captured CUDA graph (--no-cuda-graph: eager).
 Prints one RESULT line: tokens/s, ms/step, device time of one step (CUDA events), host time to
 issue a step, peak memory of the framework's pool per GPU over the whole run (warm-up and
-capture included, as the anchors' peaks are) and MFU. With --profile it instead
-synchronizes around every module call, the loss and each phase, and prints where a step's time
-goes (inclusive per module type).
+capture included, as the anchors' peaks are), allocated and reserved, and MFU. With --eval it
+then times the evaluation forward (the model in eval mode, no tape, captured like the step
+unless --no-cuda-graph) on the same batches and prints an EVAL line: ms per forward, its ratio
+to the training step, and the pool's allocated and reserved peaks over the evaluation. With
+--profile it instead synchronizes around every module call, the loss and each phase, and prints
+where a step's time goes (inclusive per module type).
+
+The small GPT that small-data users train (nanoGPT's Shakespeare character model):
+    python bench/train_gpt2.py --dtype bf16 --layers 6 --embd 384 --heads 6 --vocab 65 \
+        --B 64 --T 256 --dropout 0.2 --bias 0
 """
 import argparse
 import collections
@@ -70,6 +77,11 @@ def main():
     p.add_argument("--layers", type=int, default=None, help="override the preset's n_layer")
     p.add_argument("--embd", type=int, default=None, help="override n_embd")
     p.add_argument("--heads", type=int, default=None, help="override n_head")
+    p.add_argument("--vocab", type=int, default=None, help="override vocab_size")
+    p.add_argument("--dropout", type=float, default=None, help="override the dropout (0.0)")
+    p.add_argument("--bias", type=int, default=None, choices=[0, 1],
+                   help="0: no biases in the linear layers and LayerNorms")
+    p.add_argument("--eval", action="store_true", help="also time the evaluation forward")
     p.add_argument("--tp", type=int, default=None)
     p.add_argument("--B", type=int, default=8)
     p.add_argument("--T", type=int, default=1024)
@@ -97,7 +109,10 @@ def main():
     mesh = cupytp.DeviceMesh((dp, tp), ("dp", "tp"))
     cupytp.manual_seed(0)
     overrides = {k: v for k, v in (("n_layer", args.layers), ("n_embd", args.embd),
-                                   ("n_head", args.heads)) if v is not None}
+                                   ("n_head", args.heads), ("vocab_size", args.vocab),
+                                   ("dropout", args.dropout),
+                                   ("bias", None if args.bias is None else bool(args.bias)))
+                 if v is not None}
     config = preset(args.model, tie_word_embeddings=not args.untied, **overrides)
     model = GPT2(config, mesh, recompute=args.recompute)
     if args.fsdp:
@@ -154,6 +169,7 @@ def main():
     elapsed = time.perf_counter() - start
     device_ms = device_time_ms(step, batches[0])
     stats = memory.memory_stats()
+    evaluation = time_evaluation(model, args, eager, batches) if args.eval else None
     if info.rank != 0:
         return
     if args.profile:
@@ -180,6 +196,40 @@ def main():
           f"peak_reserved_GiB={stats['reserved_bytes_peak'] / 2 ** 30:.2f} "
           f"init_peak_GiB={init_peak / 2 ** 30:.2f} "
           f"mfu={100 * mfu:.1f}% loss={loss.item():.3f}", flush=True)
+    if evaluation is not None:
+        eval_ms, eval_device_ms, eval_stats, eval_loss = evaluation
+        print(f"EVAL cupytp {args.label or args.model} graph={int(not eager)} "
+              f"dtype={args.dtype} tp={tp} dp={dp} B={args.B} T={args.T} "
+              f"eval_ms={eval_ms:.2f} eval_device_ms={eval_device_ms:.2f} "
+              f"train_step_ms={1e3 * elapsed / args.steps:.2f} "
+              f"eval/step={eval_ms / (1e3 * elapsed / args.steps):.3f} "
+              f"peak_alloc_GiB={eval_stats['allocated_bytes_peak'] / 2 ** 30:.2f} "
+              f"peak_reserved_GiB={eval_stats['reserved_bytes_peak'] / 2 ** 30:.2f} "
+              f"loss={eval_loss:.3f}", flush=True)
+
+
+def time_evaluation(model, args, eager, batches):
+    """(ms per evaluation forward, its device ms, the pool's stats over the evaluation, the last
+    loss): the model in eval mode under no_grad and autocast, captured as one CUDA graph unless
+    `eager`, timed like the steps (after args.warmup calls)."""
+    def loss_of(x, y):
+        with cupytp.no_grad(), ops.autocast(None if args.dtype == "fp32" else args.dtype):
+            return model(x, y)[1]
+    forward = loss_of if eager else cupytp.cuda_graph(loss_of)
+    model.eval()
+    memory.reset_peak_memory_stats()
+    for i in range(max(args.warmup, 2)):            # the warm-up call and the capture
+        forward(*batches[i % len(batches)])
+    backend.synchronize()
+    cupytp.distributed.barrier()
+    start = time.perf_counter()
+    for i in range(args.steps):
+        loss = forward(*batches[i % len(batches)])
+    backend.synchronize()
+    elapsed = time.perf_counter() - start
+    device_ms = device_time_ms(forward, batches[0])
+    model.train()
+    return 1e3 * elapsed / args.steps, device_ms, memory.memory_stats(), loss.item()
 
 
 def print_resident(model, optimizer, allocated):

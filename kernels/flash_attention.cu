@@ -17,6 +17,7 @@
 // exactly as the 53-bit integer against `threshold` = ceil(p·2⁵³); kept values are scaled by
 // 1/(1-p). Inputs are strided views (D contiguous, rows 16-byte aligned); strides are in elements.
 #include "common.cuh"
+#include "philox.cuh"
 
 namespace flash {
 
@@ -179,26 +180,10 @@ struct Dropout {
     int batch_offset;
 };
 
-// Philox-4x32-10 of (counter, 0, 0) keyed by seed; true iff its uniform is >= p.
+// true iff the uniform of `counter`'s Philox-4x32-10 draw (philox.cuh) is >= p
 __device__ __forceinline__ bool keep(unsigned long long counter, const Dropout& dropout)
 {
-    unsigned c0 = static_cast<unsigned>(counter), c1 = static_cast<unsigned>(counter >> 32);
-    unsigned c2 = 0, c3 = 0;
-    unsigned k0 = static_cast<unsigned>(dropout.seed);
-    unsigned k1 = static_cast<unsigned>(dropout.seed >> 32);
-#pragma unroll
-    for (int round = 0; round < 10; ++round) {
-        const unsigned hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
-        const unsigned hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
-        c0 = hi1 ^ c1 ^ k0;
-        c1 = lo1;
-        c2 = hi0 ^ c3 ^ k1;
-        c3 = lo0;
-        k0 += 0x9E3779B9u;
-        k1 += 0xBB67AE85u;
-    }
-    const unsigned long long draw = (static_cast<unsigned long long>(c0 >> 5) << 26) | (c1 >> 6);
-    return draw >= dropout.threshold;
+    return philox_bits53(counter, dropout.seed) >= dropout.threshold;
 }
 
 // the counter of element (row t, key 0) of head (b, h): base + add + ((b H + h) T + t) S

@@ -3,7 +3,8 @@
 //     y = xhat w + b                                       (w, b optional)
 //     dx = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat)) [+ add],  dxhat = g w
 // The forward also writes xhat and rstd in the compute dtype C for the backward (and for the
-// weight and bias gradients, which are column sums the caller takes). x, w, b and dx have the
+// weight and bias gradients, which are column sums the caller takes), unless they are null (a
+// forward no backward follows). x, w, b and dx have the
 // storage dtype T (so has `add`, an optional gradient summed into dx: the residual stream's);
 // y and g have O, which is T or (under autocast) a 16-bit dtype for an fp32 x.
 // Two forms of each: *_cached_vV_nN for rows that fit the block's registers (each thread holds
@@ -31,11 +32,12 @@ __device__ void layer_norm_forward(const T* x, const T* w, const T* b, O* y, C* 
     const C r = C(1) / sqrt(block_reduce(squares, Sum<C>()) / C(cols) + eps);
     for (int i = threadIdx.x; i < cols; i += blockDim.x) {
         const C h = (widen<C>(xr[i]) - mean) * r;
-        xhat[row * cols + i] = h;
+        if (xhat)
+            xhat[row * cols + i] = h;
         C out = w ? h * widen<C>(w[i]) : h;
         y[row * cols + i] = static_cast<O>(b ? out + widen<C>(b[i]) : out);
     }
-    if (threadIdx.x == 0)
+    if (rstd && threadIdx.x == 0)
         rstd[row] = r;
 }
 
@@ -106,10 +108,11 @@ __device__ void layer_norm_forward_cached(const T* x, const T* w, const T* b, O*
             const C scaled = w ? h.v[k] * widen<C>(wv.v[k]) : h.v[k];
             out.v[k] = static_cast<O>(b ? scaled + widen<C>(bv.v[k]) : scaled);
         }
-        store_pack(xhat + start + col, h);
+        if (xhat)
+            store_pack(xhat + start + col, h);
         store_pack(y + start + col, out);
     }
-    if (threadIdx.x == 0)
+    if (rstd && threadIdx.x == 0)
         rstd[blockIdx.x] = r;
 }
 

@@ -99,6 +99,12 @@ def backward_scope():
     return None if node is None else node.scope
 
 
+def records(inputs):
+    """True when `record` would attach a node for these inputs (gradients on and some input
+    requires one): what only the backward reads need not be computed or kept otherwise."""
+    return _state.enabled and any(t is not None and t.requires_grad for t in inputs)
+
+
 def record(output, inputs, backward, name, sums_first=False):
     """Attach a Node to `output` when gradients are on and some input requires one.
 

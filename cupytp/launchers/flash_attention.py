@@ -16,7 +16,6 @@ uniform of counter base + add + row-major index of (b + batch_offset, h + head_o
 `cupytp.tensor.random`, so the mask equals `ops.dropout`'s on the (B, H, T, S) probabilities.
 """
 import functools
-import math
 from typing import NamedTuple
 
 import numpy
@@ -24,7 +23,7 @@ import numpy
 from cupytp import backend
 from cupytp.backend import bfloat16, c_contiguous, xp
 from cupytp.launchers import ceil_div, dtype_suffix, get_kernel, is_device_array
-from cupytp.tensor.random import global_indices, uniform_at
+from cupytp.launchers.philox import global_indices, keep_threshold, uniform_at
 
 HEAD_DIMS = (64, 128)
 DTYPES = (bfloat16, numpy.dtype(numpy.float16))
@@ -285,11 +284,6 @@ def _kernel(kind, d, dtype, dropout=False):
     if kind in ("forward", "backward"):
         kernel.raw.max_dynamic_shared_size_bytes = _shared_bytes(kind, d)
     return kernel
-
-
-def keep_threshold(p):
-    """The integer t with (53-bit draw >= t) == (draw / 2⁵³ >= p), exactly."""
-    return math.ceil(p * 2.0 ** 53)
 
 
 def _dropout_template(dropout):

@@ -234,9 +234,11 @@ class _LtPlan:
     def run(self, first_ptr, second_ptr, out_ptr, c_ptr=None, bias_ptr=0, aux_ptr=0):
         """D = op(first) op(second) into out_ptr on the current stream (operands aligned to
         LT_ALIGNMENT bytes); with an epilogue, its bias vector at bias_ptr and auxiliary matrix
-        at aux_ptr (0: none), and C (beta's matrix, of D's layout) at c_ptr (default D)."""
+        at aux_ptr (0: none; an epilogue with an auxiliary matrix and no bias keeps its
+        descriptor under bias pointer 0), and C (beta's matrix, of D's layout) at c_ptr
+        (default D)."""
         matmul, handle, desc, alpha, first, second, beta, out, algo, _ = self.args
-        if bias_ptr:
+        if bias_ptr or aux_ptr:
             entry = self.by_bias.get(bias_ptr) or self._epilogue_descriptor(bias_ptr)
             desc = entry[0]
             if aux_ptr and entry[1] != aux_ptr:

@@ -3,10 +3,15 @@ addition and bias gradient computed inside the product rather than by kernels of
 saves each a launch, an allocation and a pass over the product (on a small model's step, host
 time; on a large one, memory traffic).
 
-    matmul_bias(x, w, bias, residual=None) -> x @ w + bias (+ residual)
-    matmul_bias_gelu(x, w, bias)           -> (gelu(p), p) with p = x @ w + bias
-    matmul_gelu_grad(g, w_t, pre)          -> (d, d summed over rows), d = (g @ w_t) * gelu'(pre)
-    matmul_bias_grad(x_t, g, out_dtype)    -> (x_t @ g, g summed over rows), both as out_dtype
+    matmul_bias(x, w, bias, residual=None)          -> x @ w + bias (+ residual)
+    matmul_bias_gelu(x, w, bias, keep_pre=True)     -> (gelu(p), p) with p = x @ w + bias
+    matmul_gelu_grad(g, w_t, pre, sums=True)        -> (d, d summed over rows),
+                                                       d = (g @ w_t) * gelu'(pre)
+    matmul_bias_grad(x_t, g, out_dtype)             -> (x_t @ g, g summed over rows), out_dtype
+
+A layer without a bias passes None (the epilogue without the bias: a residual alone is the
+product's C); `keep_pre=False` leaves out the pre-activation p (None in its place: a forward
+that no backward follows writes no auxiliary matrix), `sums=False` the gradient's column sums.
 
 Operands are 2-D: x and g (rows, K), w (K, N), bias (N,); w_t and x_t may be transposed views of
 C-contiguous arrays (a weight's and an input's). One float dtype for the product's operands; the
@@ -32,7 +37,9 @@ from cupytp.launchers import compute_dtype, is_device_array
 from cupytp.launchers import bias_add, column_sum as column_sums, gelu as gelus, gemm
 
 # cublasLtEpilogue_t
-_BIAS, _GELU_AUX_BIAS, _DGELU_BGRAD, _BGRADA = 4, 164, 208, 256
+_DEFAULT, _BIAS, _GELU, _GELU_BIAS, _GELU_AUX, _GELU_AUX_BIAS = 1, 4, 32, 36, 160, 164
+_DGELU, _DGELU_BGRAD, _BGRADA = 192, 208, 256
+_AUX = (_GELU_AUX, _GELU_AUX_BIAS, _DGELU, _DGELU_BGRAD)   # epilogues with an auxiliary matrix
 _BIAS_ALIGNMENT = 16
 DGELU_EPILOGUE_MAX = 2 ** 25    # elements of a GeLU gradient from which the kernels run it
 _plans = {}             # (epilogue, operands' signature) -> gemm.Product with cuBLASLt, or None
@@ -48,13 +55,17 @@ def matmul_bias(x, w, bias, residual=None):
                          f"{residual.dtype}")
     if not is_device_array(x):
         return matmul_bias_numpy(x, w, bias, residual)
-    product = _plan(_BIAS, x, w, out_dtype, residual is not None)
+    if bias is None and residual is None:
+        return gemm.matmul(x, w)
+    product = _plan(_DEFAULT if bias is None else _BIAS, x, w, out_dtype, residual is not None)
     if product is not None and _aligned((x, w, residual), bias):
         out = xp.empty((x.shape[0], w.shape[1]), dtype=out_dtype)
         product.lt.run(w.data.ptr, x.data.ptr, out.data.ptr,
-                       None if residual is None else residual.data.ptr, bias.data.ptr)
+                       None if residual is None else residual.data.ptr, _pointer(bias))
         return out
     y = gemm.matmul(x, w)
+    if bias is None:
+        return residual + y
     if residual is None:
         return bias_add.bias_add(y, bias)
     if bias_add.residual_applies(y, bias, residual):
@@ -62,37 +73,41 @@ def matmul_bias(x, w, bias, residual=None):
     return bias_add.bias_add(y, bias) + residual
 
 
-def matmul_bias_gelu(x, w, bias):
+def matmul_bias_gelu(x, w, bias, keep_pre=True):
     _check("matmul_bias_gelu", x, w, bias=bias, out_dtype=x.dtype)
     if not is_device_array(x):
-        return matmul_bias_gelu_numpy(x, w, bias)
-    product = _plan(_GELU_AUX_BIAS, x, w, x.dtype, False)
+        return matmul_bias_gelu_numpy(x, w, bias, keep_pre)
+    epilogue = {(True, True): _GELU_AUX_BIAS, (True, False): _GELU_AUX, (False, True): _GELU_BIAS,
+                (False, False): _GELU}[keep_pre, bias is not None]
+    product = _plan(epilogue, x, w, x.dtype, False)
     if product is not None and _aligned((x, w), bias):
-        out, pre = (xp.empty((x.shape[0], w.shape[1]), dtype=x.dtype) for _ in range(2))
-        product.lt.run(w.data.ptr, x.data.ptr, out.data.ptr, None, bias.data.ptr,
-                       pre.data.ptr)
+        out = xp.empty((x.shape[0], w.shape[1]), dtype=x.dtype)
+        pre = xp.empty_like(out) if keep_pre else None
+        product.lt.run(w.data.ptr, x.data.ptr, out.data.ptr, None, _pointer(bias),
+                       _pointer(pre))
         return out, pre
-    pre = bias_add.bias_add(gemm.matmul(x, w), bias)
-    return gelus.gelu(pre), pre
+    pre = gemm.matmul(x, w)
+    pre = pre if bias is None else bias_add.bias_add(pre, bias)
+    return gelus.gelu(pre), (pre if keep_pre else None)
 
 
-def matmul_gelu_grad(g, w_t, pre):
+def matmul_gelu_grad(g, w_t, pre, sums=True):
     _check("matmul_gelu_grad", g, w_t, out_dtype=g.dtype)
     if pre.shape != (g.shape[0], w_t.shape[1]) or pre.dtype != g.dtype:
         raise ValueError(f"matmul_gelu_grad: pre must be ({g.shape[0]}, {w_t.shape[1]}) of "
                          f"{g.dtype}, got {pre.shape} {pre.dtype}")
     if not is_device_array(g):
-        return matmul_gelu_grad_numpy(g, w_t, pre)
-    product = _plan(_DGELU_BGRAD, g, w_t, g.dtype, False) if pre.size < DGELU_EPILOGUE_MAX \
-        else None
+        return matmul_gelu_grad_numpy(g, w_t, pre, sums)
+    product = _plan(_DGELU_BGRAD if sums else _DGELU, g, w_t, g.dtype, False) \
+        if pre.size < DGELU_EPILOGUE_MAX else None
     if product is not None and _aligned((g, w_t, pre)):
         d = xp.empty(pre.shape, dtype=g.dtype)
-        sums = xp.empty(pre.shape[1:], dtype=g.dtype)
-        product.lt.run(w_t.data.ptr, g.data.ptr, d.data.ptr, None, sums.data.ptr,
+        column_sums_out = xp.empty(pre.shape[1:], dtype=g.dtype) if sums else None
+        product.lt.run(w_t.data.ptr, g.data.ptr, d.data.ptr, None, _pointer(column_sums_out),
                        pre.data.ptr)
-        return d, sums
+        return d, column_sums_out
     d = gelus.gelu_backward(pre, gemm.matmul(g, w_t))
-    return d, column_sums.column_sum(d)
+    return d, (column_sums.column_sum(d) if sums else None)
 
 
 def matmul_bias_grad(x_t, g, out_dtype):
@@ -131,12 +146,17 @@ def _plan(epilogue, a, b, out_dtype, plus_c):
     product = None
     if a_t is not None and b_t is not None and 0 not in a.shape + b.shape and \
             a.dtype != numpy.float64 and gemm.use_cublaslt():
-        aux_ld = b.shape[1] if epilogue in (_GELU_AUX_BIAS, _DGELU_BGRAD) else None
+        aux_ld = b.shape[1] if epilogue in _AUX else None
         product = gemm.Product(a, b, a_t, b_t, out_dtype, (a.shape[0], b.shape[1]),
                                (epilogue, aux_ld), plus_c)
         product = product if product.lt is not None else None
     _plans[key] = product
     return product
+
+
+def _pointer(array):
+    """A device array's address, 0 for None."""
+    return 0 if array is None else array.data.ptr
 
 
 def _aligned(matrices, bias=None):
@@ -161,19 +181,21 @@ def matmul_bias_numpy(x, w, bias, residual=None):
     y = _product(x, w)
     if residual is not None:
         y = y + residual.astype(compute)
-    return (y + bias.astype(compute)).astype(x.dtype if residual is None else residual.dtype)
+    y = y if bias is None else y + bias.astype(compute)
+    return y.astype(x.dtype if residual is None else residual.dtype)
 
 
-def matmul_bias_gelu_numpy(x, w, bias):
+def matmul_bias_gelu_numpy(x, w, bias, keep_pre=True):
     """NumPy twin of `matmul_bias_gelu`."""
-    pre = _product(x, w) + bias.astype(compute_dtype(x.dtype))
-    return gelus.gelu_numpy(pre).astype(x.dtype), pre.astype(x.dtype)
+    pre = _product(x, w)
+    pre = pre if bias is None else pre + bias.astype(compute_dtype(x.dtype))
+    return gelus.gelu_numpy(pre).astype(x.dtype), (pre.astype(x.dtype) if keep_pre else None)
 
 
-def matmul_gelu_grad_numpy(g, w_t, pre):
+def matmul_gelu_grad_numpy(g, w_t, pre, sums=True):
     """NumPy twin of `matmul_gelu_grad`."""
     d = gelus.gelu_backward_numpy(pre.astype(compute_dtype(g.dtype)), _product(g, w_t))
-    return d.astype(g.dtype), d.sum(axis=0).astype(g.dtype)
+    return d.astype(g.dtype), (d.sum(axis=0).astype(g.dtype) if sums else None)
 
 
 def matmul_bias_grad_numpy(x_t, g, out_dtype):

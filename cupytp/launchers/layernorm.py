@@ -1,9 +1,10 @@
 """LayerNorm over the last dimension: `layernorm.cu` for CuPy arrays, a NumPy twin otherwise.
 
-`layer_norm_forward(x, weight, bias, eps, out_dtype=None)` → (y, xhat, rstd): y in `out_dtype`
-(x's by default; a 16-bit dtype for a float32 x under autocast, rounded once from the float32
-result); xhat (the normalized input) and rstd (per row) in the compute dtype (float32, float64
-for float64), kept for `layer_norm_backward(g, xhat, rstd, weight, dx_dtype=None, add=None)` → dx in
+`layer_norm_forward(x, weight, bias, eps, out_dtype=None, saved=True)` → (y, xhat, rstd): y in
+`out_dtype` (x's by default; a 16-bit dtype for a float32 x under autocast, rounded once from the
+float32 result); xhat (the normalized input) and rstd (per row) in the compute dtype (float32,
+float64 for float64; None, and not written, with `saved=False`: a forward no backward follows),
+kept for `layer_norm_backward(g, xhat, rstd, weight, dx_dtype=None, add=None)` → dx in
 `dx_dtype` (g's by default: x's, when g has y's 16-bit dtype), plus `add` (a gradient of x from
 elsewhere, dx's dtype and shape: the residual stream's) summed in the same pass before the one
 rounding. weight and bias may be None; when given they have x's dtype and shape (C,). With
@@ -96,19 +97,21 @@ def _check(x, others, dtype):
                              f"{x[0][-1:]}, got {signature[1]} {signature[0]}")
 
 
-def layer_norm_forward(x, weight, bias, eps, out_dtype=None):
+def layer_norm_forward(x, weight, bias, eps, out_dtype=None, saved=True):
     out_dtype = numpy.dtype(out_dtype or x.dtype)
     if not is_device_array(x):
-        return layer_norm_forward_numpy(x, weight, bias, eps, out_dtype)
+        return layer_norm_forward_numpy(x, weight, bias, eps, out_dtype, saved)
     plan = _forward_plan(_signature(x), _signature(weight), _signature(bias), out_dtype)
     compute = plan.compute
     y = xp.empty(x.shape, dtype=out_dtype)
-    xhat = xp.empty(x.shape, dtype=compute)
-    rstd = xp.empty(x.shape[:-1] + (1,), dtype=compute)
+    xhat = xp.empty(x.shape, dtype=compute) if saved else None
+    rstd = xp.empty(x.shape[:-1] + (1,), dtype=compute) if saved else None
     if plan.rows:
         plan.kernel(x, weight, bias, y, xhat)(
             (plan.rows,), (BLOCK_THREADS,), (x, NULL if weight is None else weight,
-                                             NULL if bias is None else bias, y, xhat, rstd,
+                                             NULL if bias is None else bias, y,
+                                             NULL if xhat is None else xhat,
+                                             NULL if rstd is None else rstd,
                                              numpy.int32(plan.cols), compute.type(eps)))
     return y, xhat, rstd
 
@@ -156,15 +159,15 @@ def _suffix(dtype, out_dtype):
     return f"f32_{dtype_suffix(out_dtype)}"
 
 
-def layer_norm_forward_numpy(x, weight, bias, eps, out_dtype=None):
+def layer_norm_forward_numpy(x, weight, bias, eps, out_dtype=None, saved=True):
     compute = compute_dtype(x.dtype)
     v = x.astype(compute)
     centered = v - v.mean(axis=-1, keepdims=True)
     rstd = 1.0 / numpy.sqrt((centered * centered).mean(axis=-1, keepdims=True) + eps)
     xhat = centered * rstd
     y = xhat * weight.astype(compute) if weight is not None else xhat
-    y = y + bias.astype(compute) if bias is not None else y
-    return y.astype(out_dtype or x.dtype), xhat, rstd.astype(compute)
+    y = (y + bias.astype(compute) if bias is not None else y).astype(out_dtype or x.dtype)
+    return (y, xhat, rstd.astype(compute)) if saved else (y, None, None)
 
 
 def layer_norm_backward_numpy(g, xhat, rstd, weight, dx_dtype=None, add=None,

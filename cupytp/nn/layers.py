@@ -185,6 +185,11 @@ class Dropout(Module):
         """True when forward changes its input (training with p > 0)."""
         return self.training and self.p > 0
 
+    @property
+    def effective_p(self):
+        """The probability forward drops with: p while training, else 0."""
+        return self.p if self.training else 0.0
+
     def forward(self, x):
         order = None if self.context_parallel is None or not self.active else \
             self.context_parallel.order_of(x)
@@ -207,12 +212,12 @@ class DMLP(Module):
         self.dropout = Dropout(dropout)
 
     def forward(self, x, residual=None, norm=None):
-        """The MLP of x (of norm(x) with a LayerNorm module `norm`), plus `residual` when given
-        (joined with c_proj's bias; one fused op with the norm, `ops.mlp_residual`, when both
-        biases are there and no dropout is in effect)."""
-        if residual is not None and _fusable(self.c_fc, self.c_proj, self.dropout, x):
+        """The MLP of x (of norm(x) with a LayerNorm module `norm`), its dropout, plus `residual`
+        when given: then one fused op with the norm, `ops.mlp_residual`."""
+        if residual is not None and _fusable(x):
             return ops.mlp_residual(x, residual, self.c_fc.weight, self.c_fc.bias,
-                                    self.c_proj.weight, self.c_proj.bias, _norm_args(norm))
+                                    self.c_proj.weight, self.c_proj.bias, _norm_args(norm),
+                                    self.dropout.effective_p)
         x = x if norm is None else norm(x)
         h = ops.matmul(x, self.c_fc.weight, reduce_input_grad=True)  # (B, T, 4C/tp)
         h = ops.gelu(h) if self.c_fc.bias is None else ops.bias_gelu(h, self.c_fc.bias)
@@ -248,17 +253,16 @@ class DAttention(Module):
         check_heads(self)
 
     def forward(self, x, residual=None, norm=None):
-        """Attention over x (over norm(x) with a LayerNorm module `norm`), plus `residual` when
-        given (joined with c_proj's bias; one fused op with the norm,
-        `ops.attention_residual`, when both biases are there and the output has no
-        dropout)."""
+        """Attention over x (over norm(x) with a LayerNorm module `norm`), its dropouts, plus
+        `residual` when given: then one fused op with the norm, `ops.attention_residual`."""
         b, t, c = x.shape
         h = self.num_heads
-        p = self.attn_dropout.p if self.training else 0.0
-        if residual is not None and _fusable(self.c_attn, self.c_proj, self.resid_dropout, x):
+        p = self.attn_dropout.effective_p
+        if residual is not None and _fusable(x):
             return ops.attention_residual(x, residual, self.c_attn.weight, self.c_attn.bias,
                                           self.c_proj.weight, self.c_proj.bias, h, p,
-                                          norm=_norm_args(norm))
+                                          norm=_norm_args(norm),
+                                          resid_dropout_p=self.resid_dropout.effective_p)
         x = x if norm is None else norm(x)
         qkv = self.c_attn(x).reshape(b, t, 3, h, c // h)            # (B, T, 3, H/tp, D)
         attend = ops.packed_attention if self.context_parallel is None else \
@@ -271,11 +275,10 @@ class DAttention(Module):
         return {"c_attn": "heads", "c_proj": "rowwise"}
 
 
-def _fusable(first, proj, dropout, x):
-    """True when a sublayer (first layer → proj → dropout) may run as one fused op on x: not
-    when x is sharded on its sequence (sequence and context parallelism run the chain)."""
-    return first.bias is not None and proj.bias is not None and not dropout.active and \
-        not any(p.is_shard(1) for p in x.placements)
+def _fusable(x):
+    """True when a sublayer may run as one fused op on x: not when x is sharded on its
+    sequence (sequence and context parallelism run the chain)."""
+    return not any(p.is_shard(1) for p in x.placements)
 
 
 def sequence_sharded(placements, mesh_dim, dim):
@@ -289,13 +292,16 @@ def _norm_args(norm):
 
 
 def project(proj, dropout, x, residual):
-    """dropout(proj(x)), plus `residual` when given: without dropout in effect the projection
-    adds its bias and the residual in one pass (`DLinear.forward`'s `residual`); with it, the
-    projection is reduced straight to the residual's layout."""
-    if residual is not None and not dropout.active:
-        return proj(x, residual)
-    y = dropout(proj(x, placements=None if residual is None else residual.placements))
-    return y if residual is None else residual + y
+    """dropout(proj(x)), plus `residual` when given: then the projection's bias, the dropout
+    and the residual in one pass (`ops.bias_dropout_add`, the Partial product reduced to the
+    residual's layout there), or, for masks drawn by token position (context parallelism), the
+    projection reduced to the residual's layout, its dropout, and the sum."""
+    if residual is None:
+        return dropout(proj(x))
+    if dropout.context_parallel is not None and dropout.active:
+        return residual + dropout(proj(x, placements=residual.placements))
+    y = ops.matmul(x, proj.weight, reduce_input_grad=True)
+    return ops.bias_dropout_add(y, proj.bias, residual, dropout.effective_p)
 
 
 def check_heads(attention):

@@ -12,7 +12,7 @@ from cupytp.ops.elementwise import (
 from cupytp.ops.amp import autocast
 from cupytp.ops.linalg import einsum, matmul
 from cupytp.ops.functional import (
-    causal_softmax, cross_entropy, dropout, embedding, layer_norm, log_softmax,
+    bias_dropout_add, causal_softmax, cross_entropy, dropout, embedding, layer_norm, log_softmax,
     packed_attention, scaled_dot_product_attention, softmax, take_along_last)
 from cupytp.ops.fused import attention_residual, fusion, mlp_residual
 from cupytp.ops.reduction import broadcast_to, max, mean, sum, sum_to_shape
@@ -22,7 +22,7 @@ from cupytp.tensor.redistribute import redistribute
 
 __all__ = [
     "ShardingError", "causal_softmax", "autocast", "redistribute", "add", "astype", "bias_gelu",
-    "bias_residual_add",
+    "bias_residual_add", "bias_dropout_add",
     "div", "exp", "gelu", "log", "masked_fill", "mul", "neg", "pow", "sqrt", "sub", "tanh",
     "einsum", "matmul",
     "cross_entropy", "dropout", "embedding", "layer_norm", "log_softmax", "packed_attention",

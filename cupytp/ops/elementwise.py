@@ -77,11 +77,10 @@ def _layout_rule(op, operands, linear):
     return [tuple(t) for t in targets], tuple(out_shape), out_placements
 
 
-def apply(op, fn, operands, linear, backward_fn=None, saves=True):
-    """Run elementwise `fn` on the local arrays of `operands` (DTensors and numbers);
-    `backward_fn(g, *operands, out)` gives the input gradients. With `saves=False` (ops whose
-    gradient needs no values: add, sub, neg, astype) it gets None for each of them, so the tape
-    keeps neither the inputs nor the output alive."""
+def laid_out(op, operands, linear):
+    """(the operands converted as the elementwise rule asks, the mesh, the output's shape and
+    placements): numbers become tensors, Partial inputs are reduced where the op is not
+    `linear` in them, Replicated ones sliced to the output's shards."""
     tensors = [x for x in operands if isinstance(x, DTensor)]
     if len(tensors) < len(operands):
         operands = [scalar_or_tensor(op, x) for x in operands]
@@ -93,8 +92,17 @@ def apply(op, fn, operands, linear, backward_fn=None, saves=True):
     if any([t.placements != p for t, p in zip(tensors, targets)]):
         converted = iter([convert(op, t, p, tensors) for t, p in zip(tensors, targets)])
         operands = [next(converted) if isinstance(x, DTensor) else x for x in operands]
+    return operands, tensors[0].mesh, out_shape, out_placements
+
+
+def apply(op, fn, operands, linear, backward_fn=None, saves=True):
+    """Run elementwise `fn` on the local arrays of `operands` (DTensors and numbers);
+    `backward_fn(g, *operands, out)` gives the input gradients. With `saves=False` (ops whose
+    gradient needs no values: add, sub, neg, astype) it gets None for each of them, so the tape
+    keeps neither the inputs nor the output alive."""
+    operands, mesh, out_shape, out_placements = laid_out(op, operands, linear)
     local = fn(*[x._local if isinstance(x, DTensor) else x for x in operands])
-    out = make(local, tensors[0].mesh, out_shape, out_placements)
+    out = make(local, mesh, out_shape, out_placements)
     if backward_fn is None:
         return out
     inputs = [x if is_tensor(x) else None for x in operands]

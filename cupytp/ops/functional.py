@@ -1,5 +1,5 @@
 """Neural-network ops: softmax, log_softmax, layer_norm, embedding, take_along_last,
-cross_entropy, dropout, scaled_dot_product_attention.
+cross_entropy, dropout, bias_dropout_add, scaled_dot_product_attention.
 
 softmax, log_softmax and layer_norm work along a dimension no mesh dimension shards. embedding
 and take_along_last accept a table sharded along the looked-up dimension (vocab-parallel): each
@@ -11,14 +11,15 @@ way (`kernels/cross_entropy.cu`).
 import math
 
 from cupytp.launchers import is_device_array
+from cupytp.launchers.column_sum import column_sum
 from cupytp.ops.conversion import (
-    Partial, Replicated, Shard, backend, convert, engine, fail, is_tensor, linear_grad, make,
-    reduce_all, same_mesh)
-from cupytp.ops.elementwise import mul
+    Layout, Partial, Replicated, Shard, backend, convert, engine, fail, is_tensor, linear_grad,
+    make, reduce_all, same_mesh)
+from cupytp.ops.elementwise import NONLINEAR, bias_residual_add, laid_out, mul
 from cupytp.ops.amp import autocast_dtype
 from cupytp.ops.linalg import autocast_operand, einsum
 from cupytp.ops.reduction import leading_sum_placements, sum as reduce_sum
-from cupytp.tensor.random import default_generator, global_indices, uniform_at
+from cupytp.tensor.random import default_generator
 
 
 def _unsharded(op, x, dim):
@@ -98,10 +99,13 @@ def layer_norm(x, weight, bias, eps=1e-5):
     b_local = bias._local.astype(x.dtype, copy=False) if bias is not None else None
     wanted = autocast_dtype()
     out_dtype = wanted if wanted is not None and x.dtype == xp.float32 else x.dtype
+    saved = engine.records((x, weight, bias))
     y, xhat, rstd = layer_norm_forward(xp.ascontiguousarray(x._local), w_local, b_local, eps,
-                                       out_dtype)
+                                       out_dtype, saved)
     layout, x_dtype = x.layout, x.dtype     # closures keep layouts, not tensors
     out = make(y, layout.mesh, layout.shape, layout.placements)
+    if not saved:
+        return out
 
     def backward(g, given):
         # a Partial g (a column-parallel layer's input gradient) is reduced here, once, in its
@@ -307,23 +311,55 @@ def cross_entropy(logits, targets, ignore_index=-100, reduction="mean", vocab_si
     return total / reduce_sum(valid)
 
 
+def _dropout_p(p, what="dropout probability"):
+    if not 0 <= p < 1:
+        raise ValueError(f"{what} must be in [0, 1), got {p}")
+
+
 def dropout(x, p, training=True, generator=None, order=None):
     """Zero each element with probability `p`, scale the rest by 1/(1-p). The mask comes from
-    the counter-based generator by global element index: the same on any mesh. `order`: for a
-    tensor whose dimension 1 (the sequence) is a permutation (context parallelism's zigzag), the
-    position of each of its global indices there (an integer array of x.shape[1]): the mask is
-    then drawn by position, the one the sequence in its natural order gets."""
-    if not 0 <= p < 1:
-        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    the counter-based generator by global element index: the same on any mesh. One kernel each
+    way on a GPU (`kernels/dropout.cu`): the forward keeps a 1-bit mask for the backward (when
+    x requires a gradient). Linear: a Partial x stays Partial. `order`: for a tensor whose
+    dimension 1 (the sequence) is a permutation (context parallelism's zigzag), the position of
+    each of its global indices there (an integer array of x.shape[1]): the mask is then drawn
+    by position, the one the sequence in its natural order gets."""
+    from cupytp.launchers.dropout import dropout as forward, dropout_backward
+    _dropout_p(p)
     if not training or p == 0:
         return x
-    generator = generator or default_generator
-    offsets, local_shape = x.layout.local_block()
-    if order is None:
-        keep = generator.uniform(x.shape, offsets, local_shape) >= p
-    else:
-        keep = _uniform_in_order(generator, x.shape, offsets, local_shape, order) >= p
-    scale = (keep / (1.0 - p)).astype(x.dtype)
+    counters = (generator or default_generator).counters(x.shape, *x.layout.local_block())
+    if order is not None:
+        return _dropout_in_order(x, p, counters, order)
+    layout = x.layout
+    y, mask = forward(backend.xp.ascontiguousarray(x._local), p, counters,
+                      keep_mask=engine.records((x,)))
+    out = make(y, layout.mesh, layout.shape, layout.placements)
+
+    def backward(g):
+        g = linear_grad(g, layout.placements)
+        local = dropout_backward(backend.xp.ascontiguousarray(g._local), mask, p)
+        return (make(local, layout.mesh, layout.shape, g.placements),)
+    return engine.record(out, (x,), backward, "dropout")
+
+
+def _dropout_in_order(x, p, counters, order):
+    """`dropout` of a tensor whose dimension-1 indices stand for the positions `order`: each run
+    of consecutive positions draws the uniforms of its block (`random_fill.uniform`, one kernel
+    on a GPU), and x is scaled by the mask they give."""
+    from cupytp.launchers import random_fill
+    shape, (offsets, local_shape) = x.shape, (counters.offsets, counters.local_shape)
+    if len(order) != shape[1]:
+        raise ValueError(f"dropout: order has {len(order)} positions for a dimension 1 of "
+                         f"{shape[1]}")
+    rows = [int(r) for r in order[offsets[1]:offsets[1] + local_shape[1]]]
+    starts = [i for i in range(len(rows)) if i == 0 or rows[i] != rows[i - 1] + 1]
+    pieces = []
+    for start, stop in zip(starts, starts[1:] + [len(rows)]):
+        run = counters._replace(offsets=offsets[:1] + (rows[start],) + offsets[2:],
+                                local_shape=local_shape[:1] + (stop - start,) + local_shape[2:])
+        pieces.append(random_fill.uniform(run))
+    scale = ((backend.xp.concatenate(pieces, axis=1) >= p) / (1.0 - p)).astype(x.dtype)
     layout = x.layout
     out = make(x._local * scale, layout.mesh, layout.shape, layout.placements)
 
@@ -333,19 +369,47 @@ def dropout(x, p, training=True, generator=None, order=None):
     return engine.record(out, (x,), backward, "dropout")
 
 
-def _uniform_in_order(generator, shape, offsets, local_shape, order):
-    """`generator.uniform` of a block whose dimension-1 indices stand for positions `order`."""
-    if len(order) != shape[1]:
-        raise ValueError(f"dropout: order has {len(order)} positions for a dimension 1 of "
-                         f"{shape[1]}")
+def bias_dropout_add(y, bias, residual, p, training=True, generator=None):
+    """residual + dropout(y + bias) (Megatron's bias-dropout-add): a projection's output y, its
+    bias (C,) along y's last dimension (or None) and the residual stream (y's shape), in one
+    pass on a GPU (`kernels/dropout.cu`, which keeps a 1-bit mask for the backward). The mask
+    is `dropout`'s of y's global shape, the same on any mesh. Partial inputs (a row-parallel
+    output) are reduced first; the output has the residual's dtype (autocast: a 16-bit y, an
+    fp32 bias and residual stream). Without dropout in effect it is `bias_residual_add`."""
+    from cupytp.launchers import dropout as kernels
+    _dropout_p(p)
+    if bias is not None and (bias.ndim != 1 or bias.shape[0] != y.shape[-1]):
+        raise ValueError(f"bias_dropout_add: bias must have shape ({y.shape[-1]},) (y's last "
+                         f"dimension), got {bias.shape}")
+    if y.shape != residual.shape:
+        raise ValueError(f"bias_dropout_add: y {y.shape} and the residual {residual.shape} must "
+                         "have one shape")
+    if not training or p == 0:
+        return residual + y if bias is None else bias_residual_add(y, bias, residual)
+    if not kernels.applies(y.dtype, None if bias is None else bias.dtype, residual.dtype):
+        return residual + dropout(y if bias is None else y + bias, p, generator=generator)
+    operands = [residual, y] if bias is None else [residual, y, bias]
+    operands, mesh, shape, placements = laid_out("bias_dropout_add", operands, NONLINEAR)
+    residual, y, bias = operands + [None] * (3 - len(operands))
+    layout = Layout.trusted(mesh, shape, placements)
+    counters = (generator or default_generator).counters(shape, *layout.local_block())
     xp = backend.xp
-    seed, base, add = generator.philox_args(math.prod(shape))
-    rows = xp.asarray(order[offsets[1]:offsets[1] + local_shape[1]], dtype=xp.uint64)
-    index = global_indices(shape, offsets[:1] + (0,) + offsets[2:],
-                           local_shape[:1] + (1,) + local_shape[2:])
-    stride = math.prod(shape[2:])
-    index = index + rows.reshape((1, -1) + (1,) * (len(shape) - 2)) * xp.uint64(stride)
-    return uniform_at(seed, index + (base + xp.uint64(add)))
+    local = [None if t is None else xp.ascontiguousarray(t._local) for t in (y, bias, residual)]
+    out_local, mask = kernels.dropout(local[0], p, counters, local[1], local[2],
+                                      keep_mask=engine.records((y, bias)))
+    out = make(out_local, mesh, shape, placements)
+    y_dtype = y.dtype
+
+    def backward(g):
+        g = linear_grad(g, placements)
+        gy = kernels.dropout_backward(xp.ascontiguousarray(g._local), mask, p, y_dtype)
+        grads = (g, make(gy, mesh, shape, g.placements))
+        if bias is None:
+            return grads
+        return grads + (make(column_sum(gy, dtype=bias.dtype), bias.mesh, bias.shape,
+                             leading_sum_placements(g.placements, len(shape)))
+                        if bias.requires_grad else None,)
+    return engine.record(out, operands, backward, "bias_dropout_add")
 
 
 def scaled_dot_product_attention(q, k, v, causal=True, dropout_p=0.0, generator=None):
@@ -361,8 +425,7 @@ def scaled_dot_product_attention(q, k, v, causal=True, dropout_p=0.0, generator=
     einsum, fused causal softmax, `dropout`, einsum."""
     from cupytp.launchers import cudnn_attention
     from cupytp.launchers.flash_attention import supported
-    if not 0 <= dropout_p < 1:
-        raise ValueError(f"attention dropout probability must be in [0, 1), got {dropout_p}")
+    _dropout_p(dropout_p, "attention dropout probability")
     q, k, v = (autocast_operand(x) for x in (q, k, v))
     if supported(q._local, k._local, v._local) and cudnn_attention.choice() != "matmul":
         return _flash_attention(q, k, v, causal, dropout_p, generator)
@@ -435,8 +498,7 @@ def packed_attention(qkv, causal=True, dropout_p=0.0, generator=None):
     if qkv.ndim != 5 or qkv.shape[2] != 3:
         raise ValueError(f"packed_attention takes q|k|v packed as (B, T, 3, H, D), got shape "
                          f"{qkv.shape}")
-    if not 0 <= dropout_p < 1:
-        raise ValueError(f"attention dropout probability must be in [0, 1), got {dropout_p}")
+    _dropout_p(dropout_p, "attention dropout probability")
     qkv = autocast_operand(qkv)
     if not supported(*unpacked(qkv._local)) or cudnn_attention.choice() == "matmul":
         q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))

@@ -1,22 +1,29 @@
 """Fused sublayers of a pre-LayerNorm transformer block: one op and one tape node each, for what
 is otherwise a chain of five to nine ops.
 
-    mlp_residual(x, residual, fc_weight, fc_bias, proj_weight, proj_bias, norm=None)
-        = residual + (gelu(x @ fc_weight + fc_bias) @ proj_weight + proj_bias)
+    mlp_residual(x, residual, fc_weight, fc_bias, proj_weight, proj_bias, norm=None,
+                 dropout_p=0.0)
+        = residual + dropout(gelu(x @ fc_weight + fc_bias) @ proj_weight + proj_bias)
     attention_residual(x, residual, qkv_weight, qkv_bias, proj_weight, proj_bias, num_heads,
-                       norm=None)
-        = residual + (attention(x · qkv_weight + qkv_bias) @ proj_weight + proj_bias)
+                       dropout_p=0.0, norm=None, resid_dropout_p=0.0)
+        = residual + dropout(attention(x · qkv_weight + qkv_bias) @ proj_weight + proj_bias)
 
-With `norm=(weight, bias, eps)` the sublayer reads layer_norm(x, weight, bias, eps) instead of x:
-the block's LayerNorm joins the op (its kernels run in it, with no node, tensors or layouts of
-its own), and when x is the residual, as in a pre-LayerNorm block, the residual's gradient is
-added to x's inside the LayerNorm's backward kernel.
+Every bias may be None (a layer without one). With `norm=(weight, bias, eps)` the sublayer reads
+layer_norm(x, weight, bias, eps) instead of x: the block's LayerNorm joins the op (its kernels
+run in it, with no node, tensors or layouts of its own), and when x is the residual, as in a
+pre-LayerNorm block, the residual's gradient is added to x's inside the LayerNorm's backward
+kernel.
 
 A fused op runs the local math of the chain it replaces for the host work of one op (a step of a
 small model is host-bound, and every op of a chain costs its own sharding rule, tensors and tape
 node), with the biases, the GeLU, the residual addition and the bias gradients as epilogues of the
 products (`launchers.gemm_epilogue`): each product is rounded once, after its epilogue, where the
-chain rounds it before, so the two agree to the products' rounding, not bit for bit.
+chain rounds it before, so the two agree to the products' rounding, not bit for bit. With
+dropout on the projection's output (`dropout_p`, `resid_dropout_p`), the product is written and
+one kernel adds its bias, draws, applies and scales the dropout and adds the residual
+(`launchers.dropout`, the chain's `bias_dropout_add`): the same mask as the chain's, and a 1-bit
+mask kept for the backward. Under `no_grad` (nothing requires a gradient) nothing is kept for a
+backward: no GeLU pre-activation, LayerNorm statistics or dropout mask is written.
 
 The layouts it takes, per mesh dimension (worked out once per layout signature):
 - tensor-parallel (Megatron's pair), at most one such dimension: fc_weight Shard(1) and fc_bias
@@ -27,15 +34,16 @@ The layouts it takes, per mesh dimension (worked out once per layout signature):
 - data-parallel or dense: every parameter Replicated, x and residual both Replicated or both
   sharded on the batch (Shard(0)); the parameters' gradients are Partial there.
 The LayerNorm's weight and bias (the same mesh, shape (C,)) are Replicated on every mesh dim.
-Any other layout, or attention the flash kernels do not take, runs the chain of ops, as does
-everything inside `fusion(False)` (or with CUPYTP_FUSED=0).
+Any other layout, attention the flash kernels do not take, or dropout on a residual of another
+dtype than the products' (or their compute dtype) runs the chain of ops, as does everything
+inside `fusion(False)` (or with CUPYTP_FUSED=0).
 """
 from contextlib import contextmanager
 
 import numpy
 
 from cupytp import env
-from cupytp.launchers import compute_dtype, cudnn_attention, flash_attention
+from cupytp.launchers import compute_dtype, cudnn_attention, dropout as dropouts, flash_attention
 from cupytp.launchers.cast import converted
 from cupytp.launchers.gemm_epilogue import (
     matmul_bias, matmul_bias_gelu, matmul_bias_grad, matmul_gelu_grad)
@@ -43,9 +51,11 @@ from cupytp.launchers.layernorm import layer_norm_backward, layer_norm_forward
 from cupytp.ops.amp import autocast_local, autocast_operand, operand_dtype
 from cupytp.ops.conversion import (
     Layout, Partial, Replicated, Shard, backend, cached, engine, linear_grad, make)
-from cupytp.ops.elementwise import bias_gelu, bias_residual_add, bias_residual_local
-from cupytp.ops.functional import attention_setup, layer_norm, packed_attention, unpacked
+from cupytp.ops.elementwise import bias_gelu, bias_residual_local, gelu
+from cupytp.ops.functional import (
+    attention_setup, bias_dropout_add, layer_norm, packed_attention, unpacked)
 from cupytp.ops.linalg import einsum, local_einsum, matmul
+from cupytp.tensor.random import default_generator
 from cupytp.tensor.redistribute import redistribute_local
 
 _enabled = env.get("CUPYTP_FUSED")
@@ -66,40 +76,47 @@ def fusion(enabled=True):
         _enabled = previous
 
 
-def _plan(split, x, residual, params, norm, extra=()):
+def _plan(split, x, residual, params, norm, dropout, extra=()):
     """(tensor-parallel mesh dim or None, the gradient placements of the parameters and then of
-    the norm's weight and bias) when the fused form takes these inputs, else None."""
+    the norm's weight and bias) when the fused form takes these inputs (parameters None where
+    absent; `dropout`: whether the projection's output has dropout), else None."""
     if not _enabled:
         return None
     norms = () if norm is None else tuple(p for p in norm[:2] if p is not None)
     key = (split, x.shape, x.placements, id(x.mesh), residual.shape, residual.placements,
-           id(residual.mesh), operand_dtype(x), extra,
+           id(residual.mesh), operand_dtype(x), residual.dtype, dropout, extra,
            None if norm is None else (norm[0] is None, norm[1] is None),
-           *[(p.shape, p.placements, id(p.mesh), operand_dtype(p)) for p in params + norms])
-    return cached(key, _layouts, split, x, residual, params, norms) or None
+           *[None if p is None else (p.shape, p.placements, id(p.mesh), operand_dtype(p))
+             for p in params + norms])
+    return cached(key, _layouts, split, x, residual, params, norms, dropout) or None
 
 
-def _layouts(split, x, residual, params, norms):
+def _layouts(split, x, residual, params, norms, dropout):
     mesh = x.mesh
-    same = residual.mesh == mesh and all(p.mesh == mesh for p in params + norms)
+    given = [p for p in params if p is not None]
+    same = residual.mesh == mesh and all(p.mesh == mesh for p in given + list(norms))
     dtypes = {operand_dtype(t) for t in (x, params[0], params[2])}
     if not same or x.shape != residual.shape or x.ndim != 3 or len(dtypes) > 1 or \
             any(p.shape != x.shape[-1:] for p in norms):
         return False
     if norms and x.dtype not in (operand_dtype(x), numpy.float32):
         return False            # the norm's kernels give x's dtype, or 16 bits from float32
+    if dropout and not dropouts.applies(operand_dtype(x), None, residual.dtype):
+        return False            # the dropout kernel's output is the residual's dtype
     tp, grads, norm_grads = None, [[] for _ in params], [[] for _ in norms]
     for dim, (px, pr) in enumerate(zip(x.placements, residual.placements)):
-        own = tuple(p.placements[dim] for p in params)
+        own = tuple(None if p is None else p.placements[dim] for p in params)
         if any(p.placements[dim] != Replicated() for p in norms):
             return False
-        if own == split and px == pr == Replicated() and tp is None:
+        if all(o in (None, s) for o, s in zip(own, split)) and px == pr == Replicated() and \
+                tp is None:
             tp = dim
-            for grad, placement in zip(grads, own):
+            for grad, placement in zip(grads, split):
                 grad.append(placement)
             for grad in norm_grads:     # x's gradient is all-reduced before the norm's backward
                 grad.append(Replicated())
-        elif all(p == Replicated() for p in own) and px == pr and px in (Replicated(), Shard(0)):
+        elif all(p in (None, Replicated()) for p in own) and px == pr and \
+                px in (Replicated(), Shard(0)):
             for grad in grads + norm_grads:
                 grad.append(Partial() if px == Shard(0) else Replicated())
         else:
@@ -112,7 +129,7 @@ class _Norm:
     forward on x's local array when made (`out`, in the products' dtype), its backward from the
     gradient of `out` in `backward`. The closure keeps xhat and rstd, not x."""
 
-    def __init__(self, x, norm):
+    def __init__(self, x, norm, saved):
         weight, bias, eps = norm
         self.given = (weight, bias)
         self.params = tuple(p for p in self.given if p is not None)
@@ -120,7 +137,8 @@ class _Norm:
         self.weight, bias_local = (None if p is None else p._local.astype(x.dtype, copy=False)
                                    for p in (weight, bias))
         self.out, self.xhat, self.rstd = layer_norm_forward(
-            xp.ascontiguousarray(x._local), self.weight, bias_local, eps, operand_dtype(x))
+            xp.ascontiguousarray(x._local), self.weight, bias_local, eps, operand_dtype(x),
+            saved)
 
     def backward(self, g, add):
         """(x's gradient, plus `add` (x's dtype, or None), then the gradients of the weight and
@@ -131,12 +149,12 @@ class _Norm:
                       if p is not None])
 
 
-def _input(x, norm):
+def _input(x, norm, saved):
     """(the local array the first product reads, the _Norm or None): x's (autocast's cast of
-    it), or the output of the LayerNorm `norm` over x."""
+    it), or the output of the LayerNorm `norm` over x (its statistics kept when `saved`)."""
     if norm is None:
         return autocast_local(x), None
-    normed = _Norm(x, norm)
+    normed = _Norm(x, norm, saved)
     return normed.out, normed
 
 
@@ -158,18 +176,47 @@ def _rows(v):
     return v.reshape(-1, v.shape[-1])
 
 
-def _project(a, w, bias, residual, tp):
-    """residual + (a @ w + bias) on local arrays, a (rows, K): one product with the bias and the
-    residual as its epilogue, or, where the product is all-reduced along `tp` first (or the
-    dtypes do not fit the epilogue), the product and then one bias-and-residual pass."""
-    res, b = residual._local, bias._local
-    if not _reduces(tp, residual.mesh) and b.dtype == res.dtype and \
-            res.dtype in (a.dtype, compute_dtype(a.dtype)):
-        return matmul_bias(a, w, b, _rows(res)).reshape(res.shape)
+def _project(a, w, bias, residual, tp, dropout):
+    """(residual + dropout(a @ w + bias) on local arrays, a (rows, K), and the dropout's mask or
+    None): without dropout one product with the bias and the residual as its epilogue, or,
+    where the product is all-reduced along `tp` first (or the dtypes do not fit the epilogue),
+    the product and then one bias-and-residual pass; with dropout (a `_Dropout`) the product
+    (all-reduced) and then one pass of bias, dropout and residual."""
+    res, b = residual._local, None if bias is None else bias._local
+    if dropout is None and not _reduces(tp, residual.mesh) and \
+            (b is None or b.dtype == res.dtype) and res.dtype in (a.dtype, compute_dtype(a.dtype)):
+        return matmul_bias(a, w, b, _rows(res)).reshape(res.shape), None
     y = local_einsum("xy", "yz", "xz", a, w).reshape(res.shape[:-1] + (w.shape[-1],))
     if _reduces(tp, residual.mesh):
         y = _all_reduced(y, tp, residual.layout)
-    return bias_residual_local(res, y, b)
+    if dropout is not None:
+        xp = backend.xp
+        b = None if b is None else xp.ascontiguousarray(b if b.dtype == res.dtype else
+                                                        converted(b, res.dtype))
+        return dropouts.dropout(y, dropout.p, dropout.counters, b, xp.ascontiguousarray(res),
+                                keep_mask=dropout.saved)
+    return (res + y if b is None else bias_residual_local(res, y, b)), None
+
+
+class _Dropout:
+    """The dropout of a fused sublayer's output: p, the counters of its draw over the residual's
+    block, whether its mask is kept (a backward follows)."""
+    __slots__ = ("p", "counters", "saved")
+
+    def __init__(self, p, generator, residual, saved):
+        self.p, self.saved = p, saved
+        self.counters = (generator or default_generator).counters(
+            residual.shape, *residual.layout.local_block())
+
+    @staticmethod
+    def of(p, generator, residual, saved):
+        """The _Dropout of probability p (None for p = 0)."""
+        return _Dropout(p, generator, residual, saved) if p > 0 else None
+
+    def backward(self, g, mask, dtype):
+        """The gradient of the product (rows, C) in `dtype` from the output's g."""
+        return _rows(dropouts.dropout_backward(backend.xp.ascontiguousarray(g), mask, self.p,
+                                               dtype))
 
 
 def _weight_grads(x, g, weight, bias):
@@ -235,32 +282,41 @@ def _recorded(out, inputs, grads_of, name, placements, normed):
     return engine.record(out, inputs, backward, name)
 
 
-def mlp_residual(x, residual, fc_weight, fc_bias, proj_weight, proj_bias, norm=None):
-    """residual + (gelu(x @ fc_weight + fc_bias) @ proj_weight + proj_bias) for x and residual
-    (B, T, C), fc_weight (C, H), proj_weight (H, C): a GPT-2 MLP and its residual addition,
+def mlp_residual(x, residual, fc_weight, fc_bias, proj_weight, proj_bias, norm=None,
+                 dropout_p=0.0, generator=None):
+    """residual + dropout(gelu(x @ fc_weight + fc_bias) @ proj_weight + proj_bias) for x and
+    residual (B, T, C), fc_weight (C, H), proj_weight (H, C), either bias None or given: a GPT-2
+    MLP, its dropout (probability `dropout_p`, from `generator`) and its residual addition,
     fused (module docstring), x first normalized by `norm` (weight, bias, eps) when given;
     inside `autocast` the products run in its dtype."""
     params = (fc_weight, fc_bias, proj_weight, proj_bias)
-    plan = _plan(MLP_SPLIT, x, residual, params, norm)
+    plan = _plan(MLP_SPLIT, x, residual, params, norm, dropout_p > 0)
     if plan is None:
         x = x if norm is None else layer_norm(x, *norm)
-        h = bias_gelu(matmul(x, fc_weight, reduce_input_grad=True), fc_bias)
-        return bias_residual_add(matmul(h, proj_weight), proj_bias, residual)
+        h = matmul(x, fc_weight, reduce_input_grad=True)                 # (B, T, H/tp)
+        h = gelu(h) if fc_bias is None else bias_gelu(h, fc_bias)
+        return bias_dropout_add(matmul(h, proj_weight), proj_bias, residual, dropout_p,
+                                generator=generator)
     tp, placements = plan
-    (x_local, normed), w1, w2 = _input(x, norm), autocast_local(fc_weight), \
+    saved = engine.records((x, residual, *params) + (() if norm is None else norm[:2]))
+    (x_local, normed), w1, w2 = _input(x, norm, saved), autocast_local(fc_weight), \
         autocast_local(proj_weight)
-    b1 = _bias_as(autocast_local(fc_bias), x_local.dtype)
-    u, pre = matmul_bias_gelu(_rows(x_local), w1, b1)          # pre: x @ w1 + b1
-    out = make(_project(u, w2, proj_bias, residual, tp), residual.mesh, residual.shape,
-               residual.placements)
+    b1 = _bias_as(fc_bias, x_local.dtype)
+    u, pre = matmul_bias_gelu(_rows(x_local), w1, b1, saved)   # pre: x @ w1 + b1
+    drop = _Dropout.of(dropout_p, generator, residual, saved)
+    local, mask = _project(u, w2, proj_bias, residual, tp, drop)
+    out = make(local, residual.mesh, residual.shape, residual.placements)
+    if not saved:
+        return out
     x_info = _input_info(x, x_local, normed)
 
     def grads_of(g):
-        gy = _grad_as(g, u.dtype)
+        gy = _grad_as(g, u.dtype) if drop is None else drop.backward(g, mask, u.dtype)
         gw2, gb2 = _weight_grads(u, gy, proj_weight, proj_bias)
-        dh, gb1 = matmul_gelu_grad(gy, w2.T, pre)
+        needs_b1 = fc_bias is not None and fc_bias.requires_grad
+        dh, gb1 = matmul_gelu_grad(gy, w2.T, pre, needs_b1)
         gx, gw1, _ = _input_backward(dh, x_local, w1, x_info, fc_weight, None, tp)
-        return gx, gw1, gb1.astype(fc_bias.dtype, copy=False), gw2, gb2
+        return gx, gw1, gb1 if gb1 is None else gb1.astype(fc_bias.dtype, copy=False), gw2, gb2
     return _recorded(out, (x, residual, *params), grads_of, "mlp_residual", placements, normed)
 
 
@@ -273,52 +329,64 @@ def _input_info(x, x_local, normed):
 
 
 def _bias_as(bias, dtype):
-    """A contiguous bias of the products' dtype (the epilogue adds one of the output's)."""
+    """The local array of a bias (autocast's cast of it) as a contiguous array of the products'
+    dtype (the epilogue adds one of the output's); None for None."""
+    if bias is None:
+        return None
+    bias = autocast_local(bias)
     return backend.xp.ascontiguousarray(bias if bias.dtype == dtype else converted(bias, dtype))
 
 
 def attention_residual(x, residual, qkv_weight, qkv_bias, proj_weight, proj_bias, num_heads,
-                       dropout_p=0.0, generator=None, norm=None):
-    """residual + (attention(x · qkv_weight + qkv_bias) @ proj_weight + proj_bias): causal
-    multi-head self-attention over x and residual (B, T, C), qkv_weight (C, 3, C) with the
-    heads on its last axis, qkv_bias (3, C), proj_weight (C, C); attention dropout
-    `dropout_p`; x first normalized by `norm` (weight, bias, eps) when given. A GPT-2 attention
-    and its residual addition, fused (module docstring)."""
+                       dropout_p=0.0, generator=None, norm=None, resid_dropout_p=0.0):
+    """residual + dropout(attention(x · qkv_weight + qkv_bias) @ proj_weight + proj_bias):
+    causal multi-head self-attention over x and residual (B, T, C), qkv_weight (C, 3, C) with
+    the heads on its last axis, qkv_bias (3, C) or None, proj_weight (C, C), proj_bias or None;
+    attention dropout `dropout_p`, dropout `resid_dropout_p` on the projection's output (drawn
+    after the attention's, from `generator`); x first normalized by `norm` (weight, bias, eps)
+    when given. A GPT-2 attention and its residual addition, fused (module docstring)."""
     params = (qkv_weight, qkv_bias, proj_weight, proj_bias)
     b, t, c = x.shape
     d = c // num_heads
     flash = operand_dtype(x) in flash_attention.DTYPES and d in flash_attention.HEAD_DIMS \
         and c % num_heads == 0 and cudnn_attention.choice() != "matmul"
-    plan = _plan(ATTENTION_SPLIT, x, residual, params, norm, num_heads) if flash else None
+    plan = _plan(ATTENTION_SPLIT, x, residual, params, norm, resid_dropout_p > 0, num_heads) \
+        if flash else None
     if plan is None:
         x = x if norm is None else layer_norm(x, *norm)
-        qkv = einsum("btc,cjd->btjd", x, qkv_weight, reduce_input_grad=True) + \
-            autocast_operand(qkv_bias)
+        qkv = einsum("btc,cjd->btjd", x, qkv_weight, reduce_input_grad=True)
+        qkv = qkv if qkv_bias is None else qkv + autocast_operand(qkv_bias)
         y = packed_attention(qkv.reshape(b, t, 3, num_heads, d), True, dropout_p, generator)
-        return bias_residual_add(matmul(y.reshape(b, t, c), proj_weight), proj_bias, residual)
+        return bias_dropout_add(matmul(y.reshape(b, t, c), proj_weight), proj_bias, residual,
+                                resid_dropout_p, generator=generator)
     tp, placements = plan
-    (x_local, normed), wq, wp = _input(x, norm), autocast_local(qkv_weight), \
+    saved = engine.records((x, residual, *params) + (() if norm is None else norm[:2]))
+    (x_local, normed), wq, wp = _input(x, norm, saved), autocast_local(qkv_weight), \
         autocast_local(proj_weight)
-    bq = _bias_as(autocast_local(qkv_bias), x_local.dtype).reshape(-1)
-    qkv = matmul_bias(_rows(x_local), wq.reshape(wq.shape[0], -1), bq)    # (B T, 3 C/tp)
+    bq = _bias_as(qkv_bias, x_local.dtype)
+    qkv = matmul_bias(_rows(x_local), wq.reshape(wq.shape[0], -1),
+                      None if bq is None else bq.reshape(-1))           # (B T, 3 C/tp)
     rows, heads = x_local.shape[0], qkv.shape[-1] // (3 * d)            # this rank's batch, heads
     views = unpacked(qkv.reshape(rows, t, 3, heads, d))
-    kernels, scale, drop = attention_setup(
+    kernels, scale, attention_drop = attention_setup(
         views[0], views[1], dropout_p, generator, (b, num_heads, t, t),
         (x.layout.offsets[0], qkv_weight.layout.offsets[2] // d))
-    o, lse = kernels.attention_forward(*views, True, scale, drop)        # (B, H/tp, T, D)
+    o, lse = kernels.attention_forward(*views, True, scale, attention_drop)   # (B, H/tp, T, D)
     a = o.transpose(0, 2, 1, 3).reshape(rows * t, heads * d)            # (B T, C/tp)
-    out = make(_project(a, wp, proj_bias, residual, tp), residual.mesh, residual.shape,
-               residual.placements)
+    drop = _Dropout.of(resid_dropout_p, generator, residual, saved)
+    local, mask = _project(a, wp, proj_bias, residual, tp, drop)
+    out = make(local, residual.mesh, residual.shape, residual.placements)
+    if not saved:
+        return out
     x_info = _input_info(x, x_local, normed)
 
     def grads_of(g):
-        gy = _grad_as(g, a.dtype)
+        gy = _grad_as(g, a.dtype) if drop is None else drop.backward(g, mask, a.dtype)
         ga = local_einsum("xz", "yz", "xy", gy, wp)
         gwp, gbp = _weight_grads(a, gy, proj_weight, proj_bias)
         grad = backend.xp.empty_like(qkv)
         do = ga.reshape(rows, t, heads, d).astype(o.dtype, copy=False).transpose(0, 2, 1, 3)
-        kernels.attention_backward(*views, o, lse, do, True, scale, drop,
+        kernels.attention_backward(*views, o, lse, do, True, scale, attention_drop,
                                    grads=unpacked(grad.reshape(rows, t, 3, heads, d)))
         gx, gwq, gbq = _input_backward(grad, x_local, wq, x_info, qkv_weight, qkv_bias, tp)
         return (gx, None if gwq is None else gwq.reshape(wq.shape),

@@ -36,7 +36,8 @@ from cupytp.ops import packed_attention
 from cupytp.ops.amp import autocast_operand
 from cupytp.ops.conversion import Replicated, Shard, convert, engine, fail, linear_grad, make
 from cupytp.ops.functional import unpacked
-from cupytp.tensor.random import default_generator, uniform_at
+from cupytp.launchers.philox import uniform_at
+from cupytp.tensor.random import default_generator
 from cupytp.distributed.process_group import split_sizes
 
 

@@ -3,7 +3,8 @@
 `distribute` moves a source rank's array out mesh dimension by mesh dimension (scatter for
 Shard, broadcast for Replicated), so no rank but the source ever holds the whole array. The
 builders (`zeros`, `randn`, ...) make only this rank's block; `randn` and `rand` draw from the
-counter-based generator, so their global values do not depend on the placements.
+counter-based generator (one kernel on a GPU), so their global values do not depend on the
+placements.
 """
 
 import numpy
@@ -213,8 +214,8 @@ def randn(shape, mesh=None, placements=None, dtype="fp32", std=1.0, generator=No
     """Normal(0, std) values; the same global tensor for any mesh and placements."""
     generator = generator or default_generator
     dtype = backend.dtype(dtype)
-    return _build(shape, mesh, placements, lambda s, o, local: (
-        generator.normal(s, o, local) * std).astype(dtype), requires_grad)
+    return _build(shape, mesh, placements, lambda s, o, local: generator.normal(
+        s, o, local, dtype, std), requires_grad)
 
 
 def rand(shape, mesh=None, placements=None, dtype="fp32", generator=None, requires_grad=False):
@@ -222,6 +223,6 @@ def rand(shape, mesh=None, placements=None, dtype="fp32", generator=None, requir
     generator = generator or default_generator
     dtype = backend.dtype(dtype)
     return _build(shape, mesh, placements, lambda s, o, local: generator.uniform(
-        s, o, local).astype(dtype), requires_grad)
+        s, o, local, dtype), requires_grad)
 
 

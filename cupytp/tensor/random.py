@@ -3,7 +3,9 @@
 Philox-4x32-10 keyed by the seed, with the global element index (plus the generator's running
 offset) as the counter: element (i, j) of a global tensor gets the same value whatever the mesh,
 the placements or the number of ranks. Every draw advances the offset by the global element
-count, identically on all ranks. The same array code runs on NumPy and CuPy.
+count, identically on all ranks. On a GPU the numbers are drawn inside kernels (`random_fill.cu`,
+dropout's, flash attention's; `philox.cuh`): those of the NumPy twin the CPU runs
+(`cupytp.launchers.philox`), uniforms and masks bit for bit, normals to a few float64 ulps.
 
 Inside a captured CUDA graph the offset cannot be a constant of the graph: draws made while
 capturing count from a device-resident base that is rewritten before every replay (see
@@ -12,58 +14,8 @@ capturing count from a device-resident base that is rewritten before every repla
 import numpy
 
 from cupytp import backend, graph
-
-_M0, _M1 = 0xD2511F53, 0xCD9E8D57
-_W0, _W1 = 0x9E3779B9, 0xBB67AE85
-_MASK32 = 0xFFFFFFFF
-
-
-def philox4x32(counter_lo, counter_hi, key):
-    """Four uint32 words per counter (counter as two uint32 arrays, key a 64-bit int)."""
-    xp = backend.xp
-    u64 = xp.uint64
-    c0 = counter_lo.astype(u64)
-    c1 = counter_hi.astype(u64)
-    c2 = xp.zeros_like(c0)
-    c3 = xp.zeros_like(c0)
-    k0, k1 = key & _MASK32, (key >> 32) & _MASK32
-    for _ in range(10):
-        p0 = c0 * u64(_M0)
-        p1 = c2 * u64(_M1)
-        hi0, lo0 = p0 >> u64(32), p0 & u64(_MASK32)
-        hi1, lo1 = p1 >> u64(32), p1 & u64(_MASK32)
-        c0, c1, c2, c3 = hi1 ^ c1 ^ u64(k0), lo1, hi0 ^ c3 ^ u64(k1), lo0
-        k0, k1 = (k0 + _W0) & _MASK32, (k1 + _W1) & _MASK32
-    return c0, c1, c2, c3
-
-
-def _uniform53(a, b):
-    """A float64 in [0, 1) from two uint32 words."""
-    xp = backend.xp
-    return ((a >> xp.uint64(5)).astype(xp.float64) * 67108864.0
-            + (b >> xp.uint64(6)).astype(xp.float64)) / 9007199254740992.0
-
-
-def uniform_at(seed, counter):
-    """float64 uniforms in [0, 1) at uint64 `counter`s: the first two Philox words of each, as
-    `Generator.uniform` draws them (for twins of kernels that draw their own numbers)."""
-    xp = backend.xp
-    a, b, _, _ = philox4x32(counter & xp.uint64(_MASK32), counter >> xp.uint64(32), seed)
-    return _uniform53(a, b)
-
-
-def global_indices(shape, offsets, local_shape):
-    """Row-major global linear index of every element of a local block (uint64 array)."""
-    xp = backend.xp
-    index = xp.zeros(local_shape, dtype=xp.uint64)
-    stride = 1
-    for dim in reversed(range(len(shape))):
-        axis = xp.arange(offsets[dim], offsets[dim] + local_shape[dim], dtype=xp.uint64)
-        view = [1] * len(shape)
-        view[dim] = local_shape[dim]
-        index = index + axis.reshape(view) * xp.uint64(stride)
-        stride *= shape[dim]
-    return index
+from cupytp.launchers import random_fill
+from cupytp.launchers.philox import Counters
 
 
 class Generator(graph.GraphState):
@@ -113,24 +65,22 @@ class Generator(graph.GraphState):
         self._bases[1:].fill(backend.xp.uint64(self.offset))
         self.offset += record["per_replay"]
 
-    def _words(self, shape, offsets, local_shape):
+    def counters(self, shape, offsets, local_shape):
+        """Reserve the counters of one draw over the global `shape`, for the block `local_shape`
+        at `offsets` (a `launchers.philox.Counters`, which the drawing kernels take)."""
         count = int(numpy.prod(shape, dtype=numpy.int64))
-        seed, base, add = self.philox_args(count)
-        counter = global_indices(shape, offsets, local_shape) + (base + backend.xp.uint64(add))
-        return philox4x32(counter & backend.xp.uint64(_MASK32), counter >> backend.xp.uint64(32),
-                          seed)
+        return Counters(*self.philox_args(count), tuple(shape), tuple(offsets),
+                        tuple(local_shape))
 
-    def uniform(self, shape, offsets, local_shape):
-        """float64 uniforms in [0, 1) for the block `local_shape` at `offsets` of `shape`."""
-        a, b, _, _ = self._words(shape, offsets, local_shape)
-        return _uniform53(a, b)
+    def uniform(self, shape, offsets, local_shape, dtype=numpy.float64):
+        """Uniforms in [0, 1) for the block `local_shape` at `offsets` of `shape`, drawn in
+        float64 and rounded to `dtype` (one kernel on a GPU)."""
+        return random_fill.uniform(self.counters(shape, offsets, local_shape), dtype)
 
-    def normal(self, shape, offsets, local_shape):
-        """float64 standard normals (Box-Muller) for the block at `offsets` of `shape`."""
-        xp = backend.xp
-        a, b, c, d = self._words(shape, offsets, local_shape)
-        u1, u2 = _uniform53(a, b), _uniform53(c, d)
-        return xp.sqrt(-2.0 * xp.log1p(-u1)) * xp.cos(2.0 * numpy.pi * u2)
+    def normal(self, shape, offsets, local_shape, dtype=numpy.float64, std=1.0):
+        """Normal(0, std) values (Box-Muller in float64, rounded to `dtype`) for the block at
+        `offsets` of `shape` (one kernel on a GPU)."""
+        return random_fill.normal(self.counters(shape, offsets, local_shape), dtype, std)
 
 
 default_generator = Generator(0)

@@ -89,6 +89,43 @@ def test_captured_training_equals_eager(mesh, dtype, set_to_none):
     assert max(replays) == min(replays), f"memory grew across replays: {replays}"
 
 
+@pytest.mark.parametrize("dtype", [None, "bf16"])
+def test_captured_evaluation_equals_eager(mesh, dtype):
+    """The loss of a model in eval mode (dropout configured, so off) under no_grad, captured
+    and replayed: the eager forward's losses bit for bit, on batches and after parameter updates
+    that come between replays; it draws no random numbers, records nothing, and replays
+    allocate nothing."""
+    if CONFIG.n_head % mesh.shape[nn.tp_dim(mesh)]:
+        pytest.skip("heads do not split")
+    cupytp.manual_seed(3)
+    model = GPT2(CONFIG, mesh)
+    optimizer = AdamW(model.parameters(), lr=1e-2)
+
+    def loss_of(x, y):
+        with cupytp.no_grad(), cupytp.autocast(dtype):
+            return model(x, y)[1]
+    captured = cupytp.cuda_graph(loss_of)
+    for update in range(3):
+        model.eval()
+        drawn = cupytp.tensor.default_generator.offset
+        for i in range(4):
+            x, y = batches(i, mesh)[0]
+            eager = full(loss_of(x, y))
+            before, replay = memory.memory_stats()["allocated_bytes"], captured.graph is not None
+            replayed = captured(x, y)
+            if replay:                              # nothing allocated
+                assert memory.memory_stats()["allocated_bytes"] == before
+            assert replayed._node is None
+            numpy.testing.assert_array_equal(full(replayed), eager)
+        assert cupytp.tensor.default_generator.offset == drawn
+        model.train()                       # a training step changes the parameters
+        with cupytp.autocast(dtype):
+            _, loss = model(*batches(update, mesh)[0])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 def test_host_sync_inside_the_step_is_a_clear_error(mesh):
     model = nn.DLinear(8, 8, mesh)
     x = lay_out(numpy.ones((2, 8)), mesh, (Replicated(),) * mesh.ndim)

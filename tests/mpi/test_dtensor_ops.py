@@ -234,6 +234,26 @@ def test_dropout_is_mesh_invariant(mesh):
     del out
 
 
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_bias_dropout_add_is_mesh_invariant(mesh, with_bias):
+    """residual + dropout(y + bias) with y Partial (a row-parallel output: reduced first) or
+    sharded, the residual laid out any way: any mesh equals one rank, gradients included; the
+    same as the chain of add and dropout ops."""
+    y, residual, bias = rng_array((5, 4, 6), 34), rng_array((5, 4, 6), 35), rng_array((6,), 36)
+
+    def fn(y, residual, bias=None):
+        cupytp.manual_seed(99)
+        return ops.bias_dropout_add(y, bias, residual, 0.4)
+    arrays = [y, residual] + ([bias] if with_bias else [])
+    combos = each(mesh, [P, R, S(0), S(2), S(1)], [R, S(0), R, S(2), R], [R, R, R, S(0), R])
+    run_all(fn, arrays, [c[:len(arrays)] for c in combos], mesh)
+    dense = cupytp.local_mesh()
+    inputs = [lay_out(a, dense, (R,)) for a in arrays]
+    cupytp.manual_seed(99)
+    chain = inputs[1] + ops.dropout(inputs[0] + inputs[2] if with_bias else inputs[0], 0.4)
+    numpy.testing.assert_allclose(full(fn(*inputs)), full(chain), rtol=1e-14, atol=1e-14)
+
+
 def test_attention_heads_sharded(mesh):
     q, k, v = (rng_array((2, 4, 5, 3), s) for s in (24, 25, 26))
     run_all(ops.scaled_dot_product_attention, [q, k, v],

@@ -1,22 +1,27 @@
 """The fused sublayers (ops.mlp_residual, ops.attention_residual): one tape node each, the
 outputs and gradients of their chains of ops to bf16 rounding (the fused products round once,
 after their epilogues), equal to the dense single-rank block (float64 to rounding), on 1-D and 2-D
-meshes with uneven batch shards; layouts they do not take run the chain."""
+meshes with uneven batch shards, with biases and without, with dropout and without (the fused
+kernels draw the chain's masks, the same on every mesh); layouts they do not take run the chain;
+under no_grad nothing is kept for a backward."""
 import numpy
 import pytest
 
 import cupytp
 from cupytp import nn, ops
 from cupytp.autograd import engine
+from cupytp.ops import fused
 from cupytp.tensor import Replicated, Shard, local_mesh
 from dense_reference import full, lay_out, rng_array
-from test_layers import build, compare, skip_unless_heads_split
+from test_layers import build, skip_unless_heads_split
 
 WIDTH, HEADS = 128, 2          # head dim 64: bf16 attention takes the flash path (the twin)
+SEED = 5                       # the dropout's generator state before each forward
 
 
 def run(block, x, w, mesh, placements, fused, dtype="bf16"):
-    """(output, {name: gradient}, names of the recorded nodes) of sum(block(x) * w)."""
+    """(output, {name: gradient}, names of the recorded nodes) of sum(block(x) * w), the
+    generator seeded alike before each run (the same dropout masks)."""
     for p in block.parameters():
         p.grad = None
     xt = lay_out(x, mesh, placements, requires_grad=True)
@@ -27,6 +32,7 @@ def run(block, x, w, mesh, placements, fused, dtype="bf16"):
         names.append(name)
         return record(output, inputs, backward, name, sums_first)
     engine.record = spy
+    cupytp.manual_seed(SEED)
     try:
         with ops.fusion(fused), ops.autocast(dtype):
             y = block(xt)
@@ -45,13 +51,15 @@ def placements_of(mesh, batch_sharded):
 
 
 @pytest.mark.parametrize("batch_sharded", [False, True])
-def test_fused_block_matches_its_chain(mesh, batch_sharded):
+@pytest.mark.parametrize("bias,dropout", [(True, 0.0), (False, 0.0), (True, 0.2), (False, 0.2)])
+def test_fused_block_matches_its_chain(mesh, batch_sharded, bias, dropout):
     """A bf16 block on the mesh: both sublayers fused with their LayerNorms (two nodes), the
-    chain of ops's output and every gradient to a few bf16 roundings; uneven batch over dp."""
+    chain of ops's output and every gradient to a few bf16 roundings; uneven batch over dp;
+    biases or none, dropout (attention and residual) or none."""
     skip_unless_heads_split(mesh, HEADS)
     x = rng_array((3, 4, WIDTH), 1).astype(numpy.float32)
     w = rng_array((3, 4, WIDTH), 2).astype(numpy.float32)
-    block = build(lambda m: nn.DBlock(WIDTH, HEADS, m), mesh)
+    block = build(lambda m: nn.DBlock(WIDTH, HEADS, m, bias=bias, dropout=dropout), mesh)
     for p in block.parameters():            # nonzero biases and LayerNorm parameters
         p.to_local()[...] += cupytp.backend.asarray(
             0.1 * rng_array(p.to_local().shape, 3).astype(p.dtype))
@@ -59,8 +67,9 @@ def test_fused_block_matches_its_chain(mesh, batch_sharded):
     y, grads, names = run(block, x, w, mesh, placements, fused=True)
     y_chain, grads_chain, names_chain = run(block, x, w, mesh, placements, fused=False)
     assert names == ["attention_residual", "mlp_residual"]
-    assert "packed_attention" in names_chain and "bias_gelu" in names_chain
-    assert names_chain.count("layer_norm") == 2
+    assert "packed_attention" in names_chain and names_chain.count("layer_norm") == 2
+    assert ("bias_gelu" in names_chain) == bias and ("bias_dropout_add" in names_chain) == \
+        (dropout > 0)
     close(y, y_chain, "output")
     for name in grads:
         assert grads[name].dtype == grads_chain[name].dtype, name
@@ -92,14 +101,33 @@ def test_fused_block_matches_the_dense_fp32_block(mesh):
                                       atol=5e-2 * numpy.abs(want).max(), err_msg=name)
 
 
-def test_fused_mlp_in_float64_equals_dense(mesh):
-    """float64: the fused MLP (attention takes the chain: no flash kernel for float64) equals the
-    dense block to rounding, on 1-D and 2-D meshes with the batch sharded over dp."""
+@pytest.mark.parametrize("bias,dropout", [(True, 0.0), (False, 0.0), (True, 0.3), (False, 0.3)])
+def test_float64_block_fused_chain_and_dense_agree(mesh, bias, dropout):
+    """float64, the batch sharded over dp (uneven): the block with the fused MLP (attention takes
+    the chain: no flash kernel for float64), the block's chain of ops and the dense block on one
+    rank give one output and the same gradients to rounding, biases or none, dropout or none
+    (one mask on every mesh)."""
     skip_unless_heads_split(mesh, 4)
-    x = rng_array((5, 3, 8), 6)
-    dense = build(lambda m: nn.DBlock(8, 4, m, dtype="fp64"), local_mesh())
-    block = build(lambda m: nn.DBlock(8, 4, m, dtype="fp64"), mesh)
-    compare(dense, block, x, mesh, x_placement=placements_of(mesh, True))
+    x, w = rng_array((5, 3, 8), 6), rng_array((5, 3, 8), 7)
+    make = lambda m: nn.DBlock(8, 4, m, bias=bias, dropout=dropout, dtype="fp64")  # noqa: E731
+    dense = build(make, local_mesh())
+    y_dense, grads_dense, _ = run(dense, x, w, local_mesh(), (Replicated(),), False, None)
+    block = build(make, mesh)
+    placements = placements_of(mesh, True)
+    for fused_form in (True, False):
+        y, grads, names = run(block, x, w, mesh, placements, fused_form, None)
+        assert ("mlp_residual" in names) == fused_form
+        # every draw made: the attention's (B, H, T, T) and the two residual (B, T, C) masks
+        drawn = cupytp.tensor.default_generator.offset
+        assert drawn == (5 * 4 * 3 * 3 + 2 * 5 * 3 * 8 if dropout else 0)
+        numpy.testing.assert_allclose(y, y_dense, rtol=1e-10, atol=1e-12)
+        for name, want in grads_dense.items():
+            numpy.testing.assert_allclose(grads[name], want, rtol=1e-10, atol=1e-12,
+                                          err_msg=name)
+    block.eval()                            # no dropout: other values where it dropped some
+    y_eval, _, _ = run(block, x, w, mesh, placements, True, None)
+    assert cupytp.tensor.default_generator.offset == 0
+    assert numpy.allclose(y_eval, y) != bool(dropout)
 
 
 def test_layouts_it_does_not_take_run_the_chain(world):
@@ -157,3 +185,35 @@ def test_norm_joins_the_fused_op_with_exact_gradients(world, x_is_residual):
         return [full(t) for t in (y, x.grad, residual.grad, weight.grad)]
     for got, want in zip(grads(True), grads(False)):
         numpy.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_without_a_backward_nothing_is_kept(world, monkeypatch):
+    """Under no_grad a block with dropout records nothing and writes no GeLU pre-activation,
+    LayerNorm statistics or dropout mask, and gives the output of a forward that records."""
+    kept = []
+
+    def spy(function, flag):
+        def call(*args, **kwargs):
+            out = function(*args, **kwargs)
+            kept.append((function.__name__, flag(args, kwargs, out)))
+            return out
+        return call
+    monkeypatch.setattr(fused, "matmul_bias_gelu", spy(
+        fused.matmul_bias_gelu, lambda args, kwargs, out: out[1] is not None))
+    monkeypatch.setattr(fused, "layer_norm_forward", spy(
+        fused.layer_norm_forward, lambda args, kwargs, out: out[1] is not None))
+    monkeypatch.setattr(fused.dropouts, "dropout", spy(
+        fused.dropouts.dropout, lambda args, kwargs, out: out[1] is not None))
+    block = build(lambda m: nn.DBlock(WIDTH, HEADS, m, dropout=0.2), local_mesh())
+    x = lay_out(rng_array((2, 4, WIDTH), 8).astype(numpy.float32), local_mesh(), (Replicated(),))
+    outputs = []
+    for recording in (False, True):
+        kept.clear()
+        cupytp.manual_seed(SEED)
+        with ops.autocast("bf16"), (engine.enable_grad() if recording else engine.no_grad()):
+            y = block(x)
+        assert (y._node is not None) == recording
+        assert sorted(kept) == sorted([("layer_norm_forward", recording)] * 2 + [
+            ("matmul_bias_gelu", recording), ("dropout", recording), ("dropout", recording)])
+        outputs.append(full(y))
+    numpy.testing.assert_array_equal(*outputs)

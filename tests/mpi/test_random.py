@@ -3,7 +3,7 @@ import numpy
 
 import cupytp
 from cupytp.tensor import Generator, Replicated, Shard
-from cupytp.tensor.random import philox4x32
+from cupytp.launchers.philox import philox4x32
 from dense_reference import full, placements_for
 
 # Philox-4x32-10 known answers (Random123): counter 0, key 0

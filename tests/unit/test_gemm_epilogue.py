@@ -74,6 +74,28 @@ def test_gelu_grad_twin_is_the_chain_rule_and_its_column_sums(dtype):
     assert got.dtype == sums.dtype == dtype
 
 
+@pytest.mark.parametrize("dtype", [bfloat16, F64], ids=str)
+def test_twins_without_a_bias_the_pre_activation_or_the_sums(dtype):
+    """A layer without a bias: the product (plus the residual) rounded once, GeLU of the product
+    alone; a forward with no backward gets no pre-activation, a gradient without a bias no
+    column sums, the other outputs unchanged."""
+    x, w, _ = operands(dtype)
+    product = wide(x) @ wide(w)
+    assert_rounded_once(epilogue.matmul_bias_numpy(x, w, None), product, dtype)
+    residual = random((6, 5), F64 if dtype == F64 else F32, 4)
+    assert_rounded_once(epilogue.matmul_bias_numpy(x, w, None, residual), product + residual,
+                        residual.dtype)
+    out, pre = epilogue.matmul_bias_gelu_numpy(x, w, None)
+    assert_rounded_once(pre, product, dtype)
+    assert_rounded_once(out, gelu(product), dtype)
+    alone, none = epilogue.matmul_bias_gelu(x, w, None, keep_pre=False)
+    assert none is None and numpy.array_equal(alone, out)
+    g = random((6, 8), dtype, 5)
+    d, sums = epilogue.matmul_gelu_grad(g, w, pre)
+    d_alone, none = epilogue.matmul_gelu_grad(g, w, pre, sums=False)
+    assert none is None and numpy.array_equal(d_alone, d) and sums.shape == (5,)
+
+
 @pytest.mark.parametrize("dtype,out_dtype", [(bfloat16, F32), (bfloat16, bfloat16), (F64, F64)],
                          ids=str)
 def test_bias_grad_twin_is_the_weight_gradient_and_the_output_gradient_summed(dtype, out_dtype):
@@ -128,12 +150,26 @@ def device_cases(dtype):
          epilogue.matmul_gelu_grad_numpy(g, w, pre)),
         ("bias_grad", epilogue.matmul_bias_grad, (transposed_view(x.T), d(pre), out_dtype),
          epilogue.matmul_bias_grad_numpy(x.T, pre, out_dtype)),
+        ("residual", epilogue.matmul_bias, (d(x), d(w), None, d(residual)),
+         epilogue.matmul_bias_numpy(x, w, None, residual)),
+        ("gelu", epilogue.matmul_bias_gelu, (d(x), d(w), None),
+         epilogue.matmul_bias_gelu_numpy(x, w, None)),
+        ("gelu without pre", epilogue.matmul_bias_gelu, (d(x), d(w), None, False),
+         epilogue.matmul_bias_gelu_numpy(x, w, None, False)),
+        ("bias_gelu without pre", epilogue.matmul_bias_gelu, (d(x), d(w), d(bias), False),
+         epilogue.matmul_bias_gelu_numpy(x, w, bias, False)),
+        ("gelu_grad without sums", epilogue.matmul_gelu_grad,
+         (d(g), transposed_view(w), d(pre), False), epilogue.matmul_gelu_grad_numpy(g, w, pre,
+                                                                                     False)),
     ]
 
 
 def assert_matches_twin(got, want, name):
     for got_part, want_part in zip(got if isinstance(got, tuple) else (got,),
                                    want if isinstance(want, tuple) else (want,)):
+        if want_part is None:
+            assert got_part is None, name
+            continue
         assert got_part.dtype == want_part.dtype, name
         scale = abs(wide(want_part)).max()
         tolerance = 1e-10 if want_part.dtype == F64 else 2.0 ** -7
