@@ -9,8 +9,9 @@ from cupytp.ops import (
     ShardingError, autocast, concat, cross_entropy, dropout, einsum, embedding, gelu, layer_norm,
     log_softmax, matmul, softmax, split, stack)
 from cupytp.tensor import (
-    DTensor, Layout, Partial, Replicated, Shard, arange, distribute, from_local,
+    DTensor, Layout, Partial, Replicated, Shard, arange, deferred_init, distribute, from_local,
     full, local_mesh, manual_seed, ones, rand, randn, zeros)
+from cupytp.nn import materialize
 
 from cupytp import debug      # after the layers it looks at
 
@@ -22,6 +23,6 @@ __all__ = [
     "set_memory_limit", "ShardingError", "autocast",
     "concat", "cross_entropy", "dropout", "einsum", "embedding", "gelu", "layer_norm",
     "log_softmax", "matmul", "softmax", "split", "stack", "DTensor", "Layout", "Partial",
-    "Replicated", "Shard", "arange", "distribute", "from_local", "full",
-    "local_mesh", "manual_seed", "ones", "rand", "randn", "zeros", "debug",
+    "Replicated", "Shard", "arange", "deferred_init", "materialize", "distribute", "from_local",
+    "full", "local_mesh", "manual_seed", "ones", "rand", "randn", "zeros", "debug",
 ]

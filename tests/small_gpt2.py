@@ -16,10 +16,9 @@ IDS = numpy.random.default_rng(0).integers(0, CONFIG.vocab_size, size=(3, 9))
 
 
 def gpt2(mesh, seed, dropout=0.0):
-    """A float64 GPT-2 on `mesh` and its AdamW; the vocabulary is padded as for tp=4 on every
-    mesh, so that all of them share one checkpoint."""
+    """A float64 GPT-2 on `mesh` and its AdamW."""
     cupytp.manual_seed(seed)
-    model = GPT2(dataclasses.replace(CONFIG, dropout=dropout), mesh, tp=4).to("fp64")
+    model = GPT2(dataclasses.replace(CONFIG, dropout=dropout), mesh).to("fp64")
     return model, AdamW(decay_groups(model.parameters(), 0.1), lr=3e-3)
 
 

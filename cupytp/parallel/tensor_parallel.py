@@ -5,7 +5,9 @@
 Shard(0)), "heads" (fused q|k|v sharded by heads), "replicate", and "auto" for a module that
 carries its own plan (DMLP, DAttention). Parameters the plan does not name become Replicated on
 the mesh. Each rank keeps its block of the value the parameter already had: no communication
-from a dense model, and the parallel model computes exactly what the dense one did.
+from a dense model, and the parallel model computes exactly what the dense one did. A model
+built inside `cupytp.deferred_init()` is only relabelled (nothing is allocated): materialized
+afterwards, each rank makes only its own blocks.
 
 `apply_tensor_parallel(model, mesh)` builds the Megatron plan by itself: column → row in every
 MLP and attention, vocab-parallel embedding for an embedding tied to a DLMHead.
@@ -14,21 +16,25 @@ from fnmatch import fnmatchcase
 
 from cupytp import backend
 from cupytp.nn.layers import DAttention, DLMHead, DMLP, check_heads, tp_placements
-from cupytp.tensor import Replicated
+from cupytp.tensor import Replicated, deferred
 from cupytp.tensor.layout import Layout
 
 STYLES = ("colwise", "rowwise", "vocab", "heads", "replicate", "auto")
 
 
 def relayout(tensor, mesh, placements):
-    """Move `tensor` in place to `placements` on `mesh`, keeping its global value."""
-    full = tensor.full_tensor()
+    """Move `tensor` in place to `placements` on `mesh`, keeping its global value (a deferred
+    tensor is relabelled: no data exists to move)."""
     layout = Layout(mesh, tensor.shape, placements)
+    tensor.grad = None
+    if deferred.is_deferred(tensor):
+        deferred.relabel(tensor, layout)
+        return
+    full = tensor.full_tensor()
     offsets, local_shape = layout.local_block()
     block = full[tuple(slice(o, o + n) for o, n in zip(offsets, local_shape))]
     tensor._local = backend.xp.array(block, order="C", copy=True)  # a view would keep `full`
     tensor.layout = layout
-    tensor.grad = None
 
 
 def _apply_style(module, name, mesh, style):

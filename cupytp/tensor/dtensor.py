@@ -12,6 +12,7 @@ import numpy
 
 from cupytp import backend
 from cupytp.autograd import engine
+from cupytp.tensor.deferred import is_deferred
 from cupytp.tensor.placement import Replicated, describe
 from cupytp.tensor.redistribute import grad_placements, redistribute, redistribute_local
 
@@ -79,8 +80,9 @@ class DTensor:
 
     def __repr__(self):
         grad = ", requires_grad=True" if self.requires_grad else ""
+        deferred = ", deferred" if is_deferred(self) else ""
         return (f"DTensor(shape={self.shape}, placements={describe(self.placements)}, "
-                f"dtype={self.dtype}, local_shape={self.local_shape}{grad})")
+                f"dtype={self.dtype}, local_shape={self.local_shape}{grad}{deferred})")
 
     def __len__(self):
         return self.shape[0]

@@ -195,7 +195,7 @@ def drop_shards(step_dir, key):
 
 
 def other_gpt2(**changes):
-    return GPT2(dataclasses.replace(CONFIG, **changes), tp=4)
+    return GPT2(dataclasses.replace(CONFIG, **changes))
 
 
 SHARD = "rank-00000.safetensors"
@@ -208,8 +208,8 @@ BAD = {   # damage done to a good checkpoint, what to load it into, the error
         lambda d: drop_shards(d, "model/transformer.wpe.weight"), None,
         r"transformer.wpe.weight: the shards in .* cover 0 of the 64 elements"),
     "other model shape": (None, lambda: other_gpt2(n_embd=16),
-                          r"model/transformer.wte.weight: .* holds shape \(256, 8\), this model "
-                          r"has \(256, 16\)"),
+                          r"model/transformer.wte.weight: .* holds shape \(64, 8\), this model "
+                          r"has \(64, 16\)"),
     "other model": (None, lambda: other_gpt2(n_layer=1),
                     r"holds another model: it holds \[model/transformer.h.1.*which this "
                     r"model lacks"),
