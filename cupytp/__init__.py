@@ -12,6 +12,7 @@ from cupytp.tensor import (
     DTensor, Layout, Partial, Replicated, Shard, arange, deferred_init, distribute, from_local,
     full, local_mesh, manual_seed, ones, rand, randn, zeros)
 from cupytp.nn import materialize
+from cupytp import parallel   # data parallelism; gives Module.as_distributed
 
 from cupytp import debug      # after the layers it looks at
 
@@ -24,5 +25,5 @@ __all__ = [
     "concat", "cross_entropy", "dropout", "einsum", "embedding", "gelu", "layer_norm",
     "log_softmax", "matmul", "softmax", "split", "stack", "DTensor", "Layout", "Partial",
     "Replicated", "Shard", "arange", "deferred_init", "materialize", "distribute", "from_local",
-    "full", "local_mesh", "manual_seed", "ones", "rand", "randn", "zeros", "debug",
+    "full", "local_mesh", "manual_seed", "ones", "rand", "randn", "zeros", "debug", "parallel",
 ]

@@ -28,7 +28,7 @@ from cupytp.models.gpt2 import GPT2, preset  # noqa: E402
 from cupytp.ops import autocast  # noqa: E402
 from cupytp.optim import (AdamW, GradScaler, clip_grad_norm_, constant, cosine_with_warmup,  # noqa: E402
                           decay_groups, linear)
-from cupytp.parallel import fully_shard  # noqa: E402
+from cupytp.parallel import DataParallelModule, fully_shard, replicate  # noqa: E402
 from cupytp.tensor import Replicated, Shard, default_generator, from_local  # noqa: E402
 from cupytp.train_log import TrainLog, estimate_mfu, plot_loss  # noqa: E402
 
@@ -206,13 +206,17 @@ def batch_tensor(array, mesh):
                       shape=(array.shape[0] * dp, array.shape[1]))
 
 
-def evaluate(model, loader, mesh, batches):
+def evaluate(model, loader, mesh, batches, micro):
+    """The mean loss over `batches` global batches, each taken in pieces of `micro` rows per
+    rank as training takes them (the same sequences and mean for any split of the batch)."""
     model.eval()
     losses = []
     with no_grad():
         for x, y in loader.val_batches(batches):
-            _, loss = model(batch_tensor(x, mesh), batch_tensor(y, mesh))
-            losses.append(loss.item())
+            for rows in range(0, len(x), micro):
+                _, loss = model(batch_tensor(x[rows:rows + micro], mesh),
+                                batch_tensor(y[rows:rows + micro], mesh))
+                losses.append(loss.item())
     model.train()
     return float(numpy.mean(losses))
 
@@ -309,21 +313,27 @@ def make_train_step(model, optimizer, scaler, args):
     """One optimizer step over a list of (x, y) micro-batches: forward and backward of each
     (gradients accumulate), clipping, AdamW (through the loss scaler in fp16: a step with a
     non-finite gradient is skipped on the device). On GPU it is captured as one CUDA graph and
-    replayed (unless --no-cuda-graph). Returns the last micro-batch's loss and the gradient
-    norm."""
+    replayed (unless --no-cuda-graph). Returns the loss of the whole batch (the mean of the
+    micro-batches' losses, each a mean over as many tokens) and the gradient norm."""
+    parallel = isinstance(model, DataParallelModule)
+
     def train_step(batches):
+        mean = None
         for i, (x, y) in enumerate(batches):
             last = i == len(batches) - 1
-            with contextlib.nullcontext() if last or not args.fsdp else model.no_sync():
+            with contextlib.nullcontext() if last or not parallel else model.no_sync():
                 with autocast(None if args.dtype == "fp32" else args.dtype):
                     _, loss = model(x, y)
-                scaler.scale(loss * (1.0 / len(batches))).backward()
+                loss = loss * (1.0 / len(batches))
+                scaler.scale(loss).backward()
+            with no_grad():
+                mean = loss if mean is None else mean + loss
         scaler.unscale_(optimizer)
         norm = clip_grad_norm_(model.parameters(), args.grad_clip) if args.grad_clip else None
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad()   # the next forward pass reuses the gradients' memory
-        return loss, norm
+        return mean, norm
     return train_step if args.no_cuda_graph else cupytp.cuda_graph(train_step)
 
 
@@ -344,17 +354,23 @@ def train(args):
                          f"({config.block_size})")
     train_tokens, val_tokens = load_data(args, tokenizer, info.rank)
     loader = TokenLoader(train_tokens, args.batch_size, args.seq_len, dp_rank, dp, args.seed)
-    val_loader = TokenLoader(val_tokens, args.batch_size, args.seq_len, dp_rank, dp, args.seed)
+    val_loader = TokenLoader(val_tokens, args.batch_size * args.grad_accum, args.seq_len,
+                             dp_rank, dp, args.seed)     # whole batches, whatever the split
 
     cupytp.manual_seed(args.seed)
     if args.init_from:
         model = GPT2.from_pretrained(args.init_from, mesh)
     else:
-        model = GPT2(config, mesh)
+        with cupytp.deferred_init():        # each rank allocates only its blocks
+            model = GPT2(config, mesh)
     model.transformer.recompute = args.recompute
     if args.fsdp:
         fully_shard(model, mesh, param_dtype=args.dtype)
-        say(info.rank, model.fsdp_summary())
+    elif dp > 1:
+        replicate(model, mesh)
+    cupytp.materialize(model)
+    if isinstance(model, DataParallelModule):
+        say(info.rank, model.dp_summary())
     optimizer = AdamW(decay_groups(model.named_parameters(), args.weight_decay), lr=args.lr,
                       betas=(0.9, 0.95), eps=1e-8)
     scaler = GradScaler(enabled=args.dtype == "fp16")
@@ -386,7 +402,7 @@ def train(args):
             val = None
             if step % args.eval_interval == 0:       # before the step's update, as its loss
                 began = time.perf_counter()
-                val = evaluate(model, val_loader, mesh, args.eval_batches)
+                val = evaluate(model, val_loader, mesh, args.eval_batches, args.batch_size)
                 clock += time.perf_counter() - began
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step)
@@ -423,7 +439,7 @@ def train(args):
             elif ctrl_c.agreed(logged):
                 raise KeyboardInterrupt
         step = args.steps
-        val = evaluate(model, val_loader, mesh, args.eval_batches)   # the trained model
+        val = evaluate(model, val_loader, mesh, args.eval_batches, args.batch_size)   # trained
     except KeyboardInterrupt:
         interrupted(step, args.out, progress, info.rank)
     finally:

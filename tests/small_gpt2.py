@@ -72,10 +72,13 @@ def reference(model, optimizer):
     return result
 
 
-def check_continues(expected, directory, mesh, step, rtol=1e-10):
-    """Load `directory` into a fresh model on `mesh`: the values it held, bit for bit, then the
-    logits and next steps of `expected` (within rtol: other meshes sum in another order)."""
+def check_continues(expected, directory, mesh, step, rtol=1e-10, parallel=None):
+    """Load `directory` into a fresh model on `mesh` (made data-parallel by `parallel(model)`
+    when given): the values it held, bit for bit, then the logits and next steps of `expected`
+    (within rtol: other meshes sum in another order)."""
     model, optimizer = gpt2(mesh, seed=99)
+    if parallel is not None:
+        parallel(model)
     assert checkpoint.load(directory, model, optimizer)["step"] == step
     got = reference(model, optimizer)
     now = [key for key in expected if key.startswith("now/")]

@@ -145,12 +145,6 @@ class Module:
     def num_parameters(self):
         return sum(p.size for p in self.parameters())
 
-    def as_distributed(self, **options):
-        """Fully shard this model over every rank of the job (after cupytp.init()): one line
-        instead of per-layer wrapping. `options` go to cupytp.parallel.fully_shard."""
-        from cupytp.parallel.fully_shard import fully_shard
-        return fully_shard(self, **options)
-
 
 _tracking = 0                   # how many track_calls() are open
 _calls = threading.local()

@@ -1,7 +1,11 @@
-"""Parallelization of whole models: tensor-parallel plans, fully sharded data parallelism."""
-from cupytp.parallel.fully_shard import FSDPGroup, FSDPModule, fully_shard, plan_groups
+"""Parallelization of whole models: tensor-parallel plans; data parallelism (replicated, fully
+sharded, hybrid), the one home of gradient synchronization."""
+from cupytp.parallel.data_parallel import (
+    DataParallelModule, FSDPGroup, FSDPModule, data_parallel, fully_shard, plan_buckets,
+    plan_groups, replicate)
 from cupytp.parallel.tensor_parallel import (
     apply_tensor_parallel, megatron_plan, parallelize_module, relayout)
 
-__all__ = ["FSDPGroup", "FSDPModule", "fully_shard", "plan_groups", "apply_tensor_parallel",
-           "megatron_plan", "parallelize_module", "relayout"]
+__all__ = ["DataParallelModule", "FSDPGroup", "FSDPModule", "data_parallel", "fully_shard",
+           "plan_buckets", "plan_groups", "replicate", "apply_tensor_parallel", "megatron_plan",
+           "parallelize_module", "relayout"]

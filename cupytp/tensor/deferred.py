@@ -19,6 +19,9 @@ from contextlib import contextmanager
 from cupytp import backend
 
 
+CHUNK_ELEMENTS = 1 << 20      # elements made at once by a recipe
+
+
 class DeferredError(RuntimeError):
     """A deferred tensor's values were asked for before it was materialized."""
 
@@ -53,9 +56,21 @@ class Recipe:
         self.shape, self.dtype, self.make = tuple(shape), backend.dtype(dtype), make
 
     def block(self, offsets, local_shape):
-        """The C-contiguous block of shape `local_shape` at `offsets`, in `dtype`."""
-        block = self.make(tuple(offsets), tuple(local_shape))
-        return backend.xp.ascontiguousarray(block.astype(self.dtype, copy=False))
+        """The C-contiguous block of shape `local_shape` at `offsets`, in `dtype`, made in
+        pieces of whole rows of up to CHUNK_ELEMENTS each (a random fill's working arrays are
+        several times its piece: bounded so, they stay small beside a large block)."""
+        offsets, local_shape = tuple(offsets), tuple(local_shape)
+        row = math.prod(local_shape[1:])
+        rows = max(1, CHUNK_ELEMENTS // max(row, 1))
+        if not local_shape or local_shape[0] <= rows:
+            block = self.make(offsets, local_shape)
+            return backend.xp.ascontiguousarray(block.astype(self.dtype, copy=False))
+        out = backend.xp.empty(local_shape, self.dtype)
+        for start in range(0, local_shape[0], rows):
+            n = min(rows, local_shape[0] - start)
+            out[start:start + n] = self.make((offsets[0] + start,) + offsets[1:],
+                                             (n,) + local_shape[1:])
+        return out
 
     def cast(self, dtype):
         return Recipe(self.shape, dtype, self.make)

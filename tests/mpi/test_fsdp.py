@@ -229,7 +229,7 @@ def test_bad_calls_are_clear_errors(world):
     with pytest.raises(ValueError, match="no dimension 'data'"):
         fully_shard(gpt2(), mesh, dim="data")
     model = fully_shard(gpt2(), mesh)
-    with pytest.raises(ValueError, match="sharded already"):
+    with pytest.raises(ValueError, match="data-parallel already"):
         fully_shard(model, mesh)
     with pytest.raises(ValueError, match="group_bytes"):
         fully_shard(gpt2(), mesh, group_bytes=-1)
@@ -237,5 +237,5 @@ def test_bad_calls_are_clear_errors(world):
 
 def test_as_distributed_is_fully_shard_over_every_rank(world):
     model = gpt2().as_distributed()
-    assert model.fsdp_groups[0].state.dp_size == world.world_size
-    assert "fully_shard over dp=" in model.fsdp_summary()
+    assert model.fsdp_groups[0].state.dims.shard_size == world.world_size
+    assert "fully_shard over shard dp=" in model.fsdp_summary()

@@ -48,9 +48,11 @@ def test_builders_make_recipes_and_reserve_the_counters():
         numpy.testing.assert_array_equal(got.numpy(), want.numpy())
 
 
-def test_a_block_in_any_layout_is_the_dense_block():
+@pytest.mark.parametrize("chunk", [deferred.CHUNK_ELEMENTS, 5])
+def test_a_block_in_any_layout_is_the_dense_block(monkeypatch, chunk):
     """A deferred tensor relabelled to a (fake) sharded layout materializes exactly its block
-    of the dense value, padding included."""
+    of the dense value, padding included, made whole or in pieces of rows."""
+    monkeypatch.setattr(deferred, "CHUNK_ELEMENTS", chunk)
     mesh = local_mesh()
     cupytp.manual_seed(4)
     dense = cupytp.randn((9, 6), mesh).numpy()
