@@ -8,6 +8,7 @@ imported (`cupytp/ops/methods.py`): the tensor layer does not know the ops above
 import functools
 import math
 import sys
+import weakref
 
 import numpy
 
@@ -157,10 +158,13 @@ class DTensor:
         steals an unshared one), else it is copied into a buffer of its own; later contributions
         are added into that buffer in place, so a gradient kept between steps
         (zero_grad(set_to_none=False)) keeps its address."""
-        sink = _grad_sinks.get(id(self))
-        if sink is not None:
-            sink(self, grad, complete)
-            return
+        entry = _grad_sinks.get(id(self))
+        if entry is not None:
+            sink = entry[1]()
+            if sink is not None and entry[0]() is self:
+                sink(self, grad, complete)
+                return
+            del _grad_sinks[id(self)]       # its owner is gone
         if grad is None:
             return
         handed_over = (sys.getrefcount(grad) <= _SOLE_ARGUMENT
@@ -191,18 +195,23 @@ class DTensor:
         self.grad = None
 
 
-_grad_sinks = {}        # id(tensor) -> sink(tensor, grad or None, complete)
+_grad_sinks = {}        # id(tensor) -> (weak ref to it, weak ref to its sink method)
 
 
 def set_grad_sink(tensor, sink):
-    """Hand `tensor`'s gradient contributions to `sink(tensor, grad or None, complete)` instead
-    of accumulating them into `.grad` (None: accumulate again). The data-parallel engine
-    (`cupytp.parallel`) registers its parameters here; whoever sets a sink keeps the tensor
-    alive while it is set."""
+    """Hand `tensor`'s gradient contributions to `sink(tensor, grad or None, complete)`, a bound
+    method, instead of accumulating them into `.grad` (None: accumulate again). The data-parallel
+    engine (`cupytp.parallel`) registers its parameters here. Both are held weakly: once the
+    sink's owner (a model's schedule) is gone, the tensor accumulates into `.grad` again."""
+    key = id(tensor)
     if sink is None:
-        _grad_sinks.pop(id(tensor), None)
-    else:
-        _grad_sinks[id(tensor)] = sink
+        _grad_sinks.pop(key, None)
+        return
+
+    def forget(ref):
+        if _grad_sinks.get(key, (None,))[0] is ref:
+            del _grad_sinks[key]
+    _grad_sinks[key] = (weakref.ref(tensor, forget), weakref.WeakMethod(sink))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -245,3 +245,18 @@ def test_bad_calls_are_clear_errors(world):
         with pytest.raises(ValueError, match="not on DeviceMesh.*apply tensor parallelism on "
                                              "the same mesh"):
             replicate(on_another_mesh, mesh)
+
+
+def test_a_dropped_model_takes_its_gradient_sinks_along(world):
+    """The sinks are held weakly: a parameter outliving its data-parallel model accumulates
+    into .grad again, and nothing of the model stays behind."""
+    from cupytp.tensor import dtensor
+    before = len(dtensor._grad_sinks)
+    model = replicate(gpt2(), dp_mesh(world))
+    weight = model.transformer.ln_f.weight
+    assert len(dtensor._grad_sinks) == before + len(model.parameters())
+    del model
+    assert len(dtensor._grad_sinks) == before + 1       # the weight still lives
+    (weight * weight).sum().backward()
+    numpy.testing.assert_array_equal(full(weight.grad), 2 * full(weight))
+    assert len(dtensor._grad_sinks) == before

@@ -173,15 +173,19 @@ class Bucket:
         self.size = size
         self.buffer = None
         self.nbytes = sum(math.prod(p.local_shape) for p in params) * self.dtype.itemsize
+        self._regions = [None] * len(params)
         self._views = {}
 
     def region(self, i):
-        """Parameter i's region of the buffer, shaped like its local block."""
-        if self.buffer is None:
-            self.buffer = backend.xp.empty(self.size, self.dtype)
-        p = self.params[i]
-        return self.buffer[self.offsets[i]:self.offsets[i] + math.prod(p.local_shape)] \
-            .reshape(p.local_shape)
+        """Parameter i's region of the buffer, shaped like its local block (made once)."""
+        region = self._regions[i]
+        if region is None:
+            if self.buffer is None:
+                self.buffer = backend.xp.empty(self.size, self.dtype)
+            shape = self.params[i].local_shape
+            region = self._regions[i] = self.buffer[
+                self.offsets[i]:self.offsets[i] + math.prod(shape)].reshape(shape)
+        return region
 
     def view(self, i, placements):
         """Parameter i's gradient as a DTensor over its region (one object per placements)."""

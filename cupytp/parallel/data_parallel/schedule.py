@@ -43,6 +43,7 @@ class Schedule:
         self.dims = dims
         self.sync = True
         self._flush_queued = False
+        self._targets = {}          # (placements, contribution's) -> (target, counts here)
 
     def queue_flush(self):
         """Have `flush` run at the end of the backward pass in progress (once)."""
@@ -62,14 +63,19 @@ class Schedule:
         `placements`: `g` laid out like it off the dp dims (moved there if it is not), and on
         the dp dims Partial or Replicated; None where a Replicated one counts on another rank
         (see DPDims.counts_once)."""
-        target = list(grad_placements(placements))
-        for d in self.dims.all:
-            target[d] = g.placements[d] if g.placements[d].is_partial() else Replicated()
-        target = tuple(target)
+        key = (placements, g.placements)
+        known = self._targets.get(key)
+        if known is None:
+            target = list(grad_placements(placements))
+            for d in self.dims.all:
+                target[d] = g.placements[d] if g.placements[d].is_partial() else Replicated()
+            target = tuple(target)
+            known = self._targets[key] = (target, self.dims.counts_once(target))
+        target, counts = known
         local = g.to_local()
         if target != g.placements:
             local, _ = redistribute_local(local, g.layout, target)
-        return local if self.dims.counts_once(target) else None
+        return local if counts else None
 
 
 def _all_reduced(mesh, flat, async_op=False, in_place=False):
