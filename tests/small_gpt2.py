@@ -22,14 +22,14 @@ def gpt2(mesh, seed, dropout=0.0):
     return model, AdamW(decay_groups(model.parameters(), 0.1), lr=3e-3)
 
 
-def train(model, optimizer, steps):
-    """`steps` clipped AdamW steps on the fixed batch; the loss of each."""
+def train(model, optimizer, steps, ids=IDS, rows=None):
+    """`steps` clipped AdamW steps on the fixed batch `ids`, laid out with `rows` (default
+    Replicated) on the model's mesh; the loss of each."""
     mesh = model.parameters()[0].mesh
-    replicated = (Replicated(),) * mesh.ndim
+    rows = rows or (Replicated(),) * mesh.ndim
     losses = []
     for _ in range(steps):
-        _, loss = model(lay_out(IDS[:, :-1], mesh, replicated),
-                        lay_out(IDS[:, 1:], mesh, replicated))
+        _, loss = model(lay_out(ids[:, :-1], mesh, rows), lay_out(ids[:, 1:], mesh, rows))
         loss.backward()
         clip_grad_norm_(model.parameters(), 0.5)
         optimizer.step()
