@@ -9,7 +9,7 @@ import numpy
 import pytest
 
 import cupytp
-from cupytp import nn
+from cupytp import backend, memory, nn
 from cupytp.models.gpt2 import GPT2, GPT2Config
 from cupytp.optim import AdamW, decay_groups
 from cupytp.parallel import fully_shard, replicate
@@ -62,6 +62,29 @@ def test_fsdp_construction_allocates_a_shard_and_equals_the_dense_model(world, m
         numpy.testing.assert_array_equal(got[name], full(t), err_msg=name)
     numpy.testing.assert_allclose(train(model, (Shard(0),)), train(dense, (Replicated(),)),
                                   rtol=1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not backend.on_gpu, reason="the memory pool is on GPUs")
+def test_fsdp_construction_peak_of_the_pool_is_a_shard(world, monkeypatch):
+    """On GPUs: the pool's peak while building a 24 x 256 GPT (fp32) under FSDP is this rank's
+    shard plus one group, and the pool holds no more than the shard after."""
+    monkeypatch.setattr(deferred, "CHUNK_ELEMENTS", 1 << 14)
+    mesh = cupytp.DeviceMesh((world.world_size,), ("dp",))
+    config = dataclasses.replace(CONFIG, n_layer=24, n_embd=256, n_head=4, vocab_size=5000)
+    memory.empty_cache()
+    before = memory.memory_stats()["allocated_bytes"]
+    memory.reset_peak_memory_stats()
+    with cupytp.deferred_init():
+        model = GPT2(config)
+    fully_shard(model, mesh, group_bytes=0)
+    cupytp.materialize(model)
+    stats = memory.memory_stats()
+    shard = sum(p.to_local().nbytes for p in model.parameters())
+    group = max(g.nbytes() for g in model.fsdp_groups[1:])
+    slack = 64 * 2 ** 10 * 8 * 16      # a fill's working arrays, and block rounding
+    assert stats["allocated_bytes_peak"] - before <= shard + group + slack
+    assert stats["allocated_bytes"] - before <= shard + slack
 
 
 def test_tensor_and_data_parallel_construction_on_a_2d_mesh(world, mesh2d):

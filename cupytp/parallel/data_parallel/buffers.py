@@ -165,16 +165,23 @@ class Bucket:
 
     def __init__(self, index, params):
         self.index, self.params = index, params
-        self.dtype = params[0].dtype
         self.offsets, size = [], 0
         for p in params:
             self.offsets.append(aligned(size))
             size = self.offsets[-1] + math.prod(p.local_shape)
         self.size = size
         self.buffer = None
-        self.nbytes = sum(math.prod(p.local_shape) for p in params) * self.dtype.itemsize
         self._regions = [None] * len(params)
         self._views = {}
+
+    @property
+    def dtype(self):
+        """The parameters' dtype (read when the buffer is made: a cast model is followed)."""
+        return self.params[0].dtype if self.buffer is None else self.buffer.dtype
+
+    @property
+    def nbytes(self):
+        return sum(math.prod(p.local_shape) for p in self.params) * self.dtype.itemsize
 
     def region(self, i):
         """Parameter i's region of the buffer, shaped like its local block (made once)."""
