@@ -67,7 +67,8 @@ def main():
           f"ranks={n} B={args.B}/rank T={args.T} buckets={len(schedule.buckets)} "
           f"bucket_MiB={args.bucket_mib:g} step_1gpu_ms={1e3 * single:.2f} "
           f"step_ddp_ms={1e3 * parallel:.2f} allreduce_ms={1e3 * reduce:.2f} "
-          f"tok/s_1gpu={args.B * args.T / single:.0f} tok/s_ddp={n * args.B * args.T / parallel:.0f} "
+          f"tok/s_1gpu={args.B * args.T / single:.0f} "
+          f"tok/s_ddp={n * args.B * args.T / parallel:.0f} "
           f"speedup={speedup:.2f} hidden={100 * hidden:.0f}%", flush=True)
 
 

@@ -10,9 +10,11 @@ array_split shares of it, so one checkpoint loads on any mesh), and the fused q|
 The model is born sharded: its parameters are built inside `cupytp.deferred_init()` (recipes,
 no memory), laid out by `apply_tensor_parallel`, then each rank materializes only its blocks.
 Built inside the caller's own `deferred_init()`, it stays deferred, so that `fully_shard` (or
-any other layout) can be chosen before `cupytp.materialize(model)` allocates anything. `hf_state_dict()` and
-`save_pretrained` give exactly Hugging Face's keys and shapes; `load_hf_state_dict` and
-`from_pretrained` take them, each rank reading only its own slices from a safetensors file.
+any other layout) can be chosen before `cupytp.materialize(model)` allocates anything.
+
+`hf_state_dict()` and `save_pretrained` give exactly Hugging Face's keys and shapes;
+`load_hf_state_dict` and `from_pretrained` take them, each rank reading only its own slices from
+a safetensors file.
 """
 import json
 import math

@@ -1,10 +1,11 @@
 """A training step captured as a CUDA graph against the same step run eagerly (GPU only): a small
 GPT-2 on the mesh with dropout (replicated over dp on a 2-D mesh: bucketed all-reduces on the
 communication stream inside the graph), a cosine schedule with warm-up, clipping that triggers
-and gradient accumulation (under no_sync) gives bit for bit the same losses, norms and parameters for 20 steps, with
-the gradients kept between steps or dropped at the end of each (made inside the graph), and in
-fp16 with dynamic loss scaling whose skips and growth happen inside the replays;
-replays allocate nothing; the capture refuses a host synchronization and other input shapes with a clear error."""
+and gradient accumulation (under no_sync) gives bit for bit the same losses, norms and
+parameters for 20 steps, with the gradients kept between steps or dropped at the end of each
+(made inside the graph), and in fp16 with dynamic loss scaling whose skips and growth happen
+inside the replays; replays allocate nothing; the capture refuses a host synchronization and
+other input shapes with a clear error."""
 import contextlib
 
 import numpy

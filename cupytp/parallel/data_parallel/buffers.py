@@ -157,7 +157,7 @@ def add_grad(master, local):
         master.grad._local += local
 
 
-# ---- replication: one bucket of gradients ---------------------------------------------------------
+# ---- replication: one bucket of gradients -------------------------------------------------------
 class Bucket:
     """Parameters whose gradients are all-reduced together from one flat buffer (allocated at
     the first gradient; it lives as long as the bucket, so a captured step writes the same
