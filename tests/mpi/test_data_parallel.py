@@ -98,6 +98,16 @@ def test_replicated_training_with_dropout_equals_one_rank(world):
     assert_trains_like(train(model, mesh, (Shard(0),)), dense(dropout=0.2))
 
 
+def test_replicated_with_recomputed_blocks_equals_one_rank(world):
+    """Blocks recomputed in backward: their parameters' gradients complete inside the
+    recomputation's own walk, and their buckets go from there."""
+    mesh = dp_mesh(world)
+    model = gpt2()
+    model.transformer.recompute = True
+    replicate(model, mesh, bucket_bytes=0)
+    assert_trains_like(train(model, mesh, (Shard(0),), accum=2), dense())
+
+
 def test_replicated_on_a_dp_tp_mesh_equals_one_rank(world, mesh2d):
     model = replicate(gpt2(TP_CONFIG, mesh2d), mesh2d, bucket_bytes=1 << 12)
     assert_trains_like(train(model, mesh2d, (Shard(0), Replicated()), accum=2),
