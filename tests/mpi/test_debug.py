@@ -48,12 +48,13 @@ def test_tracer_counts_the_collectives_of_a_tp_mlp(dp_tp_mesh):
         y = mlp(x)
     with CommTracer() as backward:
         (y * y).sum().backward()
-    assert counts(forward) == {("forward", "all_reduce", "tp"): (1, activation)}
-    expected = {("backward", "all_reduce", "tp"): (1, activation)}
+    tp_group, dp_group = (dp_tp_mesh.get_process_group(d).name for d in ("tp", "dp"))
+    assert counts(forward) == {("forward", "all_reduce", tp_group): (1, activation)}
+    expected = {("backward", "all_reduce", tp_group): (1, activation)}
     if dp > 1:      # c_proj's bias, c_proj's weight, c_fc's bias, c_fc's weight
         elements = aligned(aligned(aligned(dim) + dim * hidden // 2) + hidden // 2) + \
             dim * hidden // 2
-        expected["backward", "all_reduce", "dp"] = (1, elements * item)
+        expected["backward", "all_reduce", dp_group] = (1, elements * item)
     assert counts(backward) == expected
     rows = json.loads(forward.to_json())["rows"] + json.loads(backward.to_json())["rows"]
     assert [r["module"] for r in rows if r["phase"] == "forward"] == ["ReplicateDMLP.c_proj"]

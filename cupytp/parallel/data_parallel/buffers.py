@@ -184,22 +184,23 @@ class Bucket:
         return sum(math.prod(p.local_shape) for p in self.params) * self.dtype.itemsize
 
     def region(self, i):
-        """Parameter i's region of the buffer, shaped like its local block (made once)."""
+        """Parameter i's region of the buffer, flat (made once)."""
         region = self._regions[i]
         if region is None:
             if self.buffer is None:
                 self.buffer = backend.xp.empty(self.size, self.dtype)
-            shape = self.params[i].local_shape
+            start = self.offsets[i]
             region = self._regions[i] = self.buffer[
-                self.offsets[i]:self.offsets[i] + math.prod(shape)].reshape(shape)
+                start:start + math.prod(self.params[i].local_shape)]
         return region
 
     def view(self, i, placements):
-        """Parameter i's gradient as a DTensor over its region (one object per placements)."""
+        """Parameter i's gradient as a DTensor over its region, shaped like the parameter's
+        block (one object per placements)."""
         key = (i, placements)
         view = self._views.get(key)
         if view is None:
             p = self.params[i]
-            view = self._views[key] = DTensor._make(self.region(i),
+            view = self._views[key] = DTensor._make(self.region(i).reshape(p.local_shape),
                                                     p.layout.with_placements(placements))
         return view

@@ -122,6 +122,7 @@ class ReplicateSchedule(Schedule):
         k = bucket.index
         if g is not None:
             local = self.local_contribution(p.placements, g)
+            local = None if local is None else local.reshape(-1)     # regions are flat
             if k < self._next:                  # its bucket is on its way already
                 self._late.append((bucket, i, local))
             elif i in self._begun[k]:
@@ -146,7 +147,7 @@ class ReplicateSchedule(Schedule):
         old = p.grad
         kept = old is not None and self.dims.counts_once(old.placements)
         if kept and old is not bucket.view(i, old.placements):
-            cast.assign(region, old.to_local(), add=False)
+            cast.assign(region, old.to_local().reshape(-1), add=False)
         elif not kept:
             if local is not None:
                 cast.assign(region, local, add=False)
@@ -176,11 +177,10 @@ class ReplicateSchedule(Schedule):
             for work in self._works:
                 work.wait()
             for bucket, i, local in self._late:     # a parameter used again after its launch
-                local = backend.xp.zeros(bucket.params[i].local_shape, bucket.dtype) \
-                    if local is None else local
-                reduced = _all_reduced(self.dp_mesh, backend.xp.ascontiguousarray(local)
-                                      .reshape(-1))
-                cast.assign(bucket.region(i), reduced.reshape(local.shape), add=True)
+                region = bucket.region(i)
+                local = backend.xp.zeros(region.shape, bucket.dtype) if local is None else \
+                    backend.xp.ascontiguousarray(local)
+                cast.assign(region, _all_reduced(self.dp_mesh, local), add=True)
             for bucket in self.buckets:
                 for i, p in enumerate(bucket.params):
                     p.grad = bucket.view(i, self.reduced[id(p)])
