@@ -2,13 +2,16 @@
 # One device call on a 2-GPU machine: cupytp's training step beside the PyTorch anchors (copied
 # from the shared anchors folder into .carry/anchors, named in the device tool's carry), in the
 # same call; the anchors do not clip gradients, so neither do these runs.
-# Usage: bench/gpu_bench.sh [check] [comm] [train1] [train2] [train] [host] [fsdp] [small] [eval]
-# [dropout] [profile] [profile2] [profile3] (default: train host; train = train1 train2, the 1-GPU
-# and the TP=2 pairs; fsdp: fully_shard beside PyTorch FSDP2 with bf16 parameters and fp32
-# reduction, untied models; small: the small GPT of small-data users (6 x 384, vocab 65, B=64,
-# T=256, no biases) with dropout 0.2 and 0, captured and eager, beside PyTorch eager and
-# torch.compile with fused AdamW; eval: the 124M evaluation forward beside its training step;
-# dropout: 124M, 774M and 1558M with dropout 0.1 beside torch.compile with fused AdamW;
+# Usage: bench/gpu_bench.sh [check] [comm] [train1] [train2] [train] [host] [fsdp] [ddp] [build]
+# [small] [eval] [dropout] [profile] [profile2] [profile3] (default: train host; train = train1
+# train2, the 1-GPU and the TP=2 pairs; fsdp: fully_shard beside PyTorch FSDP2 with bf16
+# parameters and fp32 reduction, untied models; ddp: replicated data parallelism of 124M
+# (scaling over one GPU, share of the all-reduce hidden) beside PyTorch DDP; build: the
+# construction peak of the 1.4B FSDP model; small: the small GPT of small-data users (6 x 384,
+# vocab 65, B=64, T=256, no biases) with dropout 0.2 and 0, captured and eager, beside PyTorch
+# eager and torch.compile with fused AdamW; eval: the 124M evaluation forward beside its
+# training step; dropout: 124M, 774M and 1558M with dropout 0.1 beside torch.compile with fused
+# AdamW;
 # profile, profile2, profile3: device time per kind of kernel at 124M on one GPU, at 24x2048 at TP=2,
 # of the 1.4B fully_shard step beside FSDP2's). A
 # cuDNN frontend wheel carried in .carry/wheels is installed first (the machines have no
@@ -95,6 +98,15 @@ for part in $what; do
             --dropout 0.1 --fused 1 --compile 1 --steps 10
         pairs+=("$name-d0.1-B$b/compile=$out/ours_drop_$name.log,$out/torch_drop_$name.log")
       done ;;
+    ddp)
+      for tied in "" --untied; do
+        run ours_ddp$tied mpiexec -n 2 python3 bench/data_parallel.py --model 124M --dtype bf16 $tied
+        run torch_ddp$tied torchrun --nproc_per_node=2 bench/torch_ddp_gpt2.py $tied
+        grep -h -e RESULT -e ANCHOR "$out/ours_ddp$tied.log" "$out/torch_ddp$tied.log"
+      done ;;
+    build)
+      run build_fsdp mpiexec -n 2 python3 bench/construction.py --layers 24 --embd 2048 --heads 16 --untied
+      grep -h RESULT "$out/build_fsdp.log" ;;
     profile)   # device time per kind of kernel, ours (eager: 2 + 5 + 5 steps) and PyTorch's
       run profile_ours python3 bench/kernel_profile.py --per 10 -- bench/train_gpt2.py --tp 1 \
           --dtype bf16 --no-cuda-graph --steps 5 --warmup 2

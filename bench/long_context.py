@@ -72,8 +72,10 @@ def measure(args, mesh, length):
     for one length."""
     config = preset(args.model, block_size=length)
     cupytp.manual_seed(0)
-    model = GPT2(config, tp=args.tp, recompute=args.recompute)
+    with cupytp.deferred_init():            # each rank allocates only its blocks
+        model = GPT2(config, recompute=args.recompute)
     apply_tensor_parallel(model, mesh, sequence_parallel=args.sequence_parallel)
+    cupytp.materialize(model)
     context = None
     if args.cp > 1:
         context = ContextParallel(mesh, load_balance=not args.no_load_balance)

@@ -1,6 +1,8 @@
 """Training-step throughput of GPT-2 on random tokens (no data pipeline), tensor-parallel over
 the launched ranks:  mpiexec -n N python bench/train_gpt2.py --model 124M --tp N
-(--fsdp: the data-parallel ranks fully sharded, parameters gathered in --dtype).
+(the other ranks data-parallel: replicated, gradients all-reduced in buckets of --bucket-mib;
+--fsdp: fully sharded, parameters gathered in --dtype; the model built deferred and
+materialized in its final layout, whose construction peak is printed as init_peak_GiB).
 
 Times full steps (forward, backward, clipping, AdamW) after warm-up, with the device synchronized
 around the timed region; on GPU the step is one captured CUDA graph (--no-cuda-graph: eager).
@@ -32,7 +34,7 @@ from cupytp import backend, memory, nn, ops  # noqa: E402
 from cupytp.launchers import cudnn_attention  # noqa: E402
 from cupytp.models.gpt2 import GPT2, preset  # noqa: E402
 from cupytp.optim import AdamW, GradScaler, clip_grad_norm_, decay_groups  # noqa: E402
-from cupytp.parallel import fully_shard  # noqa: E402
+from cupytp.parallel import DataParallelModule, fully_shard, replicate  # noqa: E402
 from cupytp.tensor import Replicated, Shard, from_local  # noqa: E402
 
 
@@ -90,6 +92,8 @@ def main():
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
                    help="fp16: with dynamic loss scaling")
     p.add_argument("--fsdp", action="store_true", help="fully shard over the dp ranks")
+    p.add_argument("--bucket-mib", type=float, default=25.0,
+                   help="replicated data parallelism: the all-reduce bucket size")
     p.add_argument("--untied", action="store_true", help="an LM head of its own (as the "
                    "FSDP anchor's model)")
     p.add_argument("--grad-clip", type=float, default=1.0, help="0: no clipping (as the anchors)")
@@ -114,11 +118,15 @@ def main():
                                    ("bias", None if args.bias is None else bool(args.bias)))
                  if v is not None}
     config = preset(args.model, tie_word_embeddings=not args.untied, **overrides)
-    model = GPT2(config, mesh, recompute=args.recompute)
+    with cupytp.deferred_init():
+        model = GPT2(config, mesh, recompute=args.recompute)
     if args.fsdp:
         fully_shard(model, mesh, param_dtype=args.dtype)
-        if info.rank == 0:
-            print(model.fsdp_summary())
+    elif dp > 1:
+        replicate(model, mesh, bucket_bytes=int(args.bucket_mib * 2 ** 20))
+    cupytp.materialize(model)
+    if info.rank == 0 and isinstance(model, DataParallelModule):
+        print(model.dp_summary())
     optimizer = AdamW(decay_groups(model.parameters(), 0.1), lr=1e-4)
     rng = numpy.random.default_rng(mesh.get_local_rank("dp"))
     placements = (Shard(0), Replicated())

@@ -21,16 +21,17 @@ from cupytp.ops import (  # noqa: E402
     ShardingError, autocast, concat, cross_entropy, dropout, einsum, embedding, gelu, layer_norm,
     log_softmax, matmul, softmax, split, stack)
 from cupytp.tensor import (  # noqa: E402
-    DTensor, Layout, Partial, Replicated, Shard, arange, distribute, from_local,
+    DTensor, Layout, Partial, Replicated, Shard, arange, deferred_init, distribute, from_local,
     full, local_mesh, manual_seed, ones, rand, randn, zeros)
+from cupytp.nn import materialize  # noqa: E402
+from cupytp import parallel  # noqa: E402    data parallelism; gives Module.as_distributed
 
 from cupytp import debug  # noqa: E402    after the layers it looks at
 
 __version__ = "0.1.0"
 
 # subpackages loaded on first attribute access (PEP 562)
-LAZY_SUBMODULES = ("checkpoint", "data", "launchers", "models", "nn", "optim", "parallel",
-                   "train_log")
+LAZY_SUBMODULES = ("checkpoint", "data", "launchers", "models", "nn", "optim", "train_log")
 
 __all__ = [
     "backend", "no_grad", "DeviceMesh", "init", "init_device_mesh", "GraphCaptureError",
@@ -38,8 +39,9 @@ __all__ = [
     "set_memory_limit", "ShardingError", "autocast",
     "concat", "cross_entropy", "dropout", "einsum", "embedding", "gelu", "layer_norm",
     "log_softmax", "matmul", "softmax", "split", "stack", "DTensor", "Layout", "Partial",
-    "Replicated", "Shard", "arange", "distribute", "from_local", "full",
-    "local_mesh", "manual_seed", "ones", "rand", "randn", "zeros", "debug", "env",
+    "Replicated", "Shard", "arange", "deferred_init", "materialize", "distribute", "from_local",
+    "full", "local_mesh", "manual_seed", "ones", "rand", "randn", "zeros", "debug", "env",
+    "parallel",
 ]
 
 

@@ -60,7 +60,7 @@ from cupytp.models.gpt2 import GPT2, preset  # noqa: E402
 from cupytp.ops import autocast  # noqa: E402
 from cupytp.optim import (AdamW, GradScaler, clip_grad_norm_, constant, cosine_with_warmup,  # noqa: E402
                           decay_groups, linear)
-from cupytp.parallel import fully_shard  # noqa: E402
+from cupytp.parallel import DataParallelModule, fully_shard, replicate  # noqa: E402
 from cupytp.tensor import Replicated, Shard, default_generator, from_local  # noqa: E402
 from cupytp.train_log import (MissingPackageError, TensorBoardLog, TrainLog,  # noqa: E402
                               WandbLog, estimate_mfu, plot_loss)
@@ -342,17 +342,23 @@ def load_data(args, rank):
 
 
 def build_model(args, mesh, vocab_size):
-    """GPT-2 born sharded over `mesh` (or loaded from --init-from), with FSDP when asked."""
+    """GPT-2 born sharded over `mesh` (or loaded from --init-from): built deferred, laid out
+    (tensor-parallel, then fully sharded with --fsdp or replicated over dp), then each rank
+    materializes only its blocks."""
     if args.init_from:
         model = GPT2.from_pretrained(args.init_from, mesh)
     else:
-        model = GPT2(preset(args.model, vocab_size=vocab_size, dropout=args.dropout), mesh)
+        with cupytp.deferred_init():
+            model = GPT2(preset(args.model, vocab_size=vocab_size, dropout=args.dropout), mesh)
     if args.seq_len > model.config.block_size:
         raise ValueError(f"--seq-len {args.seq_len} is longer than the model's context "
                          f"({model.config.block_size})")
     model.transformer.recompute = args.recompute
     if args.fsdp:
         fully_shard(model, mesh, param_dtype=args.dtype)
+    elif mesh.shape[0] > 1:
+        replicate(model, mesh)
+    cupytp.materialize(model)
     return model
 
 
@@ -366,23 +372,28 @@ def batch_tensor(array, mesh):
 _EVAL_LOSSES = {}       # id(model) -> its loss as a function of a batch, captured on GPUs
 
 
-def evaluate(model, loader, mesh, batches):
-    """The mean loss of the model in eval mode over the first `batches` validation batches: a
-    forward with no tape that keeps nothing for a backward, captured as one CUDA graph on GPUs
-    (at its second call) and replayed; the losses are summed on the device and read once."""
+def evaluate(model, loader, mesh, batches, micro, dtype):
+    """The mean loss of the model in eval mode over `batches` global validation batches, each
+    taken in pieces of `micro` rows per rank as training takes them (the same sequences and mean
+    for any split of the batch): a forward with no tape that keeps nothing for a backward,
+    in `dtype` as training runs, captured as one CUDA graph on GPUs (at its second call) and
+    replayed; the losses are summed on the device and read once."""
     if id(model) not in _EVAL_LOSSES:
         def loss_of(x, y):
-            with no_grad():
+            with no_grad(), autocast(None if dtype == "fp32" else dtype):
                 return model(x, y)[1]
         _EVAL_LOSSES[id(model)] = cupytp.cuda_graph(loss_of)
     loss_of = _EVAL_LOSSES[id(model)]
     model.eval()
-    total = None
+    total, count = None, 0
     for x, y in loader.val_batches(batches):
-        loss = loss_of(batch_tensor(x, mesh), batch_tensor(y, mesh))   # overwritten by the next
-        total = loss + 0.0 if total is None else total + loss
+        for rows in range(0, len(x), micro):
+            loss = loss_of(batch_tensor(x[rows:rows + micro], mesh),
+                           batch_tensor(y[rows:rows + micro], mesh))   # overwritten by the next
+            total = loss + 0.0 if total is None else total + loss
+            count += 1
     model.train()
-    return total.item() / batches
+    return total.item() / count
 
 
 def memory_gib():
@@ -516,21 +527,27 @@ def make_train_step(model, optimizer, scaler, args):
     """One optimizer step over a list of (x, y) micro-batches: forward and backward of each
     (gradients accumulate), clipping, AdamW (through the loss scaler in fp16: a step with a
     non-finite gradient is skipped on the device). On GPU it is captured as one CUDA graph and
-    replayed (unless --no-cuda-graph). Returns the last micro-batch's loss and the gradient
-    norm."""
+    replayed (unless --no-cuda-graph). Returns the loss of the whole batch (the mean of the
+    micro-batches' losses, each a mean over as many tokens) and the gradient norm."""
+    parallel = isinstance(model, DataParallelModule)
+
     def train_step(batches):
+        mean = None
         for i, (x, y) in enumerate(batches):
             last = i == len(batches) - 1
-            with contextlib.nullcontext() if last or not args.fsdp else model.no_sync():
+            with contextlib.nullcontext() if last or not parallel else model.no_sync():
                 with autocast(None if args.dtype == "fp32" else args.dtype):
                     _, loss = model(x, y)
-                scaler.scale(loss * (1.0 / len(batches))).backward()
+                loss = loss * (1.0 / len(batches))
+                scaler.scale(loss).backward()
+            with no_grad():
+                mean = loss if mean is None else mean + loss
         scaler.unscale_(optimizer)
         norm = clip_grad_norm_(model.parameters(), args.grad_clip) if args.grad_clip else None
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad()   # the next forward pass reuses the gradients' memory
-        return loss, norm
+        return mean, norm
     return train_step if args.no_cuda_graph else cupytp.cuda_graph(train_step)
 
 
@@ -541,9 +558,10 @@ def train(args):
     check_outputs(args, info.rank)
     point = resume_point(args, dp)
     tokenizer, train_tokens, val_tokens = load_data(args, info.rank)
-    loaders = [TokenLoader(tokens, args.batch_size, args.seq_len, dp_rank, dp, args.seed,
+    loaders = [TokenLoader(tokens, rows, args.seq_len, dp_rank, dp, args.seed,
                            sampling=args.sampling, vocab_size=tokenizer.vocab_size)
-               for tokens in (train_tokens, val_tokens)]
+               for tokens, rows in ((train_tokens, args.batch_size),    # validation: whole
+                                    (val_tokens, args.batch_size * args.grad_accum))]  # batches
 
     cupytp.manual_seed(args.seed)
     model = build_model(args, mesh, tokenizer.vocab_size)
@@ -560,8 +578,8 @@ def train(args):
     say(info.rank, f"GPT-2 {args.model}: {model.num_parameters() / 1e6:.2f}M parameters, "
         f"vocab {tokenizer.vocab_size} (padded {model.vocab}), mesh dp={dp} tp={args.tp}, "
         f"{backend.device_name} {args.dtype}, {tokens_per_step} tokens/step")
-    if args.fsdp:
-        say(info.rank, model.fsdp_summary())
+    if isinstance(model, DataParallelModule):
+        say(info.rank, model.dp_summary())
     if args.resume:
         say(info.rank, f"resumed from {point['path']} at step {point['step']}")
         if args.batch_note:
@@ -615,7 +633,8 @@ def train_loop(args, model, optimizer, scaler, loaders, mesh, checkpoints, logs,
             val = None
             if step % args.eval_interval == 0:       # before the step's update, as its loss
                 began = time.perf_counter()
-                val = evaluate(model, val_loader, mesh, args.eval_batches)
+                val = evaluate(model, val_loader, mesh, args.eval_batches, args.batch_size,
+                               args.dtype)
                 clock += time.perf_counter() - began
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step)
@@ -653,7 +672,8 @@ def train_loop(args, model, optimizer, scaler, loaders, mesh, checkpoints, logs,
                 checkpoints.after_step(done, ctrl_c.agreed(True))
             elif ctrl_c.agreed(logged):
                 raise KeyboardInterrupt
-        val = evaluate(model, val_loader, mesh, args.eval_batches)   # the trained model
+        val = evaluate(model, val_loader, mesh, args.eval_batches, args.batch_size,
+                       args.dtype)   # the trained model
     except KeyboardInterrupt:
         interrupted(done, args.out, checkpoints, progress, info.rank)
     finally:

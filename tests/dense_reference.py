@@ -30,7 +30,9 @@ def lay_out(array, mesh, placements, requires_grad=False, seed=0):
 
 
 def full(x):
-    return backend.asnumpy(x.full_tensor())
+    """The global value of `x` as a NumPy array of its own (a copy: a data-parallel gradient is
+    a view of a bucket that the next backward overwrites)."""
+    return numpy.array(backend.asnumpy(x.full_tensor()), copy=True)
 
 
 def check_against_dense(fn, arrays, placements, mesh, rtol=1e-10, atol=1e-12, grad=True,

@@ -16,21 +16,20 @@ IDS = numpy.random.default_rng(0).integers(0, CONFIG.vocab_size, size=(3, 9))
 
 
 def gpt2(mesh, seed, dropout=0.0):
-    """A float64 GPT-2 on `mesh` and its AdamW; the vocabulary is padded as for tp=4 on every
-    mesh, so that all of them share one checkpoint."""
+    """A float64 GPT-2 on `mesh` and its AdamW."""
     cupytp.manual_seed(seed)
-    model = GPT2(dataclasses.replace(CONFIG, dropout=dropout), mesh, tp=4).to("fp64")
+    model = GPT2(dataclasses.replace(CONFIG, dropout=dropout), mesh).to("fp64")
     return model, AdamW(decay_groups(model.parameters(), 0.1), lr=3e-3)
 
 
-def train(model, optimizer, steps):
-    """`steps` clipped AdamW steps on the fixed batch; the loss of each."""
+def train(model, optimizer, steps, ids=IDS, rows=None):
+    """`steps` clipped AdamW steps on the fixed batch `ids`, laid out with `rows` (default
+    Replicated) on the model's mesh; the loss of each."""
     mesh = model.parameters()[0].mesh
-    replicated = (Replicated(),) * mesh.ndim
+    rows = rows or (Replicated(),) * mesh.ndim
     losses = []
     for _ in range(steps):
-        _, loss = model(lay_out(IDS[:, :-1], mesh, replicated),
-                        lay_out(IDS[:, 1:], mesh, replicated))
+        _, loss = model(lay_out(ids[:, :-1], mesh, rows), lay_out(ids[:, 1:], mesh, rows))
         loss.backward()
         clip_grad_norm_(model.parameters(), 0.5)
         optimizer.step()
@@ -73,10 +72,13 @@ def reference(model, optimizer):
     return result
 
 
-def check_continues(expected, directory, mesh, step, rtol=1e-10):
-    """Load `directory` into a fresh model on `mesh`: the values it held, bit for bit, then the
-    logits and next steps of `expected` (within rtol: other meshes sum in another order)."""
+def check_continues(expected, directory, mesh, step, rtol=1e-10, parallel=None):
+    """Load `directory` into a fresh model on `mesh` (made data-parallel by `parallel(model)`
+    when given): the values it held, bit for bit, then the logits and next steps of `expected`
+    (within rtol: other meshes sum in another order)."""
     model, optimizer = gpt2(mesh, seed=99)
+    if parallel is not None:
+        parallel(model)
     assert checkpoint.load(directory, model, optimizer)["step"] == step
     got = reference(model, optimizer)
     now = [key for key in expected if key.startswith("now/")]

@@ -8,7 +8,7 @@ import numpy
 import cupytp
 from cupytp.models.gpt2 import GPT2, GPT2Config
 from cupytp.optim import AdamW
-from cupytp.parallel import ContextParallel, apply_tensor_parallel, fully_shard
+from cupytp.parallel import ContextParallel, apply_tensor_parallel, fully_shard, replicate
 from cupytp.tensor import Replicated, Shard, local_mesh
 from dense_reference import full, lay_out
 
@@ -21,13 +21,17 @@ def build(mesh=None, sequence_parallel=False, cp=None, recompute=False, fsdp=Fal
     """The model (float64) on `mesh` (None: one rank), tensor-parallel over its "tp" dim; the
     vocabulary padded as for tp = 4 on every mesh, so all of them have the same parameters."""
     cupytp.manual_seed(0)
-    model = GPT2(config, tp=4, recompute=recompute).to("fp64")
+    model = GPT2(config, recompute=recompute).to("fp64")
     if mesh is not None:
         apply_tensor_parallel(model, mesh, sequence_parallel=sequence_parallel)
         if cp is not None:
             cp.apply(model)
+        batch_dims = tuple(d for d in mesh.dim_names                        # gradients summed
+                           if d == "dp" or (d == "cp" and cp is not None))
         if fsdp:
-            fully_shard(model, mesh)
+            fully_shard(model, mesh, replicate_dim=tuple(d for d in batch_dims if d != "dp"))
+        elif batch_dims:
+            replicate(model, mesh, dim=batch_dims)
     return model
 
 

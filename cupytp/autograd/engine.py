@@ -4,12 +4,16 @@ Each op that runs while gradients are enabled, on an input that requires them, r
 its output: the inputs and a `backward(grad) -> grads per input` closure. `backward(root)` orders
 the nodes reachable from `root` (iteratively, no recursion), walks them in reverse, and hands
 every gradient to its input: summed into the pending gradient of a non-leaf, given to a leaf's
-`accumulate_grad`. Broadcast dimensions are summed away here, once, for every op. A node holds
-its inputs' nodes, not the input tensors, so the tape keeps only what backward closures saved.
+`accumulate_grad(grad, complete)`, where `complete` says that it is the leaf's last gradient
+of the walk (a parameter used by several ops, tied weights, gets several; a data-parallel
+engine reduces a gradient once it is complete). Broadcast dimensions are summed away here,
+once, for every op. A node holds its inputs' nodes, not the input tensors, so the tape keeps
+only what backward closures saved.
 The walked nodes are freed, so a second backward through the same graph is an error.
 
 The engine is generic over the tensor type; what it needs from a tensor is `requires_grad`,
-`_node`, `shape`, `accumulate_grad(grad)`, and from a gradient `sum_to_shape(shape)` and `+`.
+`_node`, `shape`, `accumulate_grad(grad or None, complete)`, and from a gradient
+`sum_to_shape(shape)` and `+`.
 
 For observers (cupytp.debug.CommTracer): `in_backward()` says whether a backward pass is
 running, and while a scope source is set (`set_scope_source`), each node keeps what it returned
@@ -17,7 +21,7 @@ when the op ran (the modules being called), which `backward_scope()` gives back 
 node's gradients are computed.
 
 A node's backward may `queue_callback(fn)`: `fn()` runs when the pass ends, before `backward()`
-returns (fully_shard finishes its last gradient reductions there).
+returns (data parallelism finishes its gradient reductions there).
 """
 import threading
 from contextlib import contextmanager
@@ -124,9 +128,9 @@ def record(output, inputs, backward, name, sums_first=False):
 
 
 def _topological_order(root):
-    """The nodes reachable from node `root`, each after every node computed from it (iterative
-    DFS)."""
-    order, visited = [], set()
+    """(The nodes reachable from node `root`, each after every node computed from it (iterative
+    DFS); {id(leaf): how many of their inputs are that leaf})."""
+    order, visited, uses = [], set(), {}
     stack = [(root, False)]
     while stack:
         node, expanded = stack.pop()
@@ -141,9 +145,12 @@ def _topological_order(root):
         visited.add(id(node))
         stack.append((node, True))
         for parent in node.inputs:
-            if type(parent) is Node and id(parent) not in visited:
-                stack.append((parent, False))
-    return order[::-1]
+            if type(parent) is Node:
+                if id(parent) not in visited:
+                    stack.append((parent, False))
+            elif parent is not None:
+                uses[id(parent)] = uses.get(id(parent), 0) + 1
+    return order[::-1], uses
 
 
 def queue_callback(callback):
@@ -160,7 +167,7 @@ def backward(root, grad):
         raise RuntimeError("backward() on a tensor that does not require a gradient: no input "
                            "of the ops that made it has requires_grad=True")
     if root._node is None:
-        root.accumulate_grad(grad)
+        root.accumulate_grad(grad, True)
         return
     pending = {id(root._node): grad}
     _state.callbacks = []
@@ -178,7 +185,7 @@ def backward_within(root, grad):
     from `root`, leaving the pass in progress (its callbacks, its current node) as it was."""
     if root._node is None:
         if root.requires_grad:
-            root.accumulate_grad(grad)
+            root.accumulate_grad(grad, True)
         return
     outer = _state.node
     try:
@@ -189,12 +196,20 @@ def backward_within(root, grad):
 
 def _walk(root, pending):
     """The reverse walk: each node's gradients handed to its inputs (`_state.node` is the node
-    being worked on). A walked node drops its closure and inputs, freeing what it saved."""
-    for node in _topological_order(root):
+    being worked on). A walked node drops its closure and inputs, freeing what it saved. A leaf
+    hears from every node that uses it, with its gradient (None where that node gives none),
+    `complete` with the last."""
+    order, uses = _topological_order(root)
+    for node in order:
         out_grad = pending.pop(id(node), None)
         backward, inputs = node.backward, node.inputs
         node.backward, node.inputs = None, ()
         if out_grad is None:
+            for parent in inputs:
+                if parent is not None and type(parent) is not Node:
+                    left = uses[id(parent)] = uses[id(parent)] - 1
+                    if not left:
+                        parent.accumulate_grad(None, True)
             continue
         _state.node = node
         if node.sums_first:
@@ -208,13 +223,18 @@ def _walk(root, pending):
                                f"for {len(inputs)} inputs")
         for i, parent in enumerate(inputs):
             g, grads[i] = grads[i], None    # only `g` holds it: a leaf may keep it uncopied
-            if parent is None or g is None:
+            if parent is None:
                 continue
-            if g.shape != parent.shape:
+            if g is not None and g.shape != parent.shape:
                 g = g.sum_to_shape(parent.shape)
-            if type(parent) is not Node:
-                parent.accumulate_grad(g)
+            if type(parent) is not Node:        # inline: `g` held here only (see above)
+                left = uses[id(parent)] = uses[id(parent)] - 1
+                if g is not None or not left:
+                    parent.accumulate_grad(g, not left)
+            elif g is None:
+                continue
             elif id(parent) in pending:
                 pending[id(parent)] = pending[id(parent)] + g
             else:
                 pending[id(parent)] = g
+

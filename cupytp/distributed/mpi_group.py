@@ -62,7 +62,8 @@ class ProcessGroupMPI(ProcessGroup):
         return pending(requests, self, op, buffers)
 
     def _all_reduce(self, send, recv, op, async_op):
-        request = self.host_comm.Iallreduce(send, recv, op=_MPI_OPS[op])
+        request = self.host_comm.Iallreduce(MPI.IN_PLACE if send is recv else send, recv,
+                                            op=_MPI_OPS[op])
         return self._pending([request], "all_reduce", (send, recv))
 
     def _all_gather(self, send, recv, async_op):

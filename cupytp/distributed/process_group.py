@@ -162,7 +162,7 @@ def _gathered_shape(array, dim, sizes, size):
     return tuple(shape)
 
 
-def _describe_reduce(group, array, op="sum", async_op=False, dim=None):
+def _describe_reduce(group, array, op="sum", async_op=False, dim=None, in_place=False):
     detail = f"op={op}" if dim is None else f"dim={dim}, op={op}"
     return detail, tuple(array.shape), str(array.dtype), array.nbytes
 
@@ -255,13 +255,16 @@ class ProcessGroup:
 
     # ---- collectives ----------------------------------------------------------------------------
     @_observed(_describe_reduce)
-    def all_reduce(self, array, op="sum", async_op=False):
-        """Every rank gets the elementwise reduction (`op`) of all ranks' arrays."""
+    def all_reduce(self, array, op="sum", async_op=False, in_place=False):
+        """Every rank gets the elementwise reduction (`op`) of all ranks' arrays; with
+        `in_place`, written into `array` (C-contiguous) itself, which is the result."""
         self._check("all_reduce", array, op)
+        if in_place and not backend.c_contiguous(array):
+            raise ValueError("all_reduce: in_place needs a C-contiguous array")
         if self.size == 1:
             return _done(array) if async_op else array
         send = array if array.flags.c_contiguous else backend.xp.ascontiguousarray(array)
-        recv = backend.xp.empty_like(send)
+        recv = send if in_place else backend.xp.empty_like(send)
         pending, finish = self._reduce_into(send, recv, op, self._all_reduce, async_op)
         return self._run(pending, finish, async_op)
 

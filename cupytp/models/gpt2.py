@@ -2,11 +2,19 @@
 
 Read bottom-up: config → model (embeddings, blocks, final norm, tied head) → weights in and out.
 Parameter names are Hugging Face GPT2LMHeadModel's (`transformer.h.0.attn.c_attn.weight`, ...).
-Two native shapes differ, both to keep tensor parallelism exact: the vocabulary is padded to a
-multiple of 64 × tp (the loss skips the padded columns; the returned logits read -inf there),
-and the fused q|k|v weight is `[C, 3, C]` (heads on the last axis). `hf_state_dict()` and
-`save_pretrained` give exactly Hugging Face's keys and shapes; `load_hf_state_dict` and
-`from_pretrained` take them, each rank reading only its own slices from a safetensors file.
+Two native shapes differ: the vocabulary is padded to a multiple of 64 whatever the mesh (the
+loss skips the padded columns; the returned logits read -inf there; tensor-parallel ranks take
+array_split shares of it, so one checkpoint loads on any mesh), and the fused q|k|v weight is
+`[C, 3, C]` (heads on the last axis, to keep tensor parallelism exact).
+
+The model is born sharded: its parameters are built inside `cupytp.deferred_init()` (recipes,
+no memory), laid out by `apply_tensor_parallel`, then each rank materializes only its blocks.
+Built inside the caller's own `deferred_init()`, it stays deferred, so that `fully_shard` (or
+any other layout) can be chosen before `cupytp.materialize(model)` allocates anything.
+
+`hf_state_dict()` and `save_pretrained` give exactly Hugging Face's keys and shapes;
+`load_hf_state_dict` and `from_pretrained` take them, each rank reading only its own slices from
+a safetensors file.
 """
 import json
 import math
@@ -19,7 +27,7 @@ import cupytp
 from cupytp import backend, nn, ops
 from cupytp.autograd import no_grad
 from cupytp.parallel import apply_tensor_parallel
-from cupytp.tensor import Replicated, local_mesh
+from cupytp.tensor import Replicated, deferred, deferred_init, is_deferring
 from cupytp.tensor.layout import Layout
 
 
@@ -36,10 +44,10 @@ class GPT2Config:
     initializer_range: float = 0.02
     tie_word_embeddings: bool = True    # False: the LM head has its own [vocab, C] weight
 
-    def padded_vocab(self, tp=1):
-        """vocab_size rounded up to a multiple of 64 × tp (every rank gets an equal share)."""
-        unit = 64 * tp
-        return math.ceil(self.vocab_size / unit) * unit
+    def padded_vocab(self):
+        """vocab_size rounded up to a multiple of 64, on every mesh (tensor-parallel ranks take
+        array_split shares)."""
+        return math.ceil(self.vocab_size / 64) * 64
 
     def flops_per_token(self, seq_len):
         """Training FLOPs per token (forward + backward), as in the PaLM appendix."""
@@ -69,20 +77,19 @@ class GPT2Transformer(nn.Module):
     """Token and position embeddings, the blocks, the final LayerNorm. With `recompute`, each
     block keeps only its input and is run again in backward (`nn.recompute`)."""
 
-    def __init__(self, config, vocab, mesh, recompute=False):
+    def __init__(self, config, vocab, recompute=False):
         super().__init__()
         self.recompute = recompute
         std = config.initializer_range
         proj_std = nn.scaled_init(std, config.n_layer)
-        self.wte = _padded(nn.DEmbedding(config.vocab_size, config.n_embd, mesh, init_std=std),
-                           vocab)
-        self.wpe = nn.DEmbedding(config.block_size, config.n_embd, mesh, init_std=std)
+        self.wte = _padded(nn.DEmbedding(config.vocab_size, config.n_embd, init_std=std), vocab)
+        self.wpe = nn.DEmbedding(config.block_size, config.n_embd, init_std=std)
         self.drop = nn.Dropout(config.dropout)
         self.h = nn.ModuleList([
-            nn.DBlock(config.n_embd, config.n_head, mesh, config.bias, config.dropout,
+            nn.DBlock(config.n_embd, config.n_head, None, config.bias, config.dropout,
                       init_std=std, proj_init_std=proj_std, eps=config.layer_norm_epsilon)
             for _ in range(config.n_layer)])
-        self.ln_f = nn.LayerNorm(config.n_embd, mesh, config.layer_norm_epsilon, config.bias)
+        self.ln_f = nn.LayerNorm(config.n_embd, None, config.layer_norm_epsilon, config.bias)
         self._position_ids = {}                # (T, mesh) -> 0, 1, ..., T-1, made once
 
     def forward(self, ids, positions=None):
@@ -110,13 +117,9 @@ class GPT2Transformer(nn.Module):
 
 
 def _padded(embedding, rows):
-    """`embedding` (dense) with zero rows appended up to `rows`; drawn at its real size first,
-    so the random initialization of the whole model does not depend on the padding (or tp)."""
-    w = embedding.weight
-    local = backend.xp.concatenate([w.to_local(), backend.xp.zeros(
-        (rows - w.shape[0], w.shape[1]), dtype=w.dtype)])
-    embedding.weight = cupytp.from_local(local, w.mesh, w.placements, shape=local.shape,
-                                         requires_grad=True)
+    """`embedding` (deferred) with zero rows appended up to `rows`; drawn at its real size, so
+    the random initialization of the whole model does not depend on the padding."""
+    deferred.pad(embedding.weight, (rows, embedding.embedding_dim))
     embedding.num_embeddings = rows
     return embedding
 
@@ -136,20 +139,22 @@ class GPT2(nn.Module):
     logits vocab-sharded (Shard(-1)) when tensor-parallel. `recompute=True` keeps only each
     block's input for backward and runs the block again there (less memory, one more forward)."""
 
-    def __init__(self, config, mesh=None, tp=None, recompute=False):
+    def __init__(self, config, mesh=None, recompute=False):
         super().__init__()
         self.config = config
-        tp = tp or (mesh.shape[nn.tp_dim(mesh)] if mesh is not None else 1)
-        self.vocab = config.padded_vocab(tp)
-        self.transformer = GPT2Transformer(config, self.vocab, local_mesh(), recompute)
-        head = self.transformer.wte
-        if not config.tie_word_embeddings:
-            head = self.lm_head_embedding = _padded(nn.DEmbedding(
-                config.vocab_size, config.n_embd, local_mesh(),
-                init_std=config.initializer_range), self.vocab)
-        self.lm_head = nn.DLMHead(head)
-        if mesh is not None:
-            apply_tensor_parallel(self, mesh)
+        self.vocab = config.padded_vocab()
+        with deferred_init():       # recipes until every parameter has its layout
+            self.transformer = GPT2Transformer(config, self.vocab, recompute)
+            head = self.transformer.wte
+            if not config.tie_word_embeddings:
+                head = self.lm_head_embedding = _padded(nn.DEmbedding(
+                    config.vocab_size, config.n_embd, init_std=config.initializer_range),
+                    self.vocab)
+            self.lm_head = nn.DLMHead(head)
+            if mesh is not None:
+                apply_tensor_parallel(self, mesh)
+        if not is_deferring():      # else the caller lays it out further, then materializes
+            nn.materialize(self)
 
     def forward(self, ids, targets=None, positions=None):
         """(logits, loss): `positions` as in GPT2Transformer.forward."""
@@ -272,7 +277,9 @@ class GPT2(nn.Module):
         with handle as f:
             keys = set(f.keys())
             config = config or _infer_config(f)
-            model = cls(config, mesh)
+            with deferred_init():
+                model = cls(config, mesh)
+            nn.materialize(model, initialize=False)       # every value is read next
             prefix = "" if "transformer.wte.weight" in keys else "transformer."
 
             def read(name, index):

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import numpy
 
 from cupytp import backend
-from cupytp.tensor import DTensor
+from cupytp.tensor import DTensor, is_deferred, materialize_tensor
 from cupytp.tensor.layout import Layout
 
 
@@ -86,6 +86,10 @@ class Module:
     def parameters(self):
         return [p for _, p in self.named_parameters()]
 
+    def tensors(self):
+        """Every parameter (tied ones once) and buffer."""
+        return self.parameters() + [b for _, b in self.named_buffers()]
+
     def named_buffers(self):
         for module_name, module in self.named_modules():
             for name, value in module._buffers.items():
@@ -132,7 +136,7 @@ class Module:
     def to(self, dtype):
         """Cast every floating parameter and buffer to `dtype`, in place."""
         dtype = backend.dtype(dtype)
-        for tensor in list(self.parameters()) + [b for _, b in self.named_buffers()]:
+        for tensor in self.tensors():
             if tensor.dtype.kind == "f" or tensor.dtype == backend.bfloat16:
                 tensor._local = tensor._local.astype(dtype)
                 tensor.grad = None
@@ -140,12 +144,6 @@ class Module:
 
     def num_parameters(self):
         return sum(p.size for p in self.parameters())
-
-    def as_distributed(self, **options):
-        """Fully shard this model over every rank of the job (after cupytp.init()): one line
-        instead of per-layer wrapping. `options` go to cupytp.parallel.fully_shard."""
-        from cupytp.parallel.fully_shard import fully_shard
-        return fully_shard(self, **options)
 
 
 _tracking = 0                   # how many track_calls() are open
@@ -173,6 +171,21 @@ def calling():
     """The modules being called on this thread, outermost first (empty outside
     track_calls())."""
     return tuple(_stack())
+
+
+def materialize(module, initialize=True):
+    """Allocate and fill, in place, this rank's block of every parameter and buffer of `module`
+    built inside `cupytp.deferred_init()`, in the layout it has now (choose layouts first:
+    apply_tensor_parallel, fully_shard). `initialize=False` leaves the blocks uninitialized,
+    for values loaded next (a checkpoint). Returns the module."""
+    for tensor in module.tensors():
+        materialize_tensor(tensor, initialize)
+    return module
+
+
+def is_materialized(module):
+    """True when no parameter or buffer of `module` is deferred."""
+    return not any(is_deferred(t) for t in module.tensors())
 
 
 def assign(target, value, name="tensor"):

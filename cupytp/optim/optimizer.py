@@ -3,8 +3,8 @@ multi-tensor kernel call per (group, dtypes) in `step()`.
 
 Parameters are DTensors; every rank updates only its own local arrays, in place (`p._local`), so
 the model sees the new values and no update needs communication: a gradient is laid out like its
-parameter (Partial contributions were reduced when it was accumulated), and each state (momenta)
-is laid out like its parameter too, so a sharded parameter's state stays sharded.
+parameter (data parallelism reduced it; a Partial one is an error that names the fix), and each
+state (momenta) is laid out like its parameter too, so a sharded parameter's state stays sharded.
 
 Per-step scalars (learning rate, bias corrections) reach the kernels through device memory: each
 step writes them into a small float64 vector per group (one launch), and inside a captured CUDA
@@ -27,6 +27,13 @@ def contiguous_grad(p):
     kernels may read and scale it; the gradient must be laid out like `p`."""
     grad = p.grad
     if grad.shape != p.shape or grad.placements != grad_placements(p.placements):
+        partial = [p.mesh.dim_names[d] for d, q in enumerate(grad.placements) if q.is_partial()]
+        if partial and grad.shape == p.shape:
+            raise ValueError(
+                f"the gradient of a parameter of shape {p.shape} {describe(p.placements)} is "
+                f"Partial over mesh dimension(s) {partial} (each rank's sum, not reduced): "
+                "synchronize gradients with cupytp.parallel.replicate(model, mesh) or "
+                "fully_shard, or redistribute the gradient to Replicated")
         raise ValueError(f"gradient of shape {grad.shape} {describe(grad.placements)} is not laid "
                          f"out like its parameter {p.shape} {describe(p.placements)}")
     if not backend.c_contiguous(grad._local):

@@ -1,9 +1,13 @@
-"""Parallelization of whole models: tensor-parallel plans (with sequence parallelism), fully
-sharded data parallelism, context parallelism (ring attention)."""
+"""Parallelization of whole models: tensor-parallel plans (with sequence parallelism); data
+parallelism (replicated, fully sharded, hybrid), the one home of gradient synchronization;
+context parallelism (ring attention)."""
 from cupytp.parallel.context import ContextParallel
-from cupytp.parallel.fully_shard import FSDPGroup, FSDPModule, fully_shard, plan_groups
+from cupytp.parallel.data_parallel import (
+    DataParallelModule, FSDPGroup, FSDPModule, data_parallel, fully_shard, plan_buckets,
+    plan_groups, replicate)
 from cupytp.parallel.tensor_parallel import (
     apply_tensor_parallel, megatron_plan, parallelize_module, relayout)
 
-__all__ = ["ContextParallel", "FSDPGroup", "FSDPModule", "fully_shard", "plan_groups",
-           "apply_tensor_parallel", "megatron_plan", "parallelize_module", "relayout"]
+__all__ = ["ContextParallel", "DataParallelModule", "FSDPGroup", "FSDPModule", "data_parallel",
+           "fully_shard", "plan_buckets", "plan_groups", "replicate", "apply_tensor_parallel",
+           "megatron_plan", "parallelize_module", "relayout"]

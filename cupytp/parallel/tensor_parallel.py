@@ -5,7 +5,9 @@
 Shard(0)), "heads" (fused q|k|v sharded by heads), "replicate", and "auto" for a module that
 carries its own plan (DMLP, DAttention). Parameters the plan does not name become Replicated on
 the mesh. Each rank keeps its block of the value the parameter already had: no communication
-from a dense model, and the parallel model computes exactly what the dense one did.
+from a dense model, and the parallel model computes exactly what the dense one did. A model
+built inside `cupytp.deferred_init()` is only relabelled (nothing is allocated): materialized
+afterwards, each rank makes only its own blocks.
 
 `apply_tensor_parallel(model, mesh)` builds the Megatron plan by itself: column → row in every
 MLP and attention, vocab-parallel embedding for an embedding tied to a DLMHead.
@@ -17,27 +19,33 @@ stream: the vocab-parallel embeddings reduce-scatter their output on the sequenc
 the layout rules: a column-parallel product all-gathers its sequence-sharded input (its
 gradient reduce-scattered back), a row-parallel output is reduce-scattered into the
 sequence-sharded residual (Partial → Shard), and a norm's weight gradient, Partial along tp,
-is all-reduced when accumulated. The same bytes move as without it.
+is all-reduced when accumulated (the plan marks the parameters Replicated along tp:
+`reduce_grad_over`). The same bytes move as without it.
 """
 from fnmatch import fnmatchcase
 
 from cupytp import backend
-from cupytp.nn.layers import DAttention, DLMHead, DMLP, check_heads, tp_placements
-from cupytp.tensor import Replicated
+from cupytp.nn.layers import DAttention, DLMHead, DMLP, check_heads, tp_dim, tp_placements
+from cupytp.tensor import Replicated, deferred
+from cupytp.tensor.dtensor import reduce_grad_over
 from cupytp.tensor.layout import Layout
 
 STYLES = ("colwise", "rowwise", "vocab", "heads", "replicate", "auto")
 
 
 def relayout(tensor, mesh, placements):
-    """Move `tensor` in place to `placements` on `mesh`, keeping its global value."""
-    full = tensor.full_tensor()
+    """Move `tensor` in place to `placements` on `mesh`, keeping its global value (a deferred
+    tensor is relabelled: no data exists to move)."""
     layout = Layout(mesh, tensor.shape, placements)
+    tensor.grad = None
+    if deferred.is_deferred(tensor):
+        deferred.relabel(tensor, layout)
+        return
+    full = tensor.full_tensor()
     offsets, local_shape = layout.local_block()
     block = full[tuple(slice(o, o + n) for o, n in zip(offsets, local_shape))]
     tensor._local = backend.xp.array(block, order="C", copy=True)  # a view would keep `full`
     tensor.layout = layout
-    tensor.grad = None
 
 
 def _apply_style(module, name, mesh, style, sequence_parallel=False):
@@ -83,6 +91,11 @@ def parallelize_module(model, mesh, plan, sequence_parallel=False):
                              f"{[name for name, _ in modules[1:4]]}")
         for name, module in matched:
             _apply_style(module, name, mesh, style, sequence_parallel)
+    if sequence_parallel:       # replicated parameters meet sequence-sharded activations
+        tp = tp_dim(mesh)
+        for p in model.parameters():
+            if p.placements[tp].is_replicated():
+                reduce_grad_over(p, (tp,))
     return model
 
 

@@ -1,4 +1,6 @@
 """DTensor, its Layout and placements, redistribution, factories and sharding-invariant RNG."""
+from cupytp.tensor.deferred import (
+    DeferredError, deferred_init, is_deferred, is_deferring, materialize_tensor)
 from cupytp.tensor.dtensor import DTensor
 from cupytp.tensor.factory import (
     arange, distribute, from_local, full, local_mesh, ones, rand, randn, zeros)
@@ -8,6 +10,7 @@ from cupytp.tensor.random import Generator, default_generator, manual_seed
 from cupytp.tensor.redistribute import RedistributeError
 
 __all__ = [
+    "DeferredError", "deferred_init", "is_deferred", "is_deferring", "materialize_tensor",
     "DTensor", "arange", "distribute", "from_local", "full", "local_mesh", "ones", "rand",
     "randn", "zeros", "Layout", "LayoutError", "Partial", "Placement", "Replicated", "Shard",
     "Generator", "default_generator", "manual_seed", "RedistributeError",

@@ -5,13 +5,16 @@ from `cupytp.ops` (each a sharding rule + local forward + local backward), which
 operators and math methods (`+`, `@`, `[...]`, `sum`, `reshape`, ...) to this class when it is
 imported (`cupytp/ops/methods.py`): the tensor layer does not know the ops above it.
 """
+import functools
 import math
 import sys
+import weakref
 
 import numpy
 
 from cupytp import backend
 from cupytp.autograd import engine
+from cupytp.tensor.deferred import is_deferred
 from cupytp.tensor.placement import Replicated, describe
 from cupytp.tensor.redistribute import grad_placements, redistribute, redistribute_local
 
@@ -79,8 +82,9 @@ class DTensor:
 
     def __repr__(self):
         grad = ", requires_grad=True" if self.requires_grad else ""
+        deferred = ", deferred" if is_deferred(self) else ""
         return (f"DTensor(shape={self.shape}, placements={describe(self.placements)}, "
-                f"dtype={self.dtype}, local_shape={self.local_shape}{grad})")
+                f"dtype={self.dtype}, local_shape={self.local_shape}{grad}{deferred})")
 
     def __len__(self):
         return self.shape[0]
@@ -140,19 +144,42 @@ class DTensor:
             raise ValueError(f"backward: grad must be a DTensor of shape {self.shape}")
         engine.backward(self, grad)
 
-    def accumulate_grad(self, grad):
-        """Add a gradient contribution into `.grad`, laid out like this tensor (Partial
-        contributions are reduced here: the gradient sync of replicated parameters).
+    def accumulate_grad(self, grad, complete=True):
+        """Add a gradient contribution (None: none) into `.grad`, laid out like this tensor,
+        except that a Partial contribution stays Partial along mesh dimensions of more than
+        one rank where this tensor is not sharded: the gradient of a parameter replicated over
+        a data-parallel dimension is each rank's sum until the data-parallel engine
+        (`cupytp.parallel`) reduces it. The tensor layer never decides when gradients move.
+        A tensor with a gradient sink (`set_grad_sink`) hands the contribution and
+        `complete` (the last of this backward pass) to the sink instead.
 
         The first contribution becomes `.grad` itself when nothing else holds it or its buffer
         (a backward pass hands over the fresh gradients its ops made, as PyTorch's AccumulateGrad
         steals an unshared one), else it is copied into a buffer of its own; later contributions
         are added into that buffer in place, so a gradient kept between steps
         (zero_grad(set_to_none=False)) keeps its address."""
+        entry = _grad_sinks.get(id(self))
+        if entry is not None:
+            sink = entry[1]()
+            if sink is not None and entry[0]() is self:
+                sink(self, grad, complete)
+                return
+            del _grad_sinks[id(self)]       # its owner is gone
+        if grad is None:
+            return
         handed_over = (sys.getrefcount(grad) <= _SOLE_ARGUMENT
                        and sys.getrefcount(grad._local) <= _SOLE_ATTRIBUTE
                        and _owns_its_memory(grad._local))
-        target = grad_placements(self.placements)
+        target = leaf_grad_placements(self.placements, grad.placements, self.mesh.shape)
+        reduced = _grad_reductions.get(id(self))
+        if reduced is not None and reduced[0]() is self:
+            target = tuple(grad_placements((t,))[0] if d in reduced[1] else t
+                           for d, t in enumerate(target))
+        if self.grad is not None and self.grad.placements != target:
+            target = _either_partial(target, self.grad.placements)
+            if self.grad.placements != target:      # Replicated -> Partial: no data moves
+                local, layout = redistribute_local(self.grad._local, self.grad.layout, target)
+                self.grad = DTensor._make(local, layout)
         if grad.placements != target:
             local, _ = redistribute_local(grad._local, grad.layout, target)
             handed_over = handed_over and local.base is None
@@ -170,6 +197,58 @@ class DTensor:
 
     def zero_grad(self):
         self.grad = None
+
+
+_grad_sinks = {}        # id(tensor) -> (weak ref to it, weak ref to its sink method)
+
+
+def set_grad_sink(tensor, sink):
+    """Hand `tensor`'s gradient contributions to `sink(tensor, grad or None, complete)`, a bound
+    method, instead of accumulating them into `.grad` (None: accumulate again). The data-parallel
+    engine (`cupytp.parallel`) registers its parameters here. Both are held weakly: once the
+    sink's owner (a model's schedule) is gone, the tensor accumulates into `.grad` again."""
+    key = id(tensor)
+    if sink is None:
+        _grad_sinks.pop(key, None)
+        return
+
+    def forget(ref):
+        if _grad_sinks.get(key, (None,))[0] is ref:
+            del _grad_sinks[key]
+    _grad_sinks[key] = (weakref.ref(tensor, forget), weakref.WeakMethod(sink))
+
+
+_grad_reductions = {}   # id(tensor) -> (weak ref to it, mesh dims its Partial gradients leave)
+
+
+def reduce_grad_over(tensor, dims):
+    """Reduce `tensor`'s Partial gradient contributions along mesh dims `dims` (indices) as they
+    are accumulated: the conjugate collective of a layout in which a replicated parameter meets
+    activations sharded there (sequence parallelism's norms and biases along tp), chosen by the
+    plan that makes that layout (`cupytp.parallel`). Partial contributions along other dims stay
+    Partial for the data-parallel engine; a gradient sink takes precedence."""
+    key = id(tensor)
+
+    def forget(ref):
+        if _grad_reductions.get(key, (None,))[0] is ref:
+            del _grad_reductions[key]
+    _grad_reductions[key] = (weakref.ref(tensor, forget), frozenset(dims))
+
+
+@functools.lru_cache(maxsize=4096)
+def leaf_grad_placements(placements, grad_placements_, mesh_shape):
+    """The placements a leaf with `placements` keeps a contribution laid out as
+    `grad_placements_` in: the leaf's (Partial made Replicated), except Partial where the
+    contribution is Partial, the mesh dimension has more than one rank and the leaf is not
+    sharded along it."""
+    kept = grad_placements(placements)
+    return tuple(g if g.is_partial() and n > 1 and not p.is_shard() else k
+                 for p, g, k, n in zip(placements, grad_placements_, kept, mesh_shape))
+
+
+def _either_partial(a, b):
+    """Placements Partial where `a` or `b` is, else `a`'s."""
+    return tuple(y if y.is_partial() and not x.is_partial() else x for x, y in zip(a, b))
 
 
 def _owns_its_memory(local):

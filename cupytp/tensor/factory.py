@@ -4,7 +4,8 @@
 Shard, broadcast for Replicated), so no rank but the source ever holds the whole array. The
 builders (`zeros`, `randn`, ...) make only this rank's block; `randn` and `rand` draw from the
 counter-based generator (one kernel on a GPU), so their global values do not depend on the
-placements.
+placements. Inside `deferred_init()` they allocate nothing and return recipes
+(`cupytp.tensor.deferred`).
 """
 
 import numpy
@@ -12,6 +13,7 @@ import numpy
 from cupytp import backend
 from cupytp.distributed import runtime as rt
 from cupytp.distributed.process_group import debug_enabled
+from cupytp.tensor import deferred
 from cupytp.tensor.dtensor import DTensor
 from cupytp.tensor.layout import Layout
 from cupytp.tensor.placement import Partial, Replicated, Shard, describe
@@ -179,11 +181,15 @@ def _check_replicas(local, layout):
                 "values, or use a Shard or Partial placement")
 
 
-def _build(shape, mesh, placements, fill, requires_grad):
+def _build(shape, mesh, placements, fill, requires_grad, generator=None):
+    """This rank's block of `fill(global shape, offsets, local shape)`; inside deferred_init()
+    a recipe instead (`generator`: the random generator `fill` draws from)."""
     mesh, placements = _mesh_and_placements(mesh, placements)
     if any(isinstance(p, Partial) for p in placements):
         raise ValueError("builders make Shard or Replicated tensors, not Partial")
     layout = Layout(mesh, _shape(shape), placements)
+    if deferred.is_deferring():
+        return deferred.build(layout, fill, requires_grad, generator)
     offsets, local_shape = layout.local_block()
     return DTensor(fill(layout.shape, offsets, local_shape), layout, requires_grad=requires_grad)
 
@@ -215,7 +221,7 @@ def randn(shape, mesh=None, placements=None, dtype="fp32", std=1.0, generator=No
     generator = generator or default_generator
     dtype = backend.dtype(dtype)
     return _build(shape, mesh, placements, lambda s, o, local: generator.normal(
-        s, o, local, dtype, std), requires_grad)
+        s, o, local, dtype, std), requires_grad, generator)
 
 
 def rand(shape, mesh=None, placements=None, dtype="fp32", generator=None, requires_grad=False):
@@ -223,6 +229,6 @@ def rand(shape, mesh=None, placements=None, dtype="fp32", generator=None, requir
     generator = generator or default_generator
     dtype = backend.dtype(dtype)
     return _build(shape, mesh, placements, lambda s, o, local: generator.uniform(
-        s, o, local, dtype), requires_grad)
+        s, o, local, dtype), requires_grad, generator)
 
 

@@ -93,19 +93,24 @@ def redistribute(x, placements, async_op=False):
     return finish(local)
 
 
-def redistribute_local(local, layout, placements, async_op=False):
+def redistribute_local(local, layout, placements, async_op=False, in_place=False):
     """(new local array or Work, new Layout): the data movement of a redistribution, no autograd.
 
     With `async_op`, the last collective returns a Work whose wait() gives the local array.
+    `in_place`: a redistribution made only of all-reduces (Partial → Replicated) writes them
+    into `local` (C-contiguous), which is then the result (a flat gradient buffer).
     """
     mesh = layout.mesh
     new_layout = layout.with_placements(placements)
     placements_now = list(layout.placements)
     steps = _steps(layout.placements, new_layout.placements, mesh.shape)
+    if in_place and not all(c.is_partial() and t.is_replicated() for _, c, t in steps):
+        raise RedistributeError(f"in_place: {describe(layout.placements)} -> "
+                                f"{describe(new_layout.placements)} is not all-reduces only")
     for n, (mesh_dim, c, t) in enumerate(steps):
         last = n == len(steps) - 1
         step_layout = Layout.trusted(mesh, layout.shape, tuple(placements_now))
-        local = _transition(local, step_layout, mesh_dim, c, t, async_op and last)
+        local = _transition(local, step_layout, mesh_dim, c, t, async_op and last, in_place)
         placements_now[mesh_dim] = t
     if async_op and not isinstance(local, Work):
         local = Work(Pending(), lambda done=local: done)
@@ -144,7 +149,7 @@ def _steps(current, target, mesh_shape):
     return tuple(step for step in steps if mesh_shape[step[0]] > 1)
 
 
-def _transition(local, layout, mesh_dim, c, t, async_op):
+def _transition(local, layout, mesh_dim, c, t, async_op, in_place=False):
     group = layout.mesh.get_process_group(mesh_dim)
     if isinstance(c, Shard) and isinstance(t, Replicated):
         sizes = layout.extents_along(mesh_dim, c.dim)
@@ -152,7 +157,7 @@ def _transition(local, layout, mesh_dim, c, t, async_op):
     if isinstance(c, Replicated) and isinstance(t, Shard):
         return _slice_local(local, t.dim, group.size, group.rank)
     if isinstance(c, Partial) and isinstance(t, Replicated):
-        return group.all_reduce(local, op=c.op, async_op=async_op)
+        return group.all_reduce(local, op=c.op, async_op=async_op, in_place=in_place)
     if isinstance(c, Partial) and isinstance(t, Shard):
         return group.reduce_scatter(local, dim=t.dim, op=c.op, async_op=async_op)
     if isinstance(c, Shard) and isinstance(t, Shard):

@@ -1,9 +1,13 @@
 """A training step captured as a CUDA graph against the same step run eagerly (GPU only): a small
-GPT-2 on the mesh with dropout, a cosine schedule with warm-up, clipping that triggers and
-gradient accumulation gives bit for bit the same losses, norms and parameters for 20 steps, with
-the gradients kept between steps or dropped at the end of each (made inside the graph), and in
-fp16 with dynamic loss scaling whose skips and growth happen inside the replays;
-replays allocate nothing; the capture refuses a host synchronization and other input shapes with a clear error."""
+GPT-2 on the mesh with dropout (replicated over dp on a 2-D mesh: bucketed all-reduces on the
+communication stream inside the graph), a cosine schedule with warm-up, clipping that triggers
+and gradient accumulation (under no_sync) gives bit for bit the same losses, norms and
+parameters for 20 steps, with the gradients kept between steps or dropped at the end of each
+(made inside the graph), and in fp16 with dynamic loss scaling whose skips and growth happen
+inside the replays; replays allocate nothing; the capture refuses a host synchronization and
+other input shapes with a clear error."""
+import contextlib
+
 import numpy
 import pytest
 
@@ -12,6 +16,7 @@ from cupytp import backend, memory, nn
 from cupytp.models.gpt2 import GPT2, GPT2Config
 from cupytp.optim import (
     AdamW, GradScaler, LRScheduler, clip_grad_norm_, cosine_with_warmup, decay_groups)
+from cupytp.parallel import replicate
 from cupytp.tensor import Replicated, Shard
 from dense_reference import full, lay_out
 
@@ -40,6 +45,8 @@ def batches(step, mesh):
 def train(mesh, captured, dtype=None, set_to_none=False):
     cupytp.manual_seed(3)
     model = GPT2(CONFIG, mesh)
+    if mesh.ndim == 2:
+        replicate(model, mesh, bucket_bytes=1 << 14)      # several buckets
     optimizer = AdamW(decay_groups(model.parameters(), 0.1), lr=1e-3)
     scheduler = LRScheduler(optimizer, lambda s: cosine_with_warmup(s, 3e-3, 5, STEPS))
 
@@ -48,10 +55,12 @@ def train(mesh, captured, dtype=None, set_to_none=False):
     scaler = GradScaler(init_scale=2.0 ** 20, growth_interval=3, enabled=dtype == "fp16")
 
     def step(micro_batches):
-        for x, y in micro_batches:
-            with cupytp.autocast(dtype):
-                _, loss = model(x, y)
-            scaler.scale(loss * (1.0 / len(micro_batches))).backward()
+        for i, (x, y) in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            with contextlib.nullcontext() if last or mesh.ndim == 1 else model.no_sync():
+                with cupytp.autocast(dtype):
+                    _, loss = model(x, y)
+                scaler.scale(loss * (1.0 / len(micro_batches))).backward()
         scaler.unscale_(optimizer)
         norm = clip_grad_norm_(model.parameters(), 0.05)     # small: clipping triggers
         scaler.step(optimizer)

@@ -9,9 +9,11 @@ import os
 import numpy
 import pytest
 
+import cupytp
 from cupytp import checkpoint, nn
 from cupytp.checkpoint import CheckpointError
 from cupytp.distributed.runtime import barrier
+from cupytp.parallel import fully_shard, replicate
 from cupytp.tensor import Partial, Replicated, Shard, local_mesh
 from small_gpt2 import assert_same, check_continues, gpt2, reference, snapshot, train
 from dense_reference import full, lay_out, rng_array
@@ -67,14 +69,22 @@ def test_any_placements_load_as_any_others(world, mesh1d, mesh2d, shared_dir, so
                                              err_msg=f"{name}: {source} -> {target}")
 
 
-def test_gpt2_saved_at_tp2_continues_alike_on_every_mesh(world, mesh1d, mesh2d, shared_dir):
+def test_gpt2_saved_at_tp2_continues_alike_on_every_layout(world, mesh1d, mesh2d, shared_dir):
+    """Saved at TP=2 (on 2 and 4 ranks; TP=1 on 1), it loads at TP=1, TP=N, on the (dp, tp)
+    mesh, fully sharded over every rank and replicated over dp, with the same parameters and
+    optimizer states and the same next losses (the vocabulary's padding does not depend on
+    the mesh)."""
     source = mesh2d if mesh2d.shape[-1] == 2 else mesh1d    # TP=2 on 2 and 4 ranks, 1 on 1
     model, optimizer = gpt2(source, seed=1)
     train(model, optimizer, 2)
     checkpoint.save(shared_dir, 2, model, optimizer)
     expected = reference(model, optimizer)
-    for mesh in (local_mesh(), mesh1d, mesh2d):
-        check_continues(expected, shared_dir, mesh, step=2)
+    dp = cupytp.DeviceMesh((world.world_size,), ("dp",))
+    layouts = [(local_mesh(), None), (mesh1d, None), (mesh2d, None),
+               (local_mesh(), lambda m: fully_shard(m, dp)),
+               (mesh2d, lambda m: replicate(m, mesh2d))]
+    for mesh, parallel in layouts:
+        check_continues(expected, shared_dir, mesh, step=2, parallel=parallel)
 
 
 def test_an_error_on_one_rank_fails_every_rank_and_loads_nothing(world, mesh1d, shared_dir):

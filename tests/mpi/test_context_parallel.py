@@ -151,14 +151,14 @@ def test_ring_messages_per_layer(world):
         loss.backward()
     rows = {(r["phase"], r["module"]): r for r in json.loads(tracer.to_json())["rows"]
             if r["op"] == "sendrecv"}
-    assert set(rows) == {("forward", "GPT2.transformer.DBlock.attn"),
-                         ("backward", "GPT2.transformer.DBlock.attn")}
+    attention = f"{type(model).__name__}.transformer.DBlock.attn"   # ReplicateGPT2 over cp
+    assert set(rows) == {("forward", attention), ("backward", attention)}
     n, r, t = cp.size, cp.rank, ids.shape[1]
     block = [sum(BATCH.shape[0] * (e - a) for a, e in cp.segments(t, j)) * 2 * CONFIG.n_embd * 8
              for j in range(n)]                        # (B, T_j, 2, H, D) float64
     sent_forward = sum(block[(r - s) % n] for s in range(n - 1))
     sent_backward = sent_forward + sum(block[(r - s) % n] for s in range(n))
-    forward, backward = (rows[(phase, "GPT2.transformer.DBlock.attn")]
+    forward, backward = (rows[(phase, attention)]
                          for phase in ("forward", "backward"))
     assert (forward["calls"], backward["calls"]) == (CONFIG.n_layer * (n - 1),
                                                      CONFIG.n_layer * (2 * n - 1))

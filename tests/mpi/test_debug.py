@@ -8,6 +8,8 @@ import pytest
 import cupytp
 from cupytp import nn
 from cupytp.debug import CommTracer, visualize_sharding
+from cupytp.parallel import replicate
+from cupytp.parallel.data_parallel.buffers import aligned
 from cupytp.tensor import Partial, Replicated, Shard
 from dense_reference import lay_out, rng_array
 
@@ -31,12 +33,14 @@ def counts(tracer):
 
 
 def test_tracer_counts_the_collectives_of_a_tp_mlp(dp_tp_mesh):
-    """DMLP at TP=2 (Megatron's f/g pair): forward, one all-reduce over tp of the output
-    (B/dp, T, C); backward, one all-reduce over tp of the input gradient, and the gradient sync
-    of the four parameters (Replicated over dp) when dp > 1. Nothing else, every byte counted."""
+    """DMLP at TP=2 (Megatron's f/g pair) under replicated data parallelism: forward, one
+    all-reduce over tp of the output (B/dp, T, C); backward, one all-reduce over tp of the input
+    gradient, and, when dp > 1, one all-reduce over dp of the bucket of the four parameters'
+    gradients (Replicated over dp; each region starting at a multiple of ALIGN elements).
+    Nothing else, every byte counted."""
     batch, seq, dim, hidden, item = 6, 5, 8, 20, 8
     dp = dp_tp_mesh.shape[0]
-    mlp = nn.DMLP(dim, hidden, mesh=dp_tp_mesh, dtype="fp64")
+    mlp = replicate(nn.DMLP(dim, hidden, mesh=dp_tp_mesh, dtype="fp64"), dp_tp_mesh)
     x = lay_out(rng_array((batch, seq, dim), 1), dp_tp_mesh, (Shard(0), Replicated()),
                 requires_grad=True)
     activation = batch // dp * seq * dim * item
@@ -44,17 +48,19 @@ def test_tracer_counts_the_collectives_of_a_tp_mlp(dp_tp_mesh):
         y = mlp(x)
     with CommTracer() as backward:
         (y * y).sum().backward()
-    assert counts(forward) == {("forward", "all_reduce", "tp"): (1, activation)}
-    expected = {("backward", "all_reduce", "tp"): (1, activation)}
-    if dp > 1:
-        weights = 2 * dim * hidden // 2 * item + (hidden // 2 + dim) * item
-        expected["backward", "all_reduce", "dp"] = (4, weights)
+    tp_group, dp_group = (dp_tp_mesh.get_process_group(d).name for d in ("tp", "dp"))
+    assert counts(forward) == {("forward", "all_reduce", tp_group): (1, activation)}
+    expected = {("backward", "all_reduce", tp_group): (1, activation)}
+    if dp > 1:      # c_proj's bias, c_proj's weight, c_fc's bias, c_fc's weight
+        elements = aligned(aligned(aligned(dim) + dim * hidden // 2) + hidden // 2) + \
+            dim * hidden // 2
+        expected["backward", "all_reduce", dp_group] = (1, elements * item)
     assert counts(backward) == expected
     rows = json.loads(forward.to_json())["rows"] + json.loads(backward.to_json())["rows"]
-    assert [r["module"] for r in rows if r["phase"] == "forward"] == ["DMLP.c_proj"]
-    assert all(r["module"].startswith("DMLP") and r["time_ms"] >= 0 for r in rows)
+    assert [r["module"] for r in rows if r["phase"] == "forward"] == ["ReplicateDMLP.c_proj"]
+    assert all(r["module"].startswith("ReplicateDMLP") and r["time_ms"] >= 0 for r in rows)
     title, header, *lines = backward.table().splitlines()
-    assert f": {1 + 4 * (dp > 1)} calls" in title, title
+    assert f": {1 + (dp > 1)} calls" in title, title
     assert header.split() == ["phase", "module", "op", "group", "calls", "bytes", "time", "(ms)"]
     assert len(lines) == len(json.loads(backward.to_json())["rows"])
 

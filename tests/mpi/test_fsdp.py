@@ -30,9 +30,9 @@ EVEN = GPT2Config(vocab_size=40, block_size=8, n_layer=2, n_head=2, n_embd=8)
 IDS = numpy.random.default_rng(0).integers(0, CONFIG.vocab_size, size=(6, 9))
 
 
-def gpt2(config=CONFIG, tp=1, mesh=None, dtype="fp64"):
+def gpt2(config=CONFIG, mesh=None, dtype="fp64"):
     cupytp.manual_seed(1)
-    return GPT2(config, mesh, tp=tp).to(dtype)
+    return GPT2(config, mesh).to(dtype)
 
 
 def train(model, steps=10, accum=1, dp_placements=(Replicated(),)):
@@ -101,8 +101,8 @@ def test_fsdp_with_recomputed_blocks_ends_like_one_rank(world, group_bytes, accu
 def test_fsdp_on_a_dp_tp_mesh_ends_like_one_rank(world, mesh2d):
     config = dataclasses.replace(CONFIG, n_head=2, n_embd=10)
     tp = mesh2d.shape[1]
-    dense, _ = train(gpt2(config, tp))
-    model = fully_shard(gpt2(config, tp, mesh2d), mesh2d)
+    dense, _ = train(gpt2(config))
+    model = fully_shard(gpt2(config, mesh2d), mesh2d)
     got, _ = train(model, dp_placements=(Shard(0), Replicated()))
     assert_params_close(got, dense)
     c_fc = model.transformer.h[0].mlp.c_fc
@@ -211,15 +211,15 @@ def test_checkpoint_saved_sharded_loads_dense_and_tensor_parallel(world, mesh2d,
     mesh = cupytp.DeviceMesh((world.world_size,), ("dp",))
     config = dataclasses.replace(CONFIG, n_head=2, n_embd=10)
     tp = mesh2d.shape[1]
-    model = fully_shard(gpt2(config, tp), mesh)
+    model = fully_shard(gpt2(config), mesh)
     train(model, steps=2, dp_placements=(Shard(0),))
     expected = {name: full(t) for name, t in model.state_dict().items()}
     checkpoint.save(shared_dir, 2, model)
-    for target in (gpt2(config, tp), gpt2(config, tp, mesh2d),
-                   fully_shard(gpt2(config, tp, mesh2d), mesh2d)):
+    for target in (gpt2(config), gpt2(config, mesh2d),
+                   fully_shard(gpt2(config, mesh2d), mesh2d)):
         checkpoint.load(shared_dir, target)
         assert_params_close({n: full(t) for n, t in target.state_dict().items()}, expected, 0)
-    dense = gpt2(config, tp)
+    dense = gpt2(config)
     dense.load_state_dict({n: t.full_tensor() for n, t in model.state_dict().items()})
     assert_params_close({n: full(t) for n, t in dense.state_dict().items()}, expected, 0)
 
@@ -229,7 +229,7 @@ def test_bad_calls_are_clear_errors(world):
     with pytest.raises(ValueError, match="no dimension 'data'"):
         fully_shard(gpt2(), mesh, dim="data")
     model = fully_shard(gpt2(), mesh)
-    with pytest.raises(ValueError, match="sharded already"):
+    with pytest.raises(ValueError, match="data-parallel already"):
         fully_shard(model, mesh)
     with pytest.raises(ValueError, match="group_bytes"):
         fully_shard(gpt2(), mesh, group_bytes=-1)
@@ -237,5 +237,5 @@ def test_bad_calls_are_clear_errors(world):
 
 def test_as_distributed_is_fully_shard_over_every_rank(world):
     model = gpt2().as_distributed()
-    assert model.fsdp_groups[0].state.dp_size == world.world_size
-    assert "fully_shard over dp=" in model.fsdp_summary()
+    assert model.fsdp_groups[0].state.dims.shard_size == world.world_size
+    assert "fully_shard over shard dp=" in model.fsdp_summary()

@@ -22,7 +22,7 @@ def run(mesh, recompute, steps=2, dtype=None):
     """Two forward/backward passes of a GPT-2 with dropout (float64, or float32 masters under
     autocast(dtype)): losses and gradients."""
     cupytp.manual_seed(11)
-    model = GPT2(CONFIG, mesh, tp=mesh.shape[-1], recompute=recompute)
+    model = GPT2(CONFIG, mesh, recompute=recompute)
     model = model.to("fp64") if dtype is None else model
     replicated = (Replicated(),) * mesh.ndim
     losses, grads = [], None

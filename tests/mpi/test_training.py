@@ -26,7 +26,7 @@ def test_tensor_parallel_training_ends_like_dense(mesh, steps):
     if CONFIG.n_head % tp_size(mesh):
         pytest.skip("heads do not split")
     cupytp.manual_seed(1)
-    dense = GPT2(CONFIG, tp=tp_size(mesh)).to("fp64")
+    dense = GPT2(CONFIG).to("fp64")
     cupytp.manual_seed(1)
     parallel = GPT2(CONFIG, mesh).to("fp64")
     dense_losses = train(dense, steps)
@@ -63,7 +63,7 @@ def test_state_dict_round_trips(mesh):
     for (name, a), (_, b) in zip(source.named_parameters(), target.named_parameters()):
         numpy.testing.assert_array_equal(full(b), full(a), err_msg=name)
     cupytp.manual_seed(5)
-    dense = GPT2(CONFIG, tp=tp_size(mesh))
+    dense = GPT2(CONFIG)
     dense.load_state_dict({n: full(t) for n, t in source.state_dict().items()})   # full arrays
     for (name, a), (_, b) in zip(source.named_parameters(), dense.named_parameters()):
         numpy.testing.assert_array_equal(full(b), full(a), err_msg=name)

@@ -6,7 +6,7 @@ import cupytp
 from cupytp import nn
 from cupytp.models.gpt2 import GPT2, GPT2Config
 from cupytp.parallel import plan_groups
-from cupytp.parallel.fully_shard import layers
+from cupytp.parallel.data_parallel import layers
 
 
 @pytest.fixture(scope="module", autouse=True)

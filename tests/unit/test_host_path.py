@@ -168,9 +168,6 @@ def test_a_parameters_cast_keeps_its_memory_between_regions():
     assert not amp._state.kept
 
 
-LAYERS = {"nn": "nn+parallel", "parallel": "nn+parallel"}   # one layer in docs/design.md
-
-
 def package_imports():
     """{package: {packages it imports}} over every import in cupytp (function-level ones too),
     with the place of one import for each edge."""
@@ -179,7 +176,7 @@ def package_imports():
         parts = path.relative_to(REPO / "cupytp").with_suffix("").parts
         if parts == ("__init__",):
             continue
-        source = LAYERS.get(parts[0], parts[0])
+        source = parts[0]
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.ImportFrom) and node.module:
                 names = [node.module] if node.module != "cupytp" else \
@@ -191,7 +188,7 @@ def package_imports():
             for name in names:
                 parts = name.split(".")
                 if parts[0] == "cupytp" and len(parts) > 1:
-                    target = LAYERS.get(parts[1], parts[1])
+                    target = parts[1]
                     if target != source:
                         edges.setdefault(source, {}).setdefault(
                             target, f"{path.relative_to(REPO)}:{node.lineno}")
@@ -203,6 +200,7 @@ def test_packages_import_without_cycles():
     tensor layer, in particular, never reaches up to the ops)."""
     edges = package_imports()
     assert "ops" not in edges.get("tensor", {})
+    assert "parallel" not in edges.get("nn", {}), edges["nn"]["parallel"]
     done, path = set(), []
 
     def visit(package):

@@ -78,6 +78,35 @@ def test_tp2_follows_tp1(tmp_path):
         assert "mem (now/peak GiB) " in line and " r1 " not in line
 
 
+def val_losses(out):
+    return [float(row["val_loss"]) for row in rows(out) if row["val_loss"]]
+
+
+def test_splits_of_one_global_batch_train_alike(tmp_path):
+    """A global batch of 8 sequences taken whole on one rank, in micro-batches (--grad-accum),
+    over data-parallel ranks (replicated, fully sharded) and over tensor-parallel ranks: the same
+    training and validation losses at every step (fp32: to its rounding).
+    The logged loss is the whole batch's, and validation takes whole batches, however split."""
+    common = ["--steps", "6", "--log-interval", "1", "--eval-interval", "3", "--model", "tiny",
+              "--seq-len", "32", "--sample-tokens", "0", "--eval-batches", "2"]
+    splits = {"whole": (1, ["--batch-size", "8"]),
+              "accum": (1, ["--batch-size", "4", "--grad-accum", "2"]),
+              "dp": (2, ["--batch-size", "2", "--grad-accum", "2"]),
+              "fsdp": (2, ["--batch-size", "4", "--fsdp"]),
+              "tp": (2, ["--batch-size", "8", "--tp", "2"])}
+    curves = {}
+    for name, (ranks, args) in splits.items():
+        out = str(tmp_path / name)
+        result = run(common + args + ["--out", out], ranks=ranks)
+        assert result.returncode == 0, f"{name}: {result.stderr[-3000:]}"
+        curves[name] = losses(out), val_losses(out)
+    whole = curves.pop("whole")
+    assert len(whole[0]) == 6 and len(whole[1]) == 3
+    for name, (train, val) in curves.items():
+        numpy.testing.assert_allclose(train, whole[0], rtol=2e-4, err_msg=name)
+        numpy.testing.assert_allclose(val, whole[1], rtol=2e-4, err_msg=name)
+
+
 def test_validation_before_the_update(tmp_path):
     """The validation loss logged at a step is the model's before that step's update (as the
     training loss is): step 0's does not depend on the learning rate; the trained model's is
