@@ -11,7 +11,7 @@ import numpy
 
 from cupytp.ops.conversion import (
     DTensor, Partial, Replicated, Shard, backend, cached, convert, engine, fail, is_tensor,
-    linear_grad, make, same_mesh, scalar_or_tensor)
+    linear_grad, make, reduce_all, same_mesh, scalar_or_tensor)
 from cupytp.launchers import bias_add, cast, is_device_array
 from cupytp.ops.reduction import leading_sum_placements
 
@@ -229,6 +229,33 @@ def bias_gelu(x, bias):
     return apply("bias_gelu", lambda v, b: forward(xp.ascontiguousarray(v),
                                                     xp.ascontiguousarray(b)),
                  [x, bias], NONLINEAR, backward)
+
+
+def silu_mul(h):
+    """silu(h[..., 0, :]) * h[..., 1, :] for h (..., 2, F): the gate of a SwiGLU MLP over one
+    gate|up product's output, (..., F); one kernel each way on GPU (`kernels/swiglu.cu`). h may
+    be sharded on any dimension but the pair (-2): column-parallel, F/tp per rank."""
+    from cupytp.launchers.swiglu import swiglu, swiglu_backward
+    if h.ndim < 2 or h.shape[-2] != 2:
+        raise ValueError(f"silu_mul takes gate and up side by side, (..., 2, F); got {h.shape}")
+    if h.ndim - 2 in h.layout.sharded_dims():
+        fail("silu_mul", [h], "the pair dimension (-2) is sharded",
+             "Shard the columns (-1) or leading dimensions instead.")
+    h = reduce_all("silu_mul", h)
+    xp = backend.xp
+    h_local = xp.ascontiguousarray(h._local)
+    placements = tuple(Shard(p.dim - 1) if isinstance(p, Shard) and p.dim == h.ndim - 1 else p
+                       for p in h.placements)
+    layout = h.layout
+    out = make(swiglu(h_local), layout.mesh, h.shape[:-2] + h.shape[-1:], placements)
+
+    def backward(g):
+        g = linear_grad(g, out.placements)
+        dh = swiglu_backward(h_local, xp.ascontiguousarray(g._local, dtype=h_local.dtype))
+        grad_placements = tuple(Shard(p.dim + 1) if isinstance(p, Shard) and
+                                p.dim == layout.ndim - 2 else p for p in g.placements)
+        return (make(dh, layout.mesh, layout.shape, grad_placements),)
+    return engine.record(out, (h,), backward, "silu_mul")
 
 
 def astype(x, dtype):

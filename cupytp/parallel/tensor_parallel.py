@@ -13,7 +13,9 @@ MLP and attention, vocab-parallel embedding for an embedding tied to a DLMHead.
 from fnmatch import fnmatchcase
 
 from cupytp import backend
-from cupytp.nn.layers import DAttention, DLMHead, DMLP, check_heads, tp_placements
+from cupytp.nn.attention import GroupedQueryAttention
+from cupytp.nn.layers import DAttention, DLMHead, DMLP, check_heads, tp_dim, tp_placements
+from cupytp.nn.swiglu import SwiGLU
 from cupytp.tensor import Replicated
 from cupytp.tensor.layout import Layout
 
@@ -54,6 +56,8 @@ def _apply_style(module, name, mesh, style):
                 relayout(tensor, mesh, tp_placements(mesh, placement))
     if isinstance(module, DAttention):
         check_heads(module)
+    elif isinstance(module, GroupedQueryAttention):
+        module.check_tp(mesh.shape[tp_dim(mesh)])
 
 
 def parallelize_module(model, mesh, plan):
@@ -74,13 +78,14 @@ def parallelize_module(model, mesh, plan):
 
 
 def megatron_plan(model):
-    """The plan apply_tensor_parallel uses: every DMLP and DAttention by its own plan, and
-    vocab-parallel embeddings for those tied to an LM head."""
+    """The plan apply_tensor_parallel uses: every MLP and attention (DMLP, DAttention, SwiGLU,
+    GroupedQueryAttention) by its own plan, and vocab-parallel embeddings for those tied to an
+    LM head (and an LM head's own weight)."""
     plan = {}
     tied = {id(module._embedding) for _, module in model.named_modules()
             if isinstance(module, DLMHead)}
     for name, module in model.named_modules():
-        if isinstance(module, (DMLP, DAttention)):
+        if isinstance(module, (DMLP, DAttention, SwiGLU, GroupedQueryAttention)):
             plan[name] = "auto"
         elif id(module) in tied:
             plan[name] = "vocab"
