@@ -61,6 +61,11 @@ class LlamaConfig:
     eos_token_id: object = None          # an id, or a list of ids (Llama 3's instruct models)
     extra: dict = field(default_factory=dict, compare=False)   # other config.json fields, kept
 
+    def __post_init__(self):
+        """Errors in the shape or the rotary scaling, at once (nothing is built with them)."""
+        nn.attention.check_heads(self.num_attention_heads, self.num_key_value_heads, 1)
+        nn.rope_frequencies(self.head_size, self.rope_theta, self.rope_scaling)
+
     @property
     def head_size(self):
         return self.head_dim or self.hidden_size // self.num_attention_heads
@@ -216,7 +221,7 @@ class Llama(nn.Module):
         a tied head's weight is left out, as Hugging Face stores it."""
         out = {}
         for name, tensor in self.state_dict().items():
-            out.update(_to_hf(name, backend.asnumpy(tensor.full_tensor())))
+            out.update(hf_arrays(name, backend.asnumpy(tensor.full_tensor())))
         return out
 
     def load_hf_state_dict(self, read):
@@ -249,6 +254,11 @@ class Llama(nn.Module):
         config = config or config_from_hf(os.path.join(path, "config.json"))
         with _CheckpointReader(path) as read:
             model = cls(config, mesh, recompute=recompute)
+            for name, tensor in model.sharded_state_dict().items():     # before any reading
+                for key, shape in hf_shapes(name, tensor.shape).items():
+                    if read.shape(key) != shape:
+                        raise ValueError(f"{key}: the checkpoint in {path} holds shape "
+                                         f"{read.shape(key)}, this model needs {shape}")
             if dtype is not None:
                 model.to(dtype)
             model.load_hf_state_dict(read)
@@ -282,8 +292,9 @@ def _hf_keys(name):
     return "same", (name,)
 
 
-def _to_hf(name, value):
-    """{Hugging Face key: array} of one native parameter's full value."""
+def hf_arrays(name, value):
+    """{Hugging Face key: array} of the full value of the native parameter (or of its
+    gradient) `name`."""
     kind, keys = _hf_keys(name)
     if kind == "transposed":
         return {keys[0]: value.T}
@@ -292,6 +303,18 @@ def _to_hf(name, value):
     if kind == "packed_bias":
         return dict(zip(keys, value))
     return {keys[0]: value}
+
+
+def hf_shapes(name, shape):
+    """{Hugging Face key: shape} of the native parameter `name` of `shape`."""
+    kind, keys = _hf_keys(name)
+    if kind == "transposed":
+        return {keys[0]: shape[::-1]}
+    if kind == "packed":
+        return {key: (shape[2], shape[0]) for key in keys}
+    if kind == "packed_bias":
+        return {key: shape[1:] for key in keys}
+    return {keys[0]: shape}
 
 
 def _read_block(read, name, block):
@@ -356,11 +379,17 @@ class _CheckpointReader:
             self.handles[filename] = (handle, set(handle.keys()))
         return self.handles[filename]
 
-    def __call__(self, key, index):
+    def _slice(self, key):
         handle, keys = self._handle(key)
         if key not in keys:
             raise KeyError(f"the checkpoint in {self.path} has no tensor {key!r}")
-        return handle.get_slice(key)[index]
+        return handle.get_slice(key)
+
+    def shape(self, key):
+        return tuple(self._slice(key).get_shape())
+
+    def __call__(self, key, index):
+        return self._slice(key)[index]
 
 
 def _save(model, path, dtype, max_shard_bytes):
@@ -383,7 +412,7 @@ def _save(model, path, dtype, max_shard_bytes):
         if not first or error:
             continue
         file = sum(1 for end in last_of_file if end < index)
-        for key, array in _to_hf(name, value).items():
+        for key, array in hf_arrays(name, value).items():
             pending[key] = numpy.ascontiguousarray(array, dtype=dtype or array.dtype)
             weight_map[key] = names[file]
         if index == last_of_file[file]:
@@ -517,7 +546,7 @@ def config_from_hf(source):
             num_hidden_layers=int(hf["num_hidden_layers"]),
             num_attention_heads=int(hf["num_attention_heads"]),
             num_key_value_heads=int(hf.get("num_key_value_heads") or hf["num_attention_heads"]),
-            head_dim=int(hf["head_dim"]) if hf.get("head_dim") else None,
+            head_dim=_head_dim(hf),
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
             rope_scaling=scaling, tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -527,6 +556,14 @@ def config_from_hf(source):
             extra={k: v for k, v in hf.items() if k not in known})
     except (TypeError, ValueError) as err:
         raise ValueError(f"{where} has a value that is not a number: {err}") from None
+
+
+def _head_dim(hf):
+    """config.json's head_dim, None where it is hidden_size / num_attention_heads (the
+    default, which then follows the other two)."""
+    given = hf.get("head_dim")
+    default = int(hf["hidden_size"]) // int(hf["num_attention_heads"])
+    return None if given is None or int(given) == default else int(given)
 
 
 def _load_json(path):
@@ -541,4 +578,4 @@ def _load_json(path):
 
 
 __all__ = ["Llama", "LlamaConfig", "LlamaModel", "LlamaDecoderLayer", "PRESETS", "preset",
-           "config_from_hf", "hf_config"]
+           "config_from_hf", "hf_config", "hf_arrays"]

@@ -8,7 +8,8 @@ attention, SwiGLU MLP) as ops, each reading its input through an RMSNorm and add
     swiglu_mlp(x, gate_up_weight, gate_up_bias, down_weight, norm=None, residual=None)
         = residual + silu_mul(norm(x) · gate_up_weight + gate_up_bias) @ down_weight
 
-Shapes: x and residual (B, T, C); q_weight (C, H·D), kv_weight (C, 2, Hk·D) (k and v side by
+The output is Replicated where x is (a Partial projection is all-reduced, by the residual
+addition when there is one). Shapes: x and residual (B, T, C); q_weight (C, H·D), kv_weight (C, 2, Hk·D) (k and v side by
 side), o_weight (H·D, C); gate_up_weight (C, 2, F), down_weight (F, C); biases optional (None);
 `rope` = (cos, sin, start): the rotary tables (`nn.RotaryEmbedding.tables`) and the position of
 the first token; `norm` = (weight, eps) of an RMSNorm, or None; `cache` a `nn.LayerCache` (keys
@@ -42,7 +43,7 @@ from cupytp.launchers.rmsnorm import rms_norm_backward, rms_norm_forward
 from cupytp.launchers.swiglu import swiglu, swiglu_backward
 from cupytp.ops import fused
 from cupytp.ops.amp import autocast_local, autocast_operand, operand_dtype
-from cupytp.ops.conversion import Partial, Replicated, Shard, backend, cached, make
+from cupytp.ops.conversion import Partial, Replicated, Shard, backend, cached, make, reduce_all
 from cupytp.ops.elementwise import bias_residual_local, silu_mul
 from cupytp.ops.functional import (
     attention_setup, rms_norm, scaled_dot_product_attention, unpacked)
@@ -70,7 +71,7 @@ def grouped_attention(x, q_weight, q_bias, kv_weight, kv_bias, o_weight, rope, n
     if plan is None:
         y = _attention_chain(x if norm is None else rms_norm(x, *norm), params, rope,
                              num_heads, num_kv_heads, cache)
-        return y if residual is None else residual + y
+        return reduce_all("grouped_attention", y) if residual is None else residual + y
     return _fused_attention(x, residual, params, (cos, sin, start), num_heads, num_kv_heads,
                             norm, plan)
 
@@ -103,7 +104,7 @@ def swiglu_mlp(x, gate_up_weight, gate_up_bias, down_weight, norm=None, residual
         h = einsum("btc,cjd->btjd", x, gate_up_weight, reduce_input_grad=True)   # (B, T, 2, F')
         h = h if gate_up_bias is None else h + autocast_operand(gate_up_bias)
         y = matmul(silu_mul(h), down_weight)                                  # (B, T, C), P
-        return y if residual is None else residual + y
+        return reduce_all("swiglu_mlp", y) if residual is None else residual + y
     return _fused_mlp(x, residual, params, norm, plan)
 
 

@@ -11,7 +11,7 @@ import numpy
 
 from cupytp.ops.conversion import (
     DTensor, Partial, Replicated, Shard, backend, cached, convert, engine, fail, is_tensor,
-    linear_grad, make, reduce_all, same_mesh, scalar_or_tensor)
+    linear_grad, make, same_mesh, scalar_or_tensor)
 from cupytp.launchers import bias_add, cast, is_device_array
 from cupytp.ops.reduction import leading_sum_placements
 
@@ -238,10 +238,9 @@ def silu_mul(h):
     from cupytp.launchers.swiglu import swiglu, swiglu_backward
     if h.ndim < 2 or h.shape[-2] != 2:
         raise ValueError(f"silu_mul takes gate and up side by side, (..., 2, F); got {h.shape}")
-    if h.ndim - 2 in h.layout.sharded_dims():
-        fail("silu_mul", [h], "the pair dimension (-2) is sharded",
-             "Shard the columns (-1) or leading dimensions instead.")
-    h = reduce_all("silu_mul", h)
+    pair = Shard(h.ndim - 2)
+    h = convert("silu_mul", h, tuple(Replicated() if p == pair or p.is_partial() else p
+                                     for p in h.placements), [h])   # errs where that gathers
     xp = backend.xp
     h_local = xp.ascontiguousarray(h._local)
     placements = tuple(Shard(p.dim - 1) if isinstance(p, Shard) and p.dim == h.ndim - 1 else p

@@ -406,6 +406,8 @@ def _grouped_inputs(q, k, v):
     q_targets, kv_targets = [], []
     for dim, size in enumerate(q.mesh.shape):
         shards = {x.placements[dim].dim for x in inputs if isinstance(x.placements[dim], Shard)}
+        if size == 1:               # any placement is Replicated here, for free
+            shards = set()
         if len(shards) > 1 or shards - {0, 1}:
             fail("scaled_dot_product_attention", inputs,
                  f"mesh dimension {dim} shards dimensions {sorted(shards)}",

@@ -9,7 +9,7 @@ within each (b, t, h): batch and heads may be sharded or Partial, T and D may no
 rotates the gradient back (the rotation's transpose).
 """
 from cupytp.launchers import rotary as kernel
-from cupytp.ops.conversion import backend, engine, fail, linear_grad, make
+from cupytp.ops.conversion import Replicated, Shard, backend, convert, engine, linear_grad, make
 
 
 def rotary(x, cos, sin, start=0):
@@ -17,10 +17,8 @@ def rotary(x, cos, sin, start=0):
     docstring); a new tensor laid out like x."""
     if x.ndim != 4:
         raise ValueError(f"rotary takes (B, T, H, D), got shape {x.shape}")
-    for dim in (1, 3):
-        if dim in x.layout.sharded_dims():
-            fail("rotary", [x], f"dimension {dim} (tokens or head size) is sharded",
-                 "Shard the batch or the heads only; redistribute the others to Replicated.")
+    x = convert("rotary", x, tuple(Replicated() if p in (Shard(1), Shard(3)) else p
+                                   for p in x.placements), [x])   # errs where that gathers
     layout = x.layout
     out = make(kernel.rotary(_rows_contiguous(x._local), cos, sin, start), layout.mesh,
                layout.shape, layout.placements)
