@@ -55,18 +55,13 @@ __device__ void rms_norm_backward(const O* g, const T* x, const C* rstd, const T
     }
 }
 
-// The columns of thread j-th vector in a cached row: (j * blockDim.x + threadIdx.x) * V.
-#define RMS_FOR_EACH_VECTOR(j, col)                                                              \
-    _Pragma("unroll") for (int j = 0, col = threadIdx.x * V; j < N;                              \
-                           ++j, col += blockDim.x * V) if (col < cols)
-
 template <typename T, typename O, typename C, int V, int N>
 __device__ void rms_norm_forward_cached(const T* x, const T* w, O* y, C* rstd, int cols, C eps)
 {
     const long long start = blockIdx.x * (long long)cols;
     C v[N][V];
     C squares = 0;
-    RMS_FOR_EACH_VECTOR(j, col) {
+    FOR_EACH_VECTOR(j, col) {
         const Pack<T, V> p = load_pack<V>(x + start + col);
 #pragma unroll
         for (int k = 0; k < V; ++k) {
@@ -75,7 +70,7 @@ __device__ void rms_norm_forward_cached(const T* x, const T* w, O* y, C* rstd, i
         }
     }
     const C r = C(1) / sqrt(block_reduce(squares, Sum<C>()) / C(cols) + eps);
-    RMS_FOR_EACH_VECTOR(j, col) {
+    FOR_EACH_VECTOR(j, col) {
         Pack<O, V> out;
         Pack<T, V> wv;
         if (w)
@@ -108,7 +103,7 @@ __device__ void rms_norm_backward_cached(const O* g, const T* x, const C* rstd, 
         const long long start = row * cols;
         const C r = rstd[row];
         C dot = 0;
-        RMS_FOR_EACH_VECTOR(j, col) {
+        FOR_EACH_VECTOR(j, col) {
             const Pack<O, V> gv = load_pack<V>(g + start + col);
             const Pack<T, V> xv = load_pack<V>(x + start + col);
             Pack<T, V> wv;
@@ -124,7 +119,7 @@ __device__ void rms_norm_backward_cached(const O* g, const T* x, const C* rstd, 
             }
         }
         const C mean_dh = block_reduce(dot, Sum<C>()) / C(cols);
-        RMS_FOR_EACH_VECTOR(j, col) {
+        FOR_EACH_VECTOR(j, col) {
             Pack<T, V> addv, out;
             if (add)
                 addv = load_pack<V>(add + start + col);
@@ -138,7 +133,7 @@ __device__ void rms_norm_backward_cached(const O* g, const T* x, const C* rstd, 
     }
     if (!partials)
         return;
-    RMS_FOR_EACH_VECTOR(j, col) {
+    FOR_EACH_VECTOR(j, col) {
         Pack<C, V> wv;
 #pragma unroll
         for (int k = 0; k < V; ++k)

@@ -14,8 +14,11 @@ __device__ __forceinline__ C sigmoid(C g)
     return C(1) / (C(1) + exp(-g));
 }
 
-template <typename T, typename C, int V>
-__device__ void swiglu_forward(const T* h, T* y, long long rows, int cols)
+// Calls body(row, col, g, u) for each vector of V columns of every row (a grid-stride loop),
+// with the gate's and the up projection's V values there.
+template <typename T, int V, typename Body>
+__device__ __forceinline__ void for_each_gate_vector(const T* h, long long rows, int cols,
+                                                     Body body)
 {
     const int per_row = cols / V;
     for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < rows * per_row;
@@ -23,7 +26,15 @@ __device__ void swiglu_forward(const T* h, T* y, long long rows, int cols)
         const long long row = idx / per_row;
         const int col = static_cast<int>(idx % per_row) * V;
         const T* hr = h + 2 * row * cols;
-        const Pack<T, V> gv = load_pack<V>(hr + col), uv = load_pack<V>(hr + cols + col);
+        body(row, col, load_pack<V>(hr + col), load_pack<V>(hr + cols + col));
+    }
+}
+
+template <typename T, typename C, int V>
+__device__ void swiglu_forward(const T* h, T* y, long long rows, int cols)
+{
+    for_each_gate_vector<T, V>(h, rows, cols, [&](long long row, int col, const Pack<T, V>& gv,
+                                                   const Pack<T, V>& uv) {
         Pack<T, V> out;
 #pragma unroll
         for (int k = 0; k < V; ++k) {
@@ -31,20 +42,14 @@ __device__ void swiglu_forward(const T* h, T* y, long long rows, int cols)
             out.v[k] = static_cast<T>(g * sigmoid(g) * widen<C>(uv.v[k]));
         }
         store_pack(y + row * cols + col, out);
-    }
+    });
 }
 
 template <typename T, typename C, int V>
 __device__ void swiglu_backward(const T* h, const T* dy, T* dh, T* y, long long rows, int cols)
 {
-    const int per_row = cols / V;
-    for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < rows * per_row;
-         idx += (long long)gridDim.x * blockDim.x) {
-        const long long row = idx / per_row;
-        const int col = static_cast<int>(idx % per_row) * V;
-        const T* hr = h + 2 * row * cols;
-        T* dhr = dh + 2 * row * cols;
-        const Pack<T, V> gv = load_pack<V>(hr + col), uv = load_pack<V>(hr + cols + col);
+    for_each_gate_vector<T, V>(h, rows, cols, [&](long long row, int col, const Pack<T, V>& gv,
+                                                   const Pack<T, V>& uv) {
         const Pack<T, V> dyv = load_pack<V>(dy + row * cols + col);
         Pack<T, V> dg, du, out;
 #pragma unroll
@@ -55,11 +60,12 @@ __device__ void swiglu_backward(const T* h, const T* dy, T* dh, T* y, long long 
             du.v[k] = static_cast<T>(d * g * s);
             out.v[k] = static_cast<T>(g * s * u);
         }
+        T* dhr = dh + 2 * row * cols;
         store_pack(dhr + col, dg);
         store_pack(dhr + cols + col, du);
         if (y)
             store_pack(y + row * cols + col, out);
-    }
+    });
 }
 
 #define SWIGLU_KERNELS(T, C, SUFFIX, V)                                                          \

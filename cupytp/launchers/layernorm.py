@@ -124,27 +124,37 @@ def layer_norm_backward(g, xhat, rstd, weight, dx_dtype=None, add=None, param_gr
         return layer_norm_backward_numpy(g, xhat, rstd, weight, dx_dtype, add, param_grads)
     plan = _backward_plan(_signature(g), _signature(xhat), _signature(rstd), _signature(weight),
                           _signature(add), dx_dtype)
-    rows, cols = plan.rows, plan.cols
     dx = xp.empty(g.shape, dtype=dx_dtype)
     args = (g, xhat, rstd, NULL if weight is None else weight, NULL if add is None else add, dx)
-    kernel = plan.kernel(g, xhat, weight, add, dx) if rows else None
+    sums = run_backward(plan, args, (g, xhat, weight, add, dx), 2 if param_grads else 0,
+                        lambda: (column_sum(g, xhat, dtype=xhat.dtype),
+                                 column_sum(g, dtype=xhat.dtype)))
+    return (dx, *sums) if param_grads else dx
+
+
+def run_backward(plan, args, aligned, sums, streaming_sums):
+    """Launch a norm's backward (`args`: its arrays up to dx) by `plan`: the row-cached kernel
+    where it applies to the `aligned` arrays, which also sums the `sums` parameter gradients per
+    column in its pass (partial sums of PARAM_GRAD_BLOCKS_PER_SM blocks per multiprocessor, then
+    `column_sum`), else the streaming one and `streaming_sums()`. Returns the `sums` column sums
+    (cols,) each."""
+    rows, cols = plan.rows, plan.cols
+    kernel = plan.kernel(*aligned) if rows else None
     if kernel is None or kernel is plan.streaming:  # the parameter gradients by column sums
         if rows:
             kernel((rows,), (BLOCK_THREADS,), args + (numpy.int32(cols),))
-        if not param_grads:
-            return dx
-        return dx, column_sum(g, xhat, dtype=xhat.dtype), column_sum(g, dtype=xhat.dtype)
-    blocks = min(rows, PARAM_GRAD_BLOCKS_PER_SM * multiprocessors()) if param_grads else rows
-    partials = xp.empty((blocks, 2 * cols), xhat.dtype) if param_grads else None
+        return streaming_sums() if sums else ()
+    blocks = min(rows, PARAM_GRAD_BLOCKS_PER_SM * multiprocessors()) if sums else rows
+    partials = xp.empty((blocks, sums * cols), plan.compute) if sums else None
     kernel((blocks,), (BLOCK_THREADS,),
            args + (NULL if partials is None else partials, numpy.int64(rows), numpy.int32(cols)))
-    if not param_grads:
-        return dx
-    sums = column_sum(partials)
-    # two arrays over the two halves, not views: each is the one array over its bytes, so the
+    if not sums:
+        return ()
+    total = column_sum(partials)
+    # arrays over each part, not views: each is the one array over its bytes, so the
     # parameters take them as their gradients without a copy
-    return dx, xp.ndarray((cols,), sums.dtype, sums.data), \
-        xp.ndarray((cols,), sums.dtype, sums.data + cols * sums.itemsize)
+    return tuple(xp.ndarray((cols,), total.dtype, total.data + i * cols * total.itemsize)
+                 for i in range(sums))
 
 
 def _suffix(dtype, out_dtype, op="layer_norm"):

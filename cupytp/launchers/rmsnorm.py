@@ -17,10 +17,9 @@ import functools
 import numpy
 
 from cupytp.backend import xp
-from cupytp.launchers import BLOCK_THREADS, compute_dtype, is_device_array, multiprocessors
+from cupytp.launchers import BLOCK_THREADS, compute_dtype, is_device_array
 from cupytp.launchers.column_sum import column_sum
-from cupytp.launchers.layernorm import (
-    NULL, PARAM_GRAD_BLOCKS_PER_SM, _Plan, _check, _signature, _suffix)
+from cupytp.launchers.layernorm import NULL, _Plan, _check, _signature, _suffix, run_backward
 
 OP = "rms_norm"
 
@@ -71,21 +70,12 @@ def rms_norm_backward(g, x, rstd, weight, dx_dtype=None, add=None, weight_grad=F
         return rms_norm_backward_numpy(g, x, rstd, weight, dx_dtype, add, weight_grad)
     plan = _backward_plan(_signature(g), _signature(x), _signature(rstd), _signature(weight),
                           _signature(add), dx_dtype)
-    rows, cols = plan.rows, plan.cols
     dx = xp.empty(g.shape, dtype=dx_dtype)
     args = (g, x, rstd, NULL if weight is None else weight, NULL if add is None else add, dx)
-    kernel = plan.kernel(g, x, weight, add, dx) if rows else None
-    if kernel is None or kernel is plan.streaming:  # the weight gradient by column sums
-        if rows:
-            kernel((rows,), (BLOCK_THREADS,), args + (numpy.int32(cols),))
-        if not weight_grad:
-            return dx
-        return dx, column_sum(g, (x.astype(plan.compute) * rstd), dtype=plan.compute)
-    blocks = min(rows, PARAM_GRAD_BLOCKS_PER_SM * multiprocessors()) if weight_grad else rows
-    partials = xp.empty((blocks, cols), plan.compute) if weight_grad else None
-    kernel((blocks,), (BLOCK_THREADS,),
-           args + (NULL if partials is None else partials, numpy.int64(rows), numpy.int32(cols)))
-    return (dx, column_sum(partials)) if weight_grad else dx
+    sums = run_backward(plan, args, (g, x, weight, add, dx), 1 if weight_grad else 0,
+                        lambda: (column_sum(g, x.astype(plan.compute) * rstd,
+                                            dtype=plan.compute),))
+    return (dx, *sums) if weight_grad else dx
 
 
 def rms_norm_forward_numpy(x, weight, eps, out_dtype=None):

@@ -40,9 +40,9 @@ class GroupedQueryAttention(Module):
         object.__setattr__(self, "_rotary", rotary)     # shared by the layers: not a child
 
     def kv_placement(self):
-        """kv_proj's weight placement on the tensor-parallel dim: heads split where tp divides
-        them, else Replicated."""
-        return Shard(2) if self.num_kv_heads % self.tp == 0 else Replicated()
+        """kv_proj's weight placement on the tensor-parallel dim: heads split where tp (> 1)
+        divides them, else Replicated."""
+        return Shard(2) if self.tp > 1 and self.num_kv_heads % self.tp == 0 else Replicated()
 
     def forward(self, x, residual=None, norm=None, start=0, cache=None):
         """Attention over x (over norm(x) with an RMSNorm module `norm`), plus `residual` when

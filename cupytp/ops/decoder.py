@@ -37,6 +37,7 @@ Replicated everywhere.
 import functools
 
 from cupytp.launchers import compute_dtype, flash_attention, rotary as rotary_kernel
+from cupytp.launchers.cast import converted
 from cupytp.launchers.flash_attention import HeadGroups
 from cupytp.launchers.gemm_epilogue import matmul_bias
 from cupytp.launchers.rmsnorm import rms_norm_backward, rms_norm_forward
@@ -313,10 +314,12 @@ def _fused_attention(x, residual, params, rope, num_heads, num_kv_heads, norm, p
         inputs = _rows(_read_again(x_local, normed))
         needed, dtype, layout = x_info
         gx = reducing = None
-        if needed:      # dq wq^T + dkv wkv^T: the second product adds the first in its epilogue
-            first = local_einsum("xz", "yz", "xy", dq, wq, dtype)
-            gx = matmul_bias(dkv, wkv2.T, _zeros(first.dtype, first.shape[1]), first)
+        if needed:      # dq wq^T + dkv wkv^T, the second adding the first in its epilogue,
+            wide = compute_dtype(dtype)                 # both unrounded (the norm takes fp32)
+            first = local_einsum("xz", "yz", "xy", dq, wq, wide)
+            gx = matmul_bias(dkv, wkv2.T, _zeros(wide, first.shape[1]), first)
             gx = gx.reshape(rows, t, gx.shape[-1])
+            gx = gx if normed is not None else converted(gx, dtype)
             if _reduces(tp, layout.mesh):
                 reducing = _all_reduced(gx, tp, layout, async_op=True)
         gwq, gbq = _weight_grads(inputs, dq, q_weight, q_bias)

@@ -12,7 +12,7 @@ import math
 
 import numpy
 
-from cupytp.launchers import is_device_array
+from cupytp.launchers import compute_dtype, is_device_array
 from cupytp.ops.conversion import (
     Partial, Replicated, Shard, backend, convert, engine, fail, is_tensor, linear_grad, make,
     reduce_all, same_mesh)
@@ -406,8 +406,6 @@ def _grouped_inputs(q, k, v):
     q_targets, kv_targets = [], []
     for dim, size in enumerate(q.mesh.shape):
         shards = {x.placements[dim].dim for x in inputs if isinstance(x.placements[dim], Shard)}
-        if size == 1:               # any placement is Replicated here, for free
-            shards = set()
         if len(shards) > 1 or shards - {0, 1}:
             fail("scaled_dot_product_attention", inputs,
                  f"mesh dimension {dim} shards dimensions {sorted(shards)}",
@@ -447,7 +445,9 @@ def _repeated_heads(kv, q_layout, groups):
 
     def backward(g):
         g = linear_grad(g, out.placements)
-        grad = xp.einsum("bhsd,hj->bjsd", g._local, backend.asarray(onehot.astype(g.dtype)))
+        local = g._local.astype(compute_dtype(g.dtype), copy=False)       # no 16-bit einsum
+        grad = xp.einsum("bhsd,hj->bjsd", local, backend.asarray(onehot.astype(local.dtype)))
+        grad = grad.astype(g.dtype, copy=False)
         return (make(grad, kv_layout.mesh, kv_layout.shape,
                      _kv_grad_placements(q_layout.placements, kv_layout.placements,
                                          g.placements)),)

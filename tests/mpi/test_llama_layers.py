@@ -68,7 +68,7 @@ def test_llama_layer_built_on_mesh_equals_dense(mesh, name):
     if "gqa" in name:
         inner = parallel.inner if "sublayer" in name else parallel
         kv_heads = inner.num_kv_heads
-        split = kv_heads % tp_size(mesh) == 0
+        split = tp_size(mesh) > 1 and kv_heads % tp_size(mesh) == 0
         assert inner.kv_proj.weight.placements == tp_placement(
             mesh, Shard(2) if split else Replicated())
 
