@@ -433,22 +433,21 @@ def _kv_grad_placements(q_placements, kv_placements, grad_placements):
 def _repeated_heads(kv, q_layout, groups):
     """kv (B, Hk, S, D) with the key/value head of each of q's heads, laid out like q's heads
     (B, H, S, D) (a copy, for the matmul path); the backward sums each group's gradients into
-    its key/value head."""
+    its key/value head. The head maps are made on the device (capturable in a CUDA graph)."""
     xp = backend.xp
-    index = (numpy.arange(q_layout.local_shape[1]) + groups.offset) // groups.group
-    local = kv._local[:, backend.asarray(index)]
+    index = (xp.arange(q_layout.local_shape[1]) + groups.offset) // groups.group
     placements = tuple(pq if pq == Shard(1) else pk
                        for pq, pk in zip(q_layout.placements, kv.placements))
-    out = make(local, kv.mesh, kv.shape[:1] + q_layout.shape[1:2] + kv.shape[2:], placements)
+    out = make(kv._local[:, index], kv.mesh, kv.shape[:1] + q_layout.shape[1:2] + kv.shape[2:],
+               placements)
     kv_layout = kv.layout
-    onehot = index[:, None] == numpy.arange(kv.local_shape[1])[None, :]     # (H/tp, Hk/tp)
 
     def backward(g):
         g = linear_grad(g, out.placements)
         local = g._local.astype(compute_dtype(g.dtype), copy=False)       # no 16-bit einsum
-        grad = xp.einsum("bhsd,hj->bjsd", local, backend.asarray(onehot.astype(local.dtype)))
-        grad = grad.astype(g.dtype, copy=False)
-        return (make(grad, kv_layout.mesh, kv_layout.shape,
+        onehot = index[:, None] == xp.arange(kv_layout.local_shape[1])[None, :]  # (H', Hk')
+        grad = xp.einsum("bhsd,hj->bjsd", local, onehot.astype(local.dtype))
+        return (make(grad.astype(g.dtype, copy=False), kv_layout.mesh, kv_layout.shape,
                      _kv_grad_placements(q_layout.placements, kv_layout.placements,
                                          g.placements)),)
     return engine.record(out, (kv,), backward, "repeat_kv_heads")

@@ -20,7 +20,11 @@ pytestmark = [pytest.mark.gpu,
 
 # head size 64 (the flash kernels'), 4 query heads over 2 key/value heads
 CONFIG = dataclasses.replace(CONFIGS["llama-kv2-scaled"], vocab_size=67, hidden_size=256,
-                             intermediate_size=160)
+                             intermediate_size=160, num_attention_heads=4)
+
+
+def test_config_takes_the_flash_path():
+    assert CONFIG.head_size == 64 and CONFIG.num_key_value_heads == 2
 
 
 def batch(step, mesh):
