@@ -9,11 +9,12 @@ attention, SwiGLU MLP) as ops, each reading its input through an RMSNorm and add
         = residual + silu_mul(norm(x) · gate_up_weight + gate_up_bias) @ down_weight
 
 The output is Replicated where x is (a Partial projection is all-reduced, by the residual
-addition when there is one). Shapes: x and residual (B, T, C); q_weight (C, H·D), kv_weight (C, 2, Hk·D) (k and v side by
-side), o_weight (H·D, C); gate_up_weight (C, 2, F), down_weight (F, C); biases optional (None);
-`rope` = (cos, sin, start): the rotary tables (`nn.RotaryEmbedding.tables`) and the position of
-the first token; `norm` = (weight, eps) of an RMSNorm, or None; `cache` a `nn.LayerCache` (keys
-and values appended, queries attend over all of them).
+addition when there is one). Shapes: x and residual (B, T, C); q_weight (C, H·D), kv_weight
+(C, 2, Hk·D) (k and v side by side), o_weight (H·D, C); gate_up_weight (C, 2, F), down_weight
+(F, C); biases optional (None); `rope` = (cos, sin, start): the rotary tables
+(`nn.RotaryEmbedding.tables`) and the position of the first token; `norm` = (weight, eps) of an
+RMSNorm, or None; `cache` a `nn.LayerCache` (keys and values appended, queries attend over all
+of them).
 
 With a residual, no cache and the layouts below, each is one op and one tape node (fused; for
 attention also bf16/fp16 with head dim 64 or 128, the flash kernels' domain), else the chain of

@@ -100,7 +100,8 @@ def test_matches_transformers(mesh, shared_dir, name):
 @pytest.mark.parametrize("name", NAMES)
 def test_save_pretrained_round_trips(mesh, shared_dir, name):
     """save_pretrained writes Hugging Face's keys and shapes, bit for bit (float64 kept), in
-    several files with an index above max_shard_bytes; transformers loads them."""
+    several files with an index above max_shard_bytes, and bf16 when asked; from_pretrained
+    reads them back."""
     config = CONFIGS[name]
     path, weights = checkpoint(shared_dir, name)
     model = Llama.from_pretrained(path, mesh, dtype="fp64")
@@ -125,8 +126,18 @@ def test_save_pretrained_round_trips(mesh, shared_dir, name):
     if cupytp.distributed.get_rank() == 0:
         assert load_file(os.path.join(out + "-bf16", "model.safetensors"))[
             "model.norm.weight"].dtype == cupytp.backend.bfloat16
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_transformers_loads_save_pretrained(mesh, shared_dir, name):
+    """transformers' AutoModelForCausalLM loads what save_pretrained wrote (several files),
+    as the right class, with every weight bit for bit."""
     transformers = pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
+    config = CONFIGS[name]
+    path, weights = checkpoint(shared_dir, name)
+    out = os.path.join(shared_dir, f"{name}-for-transformers")
+    Llama.from_pretrained(path, mesh, dtype="fp64").save_pretrained(out, max_shard_bytes=40000)
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64)
     loaded = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
     for key, value in weights.items():
