@@ -51,6 +51,12 @@ __device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& x)
     for (long long row = blockIdx.y * blockDim.y + threadIdx.y; row < rows;                      \
          row += (long long)gridDim.y * blockDim.y)
 
+// The columns of the thread's j-th vector in a row cached in registers (N vectors of V elements
+// per thread, needs V, N and `cols` in scope): (j * blockDim.x + threadIdx.x) * V.
+#define FOR_EACH_VECTOR(j, col)                                                                  \
+    _Pragma("unroll") for (int j = 0, col = threadIdx.x * V; j < N;                              \
+                           ++j, col += blockDim.x * V) if (col < cols)
+
 // The first of the V consecutive columns that thread x of a row kernel owns.
 template <int V>
 __device__ __forceinline__ int vector_column()

@@ -11,6 +11,10 @@
 //           and adds its share of dq into an fp32 buffer with atomics; `flash_backward_dq` scales
 //           and converts that buffer.
 // Causal: query t sees keys s <= t + S - T; a query that sees no key gives zeros (lse = -inf).
+// Grouped-query attention: k and v have their own head count; query head h reads key/value head
+// (h + kv_offset) / kv_group (kv_group query heads share one, with no copy of k or v), and the
+// backward's blocks, one per 64 keys of one (b, key/value head), sum dk and dv over the query
+// heads of their group (a key/value head no query head reads gets zeros).
 // Dropout on the probabilities: element (b, h, t, s) of the global (B, H_global, T, S) tensor is
 // kept iff the float64 uniform of the first two Philox-4x32-10 words of the counter
 // base + add + ((b·H_global + h)·T + t)·S + s is >= p (cupytp.tensor.random's draw), compared
@@ -215,8 +219,9 @@ __device__ __forceinline__ void load_tile(T* smem, const T* src, long long row_s
 // ---- forward ----------------------------------------------------------------------------------
 template <typename T, int D, bool DROPOUT>
 __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, int heads,
-                        int t_len, int s_len, Strides qs, Strides ks, Strides vs, Strides os,
-                        float scale, bool causal, const Dropout& dropout)
+                        int kv_group, int kv_offset, int t_len, int s_len, Strides qs,
+                        Strides ks, Strides vs, Strides os, float scale, bool causal,
+                        const Dropout& dropout)
 {
     constexpr int STRIDE = D + PAD;
     T* sq = reinterpret_cast<T*>(shared);
@@ -226,9 +231,10 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
     const int group = lane / 4, quad = lane % 4;  // fragment row, fragment column pair
     const int m0 = (gridDim.x - 1 - blockIdx.x) * BLOCK_M;  // the longest causal blocks first
     const int b = blockIdx.y / heads, h = blockIdx.y % heads;
+    const int kv = (h + kv_offset) / kv_group;  // the key/value head of query head h
     q += b * qs.batch + h * qs.head + m0 * qs.row;
-    k += b * ks.batch + h * ks.head;
-    v += b * vs.batch + h * vs.head;
+    k += b * ks.batch + kv * ks.head;
+    v += b * vs.batch + kv * vs.head;
     o += b * os.batch + h * os.head;
     const int diagonal = s_len - t_len;
     const int last_row = min(m0 + BLOCK_M, t_len) - 1;
@@ -409,8 +415,9 @@ __device__ void backward_dq(const float* dq_accum, T* dq, int heads, int t_len, 
 
 template <typename T, int D, bool DROPOUT>
 __device__ void backward(const T* q, const T* k, const T* v, const T* dout, const float* lse,
-                         const float* delta, float* dq_accum, T* dk, T* dv, int heads, int t_len,
-                         int s_len, Strides qs, Strides ks, Strides vs, Strides dos, Strides dks,
+                         const float* delta, float* dq_accum, T* dk, T* dv, int heads,
+                         int kv_heads, int kv_group, int kv_offset, int t_len, int s_len,
+                         Strides qs, Strides ks, Strides vs, Strides dos, Strides dks,
                          Strides dvs, float scale, bool causal, const Dropout& dropout)
 {
     constexpr int STRIDE = D + PAD, DS_STRIDE = BLOCK_M + PAD;
@@ -424,35 +431,34 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int group = lane / 4, quad = lane % 4;
     const int n0 = blockIdx.x * BLOCK_N;
-    const int b = blockIdx.y / heads, h = blockIdx.y % heads;
-    const long long bh = blockIdx.y;
-    q += b * qs.batch + h * qs.head;
-    k += b * ks.batch + h * ks.head + n0 * ks.row;
-    v += b * vs.batch + h * vs.head + n0 * vs.row;
-    dout += b * dos.batch + h * dos.head;
-    dk += b * dks.batch + h * dks.head + n0 * dks.row;
-    dv += b * dvs.batch + h * dvs.head + n0 * dvs.row;
-    lse += bh * t_len;
-    delta += bh * t_len;
-    dq_accum += bh * t_len * D;
+    const int b = blockIdx.y / kv_heads, kv = blockIdx.y % kv_heads;
+    // the query heads h that read key/value head kv: (h + kv_offset) / kv_group == kv
+    const int h_begin = max(0, kv * kv_group - kv_offset);
+    const int h_end = min(heads, (kv + 1) * kv_group - kv_offset);
+    k += b * ks.batch + kv * ks.head + n0 * ks.row;
+    v += b * vs.batch + kv * vs.head + n0 * vs.row;
+    dk += b * dks.batch + kv * dks.head + n0 * dks.row;
+    dv += b * dvs.batch + kv * dvs.head + n0 * dvs.row;
     const int diagonal = s_len - t_len;
     const int m_tiles = (t_len + BLOCK_M - 1) / BLOCK_M;
     const int m_begin = causal ? max(0, n0 - diagonal) / BLOCK_M : 0;  // first tile seeing key n0
     const float scale_log2 = scale * LOG2E;
-    unsigned long long counter0 = 0;
-    if (DROPOUT)
-        counter0 = row_counter(dropout, b, h, t_len, s_len);
     const int key_in_block = warp * 16 + group;
+    // the query head being walked: its q, do, lse, delta, dq sums and dropout counter
+    const T *q_head = q, *dout_head = dout;
+    const float *lse_head = lse, *delta_head = delta;
+    float* dq_head = dq_accum;
+    unsigned long long counter0 = 0;
 
     auto load_rows = [&](int m0) {  // q, do, lse and delta of the query tile at m0
-        load_tile<T, D, BLOCK_M>(sq, q + m0 * qs.row, qs.row, t_len - m0);
-        load_tile<T, D, BLOCK_M>(sdo, dout + m0 * dos.row, dos.row, t_len - m0);
+        load_tile<T, D, BLOCK_M>(sq, q_head + m0 * qs.row, qs.row, t_len - m0);
+        load_tile<T, D, BLOCK_M>(sdo, dout_head + m0 * dos.row, dos.row, t_len - m0);
         cp_async_commit();
         for (int i = threadIdx.x; i < BLOCK_M; i += THREADS) {
             const int t = m0 + i;
-            const float l = t < t_len ? lse[t] : negative_infinity<float>();
+            const float l = t < t_len ? lse_head[t] : negative_infinity<float>();
             slse[i] = l == negative_infinity<float>() ? -negative_infinity<float>() : l * LOG2E;
-            sdelta[i] = t < t_len ? delta[t] : 0.f;
+            sdelta[i] = t < t_len ? delta_head[t] : 0.f;
         }
     };
 
@@ -461,116 +467,128 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
     zero(dv_acc);
     load_tile<T, D, BLOCK_N>(sk, k, ks.row, s_len - n0);
     load_tile<T, D, BLOCK_N>(sv, v, vs.row, s_len - n0);
-    if (m_begin < m_tiles)
-        load_rows(m_begin * BLOCK_M);
-    else
-        cp_async_commit();
+    cp_async_commit();
 
-    for (int i = m_begin; i < m_tiles; ++i) {
-        const int m0 = i * BLOCK_M;
-        cp_async_wait<0>();
-        __syncthreads();
-        // sᵀ = k qᵀ and dpᵀ = v doᵀ: this warp's 16 keys x the tile's 64 queries
-        float st[BLOCK_M / 8][4], dpt[BLOCK_M / 8][4];
-        zero(st);
-        zero(dpt);
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            unsigned ka[4], va[4];
-            const int a_offset = a_rows(warp * 16, kk * 16, STRIDE, lane);
-            ldmatrix_x4(ka, sk + a_offset);
-            ldmatrix_x4(va, sv + a_offset);
-#pragma unroll
-            for (int np = 0; np < BLOCK_M / 16; ++np) {
-                const int b_offset = b_rows(np * 16, kk * 16, STRIDE, lane);
-                unsigned qb[4], dob[4];
-                ldmatrix_x4(qb, sq + b_offset);
-                ldmatrix_x4(dob, sdo + b_offset);
-                mma<T>(st[2 * np], ka, qb[0], qb[1]);
-                mma<T>(st[2 * np + 1], ka, qb[2], qb[3]);
-                mma<T>(dpt[2 * np], va, dob[0], dob[1]);
-                mma<T>(dpt[2 * np + 1], va, dob[2], dob[3]);
-            }
-        }
-        // pᵀ from lse, then st <- dropped pᵀ and dpt <- dsᵀ = pᵀ (dpᵀ - delta)
-        const bool edge = n0 + BLOCK_N > s_len || (causal && n0 + BLOCK_N - 1 > m0 + diagonal);
-#pragma unroll
-        for (int nt = 0; nt < BLOCK_M / 8; ++nt) {
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                const int key = n0 + key_in_block + (c / 2) * 8;
-                const int t_in_tile = nt * 8 + quad * 2 + c % 2;
-                const int t = m0 + t_in_tile;
-                float p = exp2_approx(fmaf(st[nt][c], scale_log2, -slse[t_in_tile]));
-                if (edge && (key >= s_len || (causal && key > t + diagonal)))
-                    p = 0.f;
-                float dp = dpt[nt][c];
-                if (DROPOUT) {
-                    const bool kept =
-                        keep(counter0 + static_cast<unsigned long long>(t) * s_len + key, dropout);
-                    st[nt][c] = kept ? p * dropout.scale : 0.f;
-                    dp = kept ? dp * dropout.scale : 0.f;
-                } else {
-                    st[nt][c] = p;
+    // dk and dv sum over the group's query heads; after a head's last tile only sds and sk are
+    // read, so the next head's first tile may load at once (its first sync orders the rest)
+    for (int h = h_begin; h < h_end; ++h) {
+        const long long bh = static_cast<long long>(b) * heads + h;
+        q_head = q + b * qs.batch + h * qs.head;
+        dout_head = dout + b * dos.batch + h * dos.head;
+        lse_head = lse + bh * t_len;
+        delta_head = delta + bh * t_len;
+        dq_head = dq_accum + bh * t_len * D;
+        if (DROPOUT)
+            counter0 = row_counter(dropout, b, h, t_len, s_len);
+        if (m_begin < m_tiles)
+            load_rows(m_begin * BLOCK_M);
+
+        for (int i = m_begin; i < m_tiles; ++i) {
+            const int m0 = i * BLOCK_M;
+            cp_async_wait<0>();
+            __syncthreads();
+            // sᵀ = k qᵀ and dpᵀ = v doᵀ: this warp's 16 keys x the tile's 64 queries
+            float st[BLOCK_M / 8][4], dpt[BLOCK_M / 8][4];
+            zero(st);
+            zero(dpt);
+    #pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                unsigned ka[4], va[4];
+                const int a_offset = a_rows(warp * 16, kk * 16, STRIDE, lane);
+                ldmatrix_x4(ka, sk + a_offset);
+                ldmatrix_x4(va, sv + a_offset);
+    #pragma unroll
+                for (int np = 0; np < BLOCK_M / 16; ++np) {
+                    const int b_offset = b_rows(np * 16, kk * 16, STRIDE, lane);
+                    unsigned qb[4], dob[4];
+                    ldmatrix_x4(qb, sq + b_offset);
+                    ldmatrix_x4(dob, sdo + b_offset);
+                    mma<T>(st[2 * np], ka, qb[0], qb[1]);
+                    mma<T>(st[2 * np + 1], ka, qb[2], qb[3]);
+                    mma<T>(dpt[2 * np], va, dob[0], dob[1]);
+                    mma<T>(dpt[2 * np + 1], va, dob[2], dob[3]);
                 }
-                dpt[nt][c] = p * (dp - sdelta[t_in_tile]);
             }
-        }
-        // dv += pᵀ do and dk += dsᵀ q (A fragments straight from the accumulators)
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
-            unsigned pa[4], dsa[4];
-            accumulators_as_a<T>(pa, st[2 * kk], st[2 * kk + 1]);
-            accumulators_as_a<T>(dsa, dpt[2 * kk], dpt[2 * kk + 1]);
-#pragma unroll
-            for (int dp = 0; dp < D / 16; ++dp) {
-                const int offset = bt_rows(kk * 16, dp * 16, STRIDE, lane);
-                unsigned dob[4], qb[4];
-                ldmatrix_x4_trans(dob, sdo + offset);
-                ldmatrix_x4_trans(qb, sq + offset);
-                mma<T>(dv_acc[2 * dp], pa, dob[0], dob[1]);
-                mma<T>(dv_acc[2 * dp + 1], pa, dob[2], dob[3]);
-                mma<T>(dk_acc[2 * dp], dsa, qb[0], qb[1]);
-                mma<T>(dk_acc[2 * dp + 1], dsa, qb[2], qb[3]);
+            // pᵀ from lse, then st <- dropped pᵀ and dpt <- dsᵀ = pᵀ (dpᵀ - delta)
+            const bool edge = n0 + BLOCK_N > s_len || (causal && n0 + BLOCK_N - 1 > m0 + diagonal);
+    #pragma unroll
+            for (int nt = 0; nt < BLOCK_M / 8; ++nt) {
+    #pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const int key = n0 + key_in_block + (c / 2) * 8;
+                    const int t_in_tile = nt * 8 + quad * 2 + c % 2;
+                    const int t = m0 + t_in_tile;
+                    float p = exp2_approx(fmaf(st[nt][c], scale_log2, -slse[t_in_tile]));
+                    if (edge && (key >= s_len || (causal && key > t + diagonal)))
+                        p = 0.f;
+                    float dp = dpt[nt][c];
+                    if (DROPOUT) {
+                        const bool kept = keep(
+                            counter0 + static_cast<unsigned long long>(t) * s_len + key, dropout);
+                        st[nt][c] = kept ? p * dropout.scale : 0.f;
+                        dp = kept ? dp * dropout.scale : 0.f;
+                    } else {
+                        st[nt][c] = p;
+                    }
+                    dpt[nt][c] = p * (dp - sdelta[t_in_tile]);
+                }
             }
-        }
-        // dsᵀ to shared memory for dq, which needs all 64 keys of the tile per query
-#pragma unroll
-        for (int nt = 0; nt < BLOCK_M / 8; ++nt) {
-#pragma unroll
-            for (int r = 0; r < 2; ++r)
-                *reinterpret_cast<unsigned*>(sds + (key_in_block + r * 8) * DS_STRIDE + nt * 8 +
-                                             quad * 2) =
-                    pack<T>(dpt[nt][2 * r], dpt[nt][2 * r + 1]);
-        }
-        __syncthreads();  // dsᵀ complete; q, do, lse and delta of this tile no longer read
-        if (i + 1 < m_tiles)
-            load_rows(m0 + BLOCK_M);
-        // dq of this warp's 16 queries += ds k over the block's 64 keys
-        float dq[D / 8][4];
-        zero(dq);
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-            unsigned dsa[4];
-            ldmatrix_x4_trans(dsa, sds + b_rows(kk * 16, warp * 16, DS_STRIDE, lane));
-#pragma unroll
-            for (int dp = 0; dp < D / 16; ++dp) {
-                unsigned kb[4];
-                ldmatrix_x4_trans(kb, sk + bt_rows(kk * 16, dp * 16, STRIDE, lane));
-                mma<T>(dq[2 * dp], dsa, kb[0], kb[1]);
-                mma<T>(dq[2 * dp + 1], dsa, kb[2], kb[3]);
+            // dv += pᵀ do and dk += dsᵀ q (A fragments straight from the accumulators)
+    #pragma unroll
+            for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
+                unsigned pa[4], dsa[4];
+                accumulators_as_a<T>(pa, st[2 * kk], st[2 * kk + 1]);
+                accumulators_as_a<T>(dsa, dpt[2 * kk], dpt[2 * kk + 1]);
+    #pragma unroll
+                for (int dp = 0; dp < D / 16; ++dp) {
+                    const int offset = bt_rows(kk * 16, dp * 16, STRIDE, lane);
+                    unsigned dob[4], qb[4];
+                    ldmatrix_x4_trans(dob, sdo + offset);
+                    ldmatrix_x4_trans(qb, sq + offset);
+                    mma<T>(dv_acc[2 * dp], pa, dob[0], dob[1]);
+                    mma<T>(dv_acc[2 * dp + 1], pa, dob[2], dob[3]);
+                    mma<T>(dk_acc[2 * dp], dsa, qb[0], qb[1]);
+                    mma<T>(dk_acc[2 * dp + 1], dsa, qb[2], qb[3]);
+                }
             }
-        }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int t = m0 + warp * 16 + group + r * 8;
-            if (t >= t_len)
-                continue;
-            float* out = dq_accum + static_cast<long long>(t) * D + quad * 2;
-#pragma unroll
-            for (int dt = 0; dt < D / 8; ++dt) {
-                atomicAdd(out + dt * 8, dq[dt][2 * r]);
-                atomicAdd(out + dt * 8 + 1, dq[dt][2 * r + 1]);
+            // dsᵀ to shared memory for dq, which needs all 64 keys of the tile per query
+    #pragma unroll
+            for (int nt = 0; nt < BLOCK_M / 8; ++nt) {
+    #pragma unroll
+                for (int r = 0; r < 2; ++r)
+                    *reinterpret_cast<unsigned*>(sds + (key_in_block + r * 8) * DS_STRIDE + nt * 8 +
+                                                 quad * 2) =
+                        pack<T>(dpt[nt][2 * r], dpt[nt][2 * r + 1]);
+            }
+            __syncthreads();  // dsᵀ complete; q, do, lse and delta of this tile no longer read
+            if (i + 1 < m_tiles)
+                load_rows(m0 + BLOCK_M);
+            // dq of this warp's 16 queries += ds k over the block's 64 keys
+            float dq[D / 8][4];
+            zero(dq);
+    #pragma unroll
+            for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+                unsigned dsa[4];
+                ldmatrix_x4_trans(dsa, sds + b_rows(kk * 16, warp * 16, DS_STRIDE, lane));
+    #pragma unroll
+                for (int dp = 0; dp < D / 16; ++dp) {
+                    unsigned kb[4];
+                    ldmatrix_x4_trans(kb, sk + bt_rows(kk * 16, dp * 16, STRIDE, lane));
+                    mma<T>(dq[2 * dp], dsa, kb[0], kb[1]);
+                    mma<T>(dq[2 * dp + 1], dsa, kb[2], kb[3]);
+                }
+            }
+    #pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int t = m0 + warp * 16 + group + r * 8;
+                if (t >= t_len)
+                    continue;
+                float* out = dq_head + static_cast<long long>(t) * D + quad * 2;
+    #pragma unroll
+                for (int dt = 0; dt < D / 8; ++dt) {
+                    atomicAdd(out + dt * 8, dq[dt][2 * r]);
+                    atomicAdd(out + dt * 8 + 1, dq[dt][2 * r + 1]);
+                }
             }
         }
     }
@@ -607,11 +625,11 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
 #define FLASH_ATTENTION_KERNELS(T, SUFFIX, D, DROPOUT, TAG)                                        \
     extern "C" __global__ void __launch_bounds__(flash::THREADS, FLASH_FORWARD_BLOCKS(D, DROPOUT)) \
         flash_forward_d##D##TAG##_##SUFFIX(                                                        \
-        const T* q, const T* k, const T* v, T* o, float* lse, int heads, int t_len, int s_len,    \
-        FLASH_STRIDES(qs), FLASH_STRIDES(ks), FLASH_STRIDES(vs), FLASH_STRIDES(os), float scale,  \
-        int causal, FLASH_DROPOUT_PARAMS)                                                          \
+        const T* q, const T* k, const T* v, T* o, float* lse, int heads, int kv_group,            \
+        int kv_offset, int t_len, int s_len, FLASH_STRIDES(qs), FLASH_STRIDES(ks),                \
+        FLASH_STRIDES(vs), FLASH_STRIDES(os), float scale, int causal, FLASH_DROPOUT_PARAMS)       \
     {                                                                                              \
-        flash::forward<T, D, DROPOUT>(q, k, v, o, lse, heads, t_len, s_len,                       \
+        flash::forward<T, D, DROPOUT>(q, k, v, o, lse, heads, kv_group, kv_offset, t_len, s_len,  \
                                       FLASH_MAKE_STRIDES(qs), FLASH_MAKE_STRIDES(ks),             \
                                       FLASH_MAKE_STRIDES(vs), FLASH_MAKE_STRIDES(os), scale,      \
                                       causal != 0, FLASH_MAKE_DROPOUT);                            \
@@ -619,13 +637,14 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
     extern "C" __global__ void __launch_bounds__(flash::THREADS, FLASH_BACKWARD_BLOCKS(D))     \
         flash_backward_d##D##TAG##_##SUFFIX(                                                       \
             const T* q, const T* k, const T* v, const T* dout, const float* lse,                  \
-            const float* delta, float* dq_accum, T* dk, T* dv, int heads, int t_len, int s_len,   \
-            FLASH_STRIDES(qs), FLASH_STRIDES(ks), FLASH_STRIDES(vs), FLASH_STRIDES(dos),          \
-            FLASH_STRIDES(dks), FLASH_STRIDES(dvs), float scale, int causal,                      \
-            FLASH_DROPOUT_PARAMS)                                                                  \
+            const float* delta, float* dq_accum, T* dk, T* dv, int heads, int kv_heads,           \
+            int kv_group, int kv_offset, int t_len, int s_len, FLASH_STRIDES(qs),                 \
+            FLASH_STRIDES(ks), FLASH_STRIDES(vs), FLASH_STRIDES(dos), FLASH_STRIDES(dks),         \
+            FLASH_STRIDES(dvs), float scale, int causal, FLASH_DROPOUT_PARAMS)                    \
     {                                                                                              \
         flash::backward<T, D, DROPOUT>(                                                            \
-            q, k, v, dout, lse, delta, dq_accum, dk, dv, heads, t_len, s_len,                      \
+            q, k, v, dout, lse, delta, dq_accum, dk, dv, heads, kv_heads, kv_group, kv_offset,     \
+            t_len, s_len,                                                                          \
             FLASH_MAKE_STRIDES(qs), FLASH_MAKE_STRIDES(ks), FLASH_MAKE_STRIDES(vs),               \
             FLASH_MAKE_STRIDES(dos), FLASH_MAKE_STRIDES(dks), FLASH_MAKE_STRIDES(dvs), scale,     \
             causal != 0, FLASH_MAKE_DROPOUT);                                                      \

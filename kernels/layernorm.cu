@@ -64,11 +64,6 @@ __device__ void layer_norm_backward(const O* g, const C* xhat, const C* rstd, co
     }
 }
 
-// The columns of thread j-th vector in a cached row: (j * blockDim.x + threadIdx.x) * V.
-#define FOR_EACH_VECTOR(j, col)                                                                  \
-    _Pragma("unroll") for (int j = 0, col = threadIdx.x * V; j < N;                              \
-                           ++j, col += blockDim.x * V) if (col < cols)
-
 template <typename T, typename O, typename C, int V, int N>
 __device__ void layer_norm_forward_cached(const T* x, const T* w, const T* b, O* y, C* xhat,
                                           C* rstd, int cols, C eps)

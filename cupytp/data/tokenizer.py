@@ -1,5 +1,6 @@
 """Tokenizers that need no download: bytes, a byte-level BPE trained here, nanoGPT's character
-vocabularies (its `meta.pkl`), and tiktoken's GPT-2.
+vocabularies (its `meta.pkl`), and tiktoken's GPT-2; and a Hugging Face tokenizer.json (Llama
+3's, Qwen2's, ...) through the `tokenizers` package.
 
 Every tokenizer has `encode(str) -> list[int]`, `decode(list[int]) -> str`, `vocab_size`, `eot_id`
 and `name`. `encode` treats its whole input as text: it never emits the end-of-text id, which the
@@ -331,15 +332,61 @@ class TiktokenTokenizer:
         return self._encoding.decode(ids, errors=errors)
 
 
-TOKENIZER_NAMES = ("byte", "bpe", "tiktoken")
+class HFTokenizer:
+    """A Hugging Face `tokenizer.json` (a file, or a checkpoint directory holding one) through
+    the `tokenizers` package (an optional extra: pip install tokenizers).
+
+    `encode` adds no special tokens; `eot_id` is the end-of-text token's id: `eot_token`'s when
+    given, else the first of END_OF_TEXT the tokenizer knows. `decode` gives tokenizers' text
+    (bytes that are no UTF-8 come out as U+FFFD whatever `errors` says). `vocab_size` counts the
+    added tokens; a model's vocabulary may be larger (padded), not smaller.
+    """
+
+    END_OF_TEXT = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<|im_end|>", "<eos>")
+
+    def __init__(self, path, eot_token=None):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise DataError("a Hugging Face tokenizer.json needs the tokenizers package: pip "
+                            "install tokenizers") from None
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            path = os.path.join(path, "tokenizer.json")
+        try:
+            with open(path, "rb") as file:
+                digest = hashlib.sha256(file.read()).hexdigest()
+            self._tokenizer = Tokenizer.from_file(path)
+        except FileNotFoundError:
+            raise DataError(f"tokenizer file {path} does not exist") from None
+        except Exception as err:    # tokenizers raises its own exception type
+            raise DataError(f"{path} is not a Hugging Face tokenizer.json: {err}") from None
+        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        names = (eot_token,) if eot_token else self.END_OF_TEXT
+        ids = [self._tokenizer.token_to_id(token) for token in names]
+        if all(i is None for i in ids):
+            raise DataError(f"{path} has no end-of-text token among {', '.join(names)}: name "
+                            "it with eot_token=")
+        self.eot_id = next(i for i in ids if i is not None)
+        self.name = f"hf{self.vocab_size}-{digest[:12]}"
+
+    def encode(self, text):
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids, errors="replace"):
+        return self._tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+TOKENIZER_NAMES = ("byte", "bpe", "tiktoken", "hf")
 DEFAULT_BPE_VOCAB = 512
 
 
-def get_tokenizer(name, corpus_text=None, vocab_size=None):
-    """The tokenizer called `name`: "byte", "bpe" (trained on `corpus_text`) or "tiktoken".
+def get_tokenizer(name, corpus_text=None, vocab_size=None, path=None):
+    """The tokenizer called `name`: "byte", "bpe" (trained on `corpus_text`), "tiktoken" or
+    "hf" (the tokenizer.json at `path`).
 
     `vocab_size` sets the BPE vocabulary (default 512); for the fixed vocabularies it is only
-    checked.
+    checked (for "hf": the tokenizer's ids must fit it).
     """
     if name == "bpe":
         if corpus_text is None:
@@ -349,6 +396,14 @@ def get_tokenizer(name, corpus_text=None, vocab_size=None):
         tokenizer = ByteTokenizer()
     elif name == "tiktoken":
         tokenizer = TiktokenTokenizer("gpt2")
+    elif name == "hf":
+        if path is None:
+            raise ValueError("the 'hf' tokenizer reads a tokenizer.json: pass path")
+        tokenizer = HFTokenizer(path)
+        if vocab_size is not None and tokenizer.vocab_size > vocab_size:
+            raise ValueError(f"the tokenizer at {path} has {tokenizer.vocab_size} ids, more "
+                             f"than the vocab_size of {vocab_size}")
+        return tokenizer
     else:
         raise ValueError(f"unknown tokenizer {name!r}: choose one of {', '.join(TOKENIZER_NAMES)}")
     if vocab_size is not None and vocab_size != tokenizer.vocab_size:

@@ -1,6 +1,8 @@
 """cuDNN's fused attention (the cuDNN frontend's SDPA graphs) on CuPy arrays, with the contract of
 `flash_attention` (same arguments, o laid out (B, T, H, D), lse (B, H, T) float32) but no dropout
-(cuDNN draws its own mask, which would differ from the framework's) and T == S only.
+(cuDNN draws its own mask, which would differ from the framework's), T == S only, and of grouped
+query heads only the plain grouping (query head h reads key/value head h // (H / Hk)), where the
+frontend builds such graphs (checked once).
 
 `CUPYTP_ATTENTION` chooses: `flash` (the RawKernel always), `cudnn` (cuDNN wherever it applies;
 an error if the frontend, the `nvidia-cudnn-frontend` wheel, cannot be imported), `auto` (the
@@ -34,18 +36,43 @@ def choice():
     return env.get("CUPYTP_ATTENTION")
 
 
-def applies(q, k, dropout_p):
-    """True when cuDNN runs this attention (see the module docstring)."""
+def applies(q, k, dropout_p, groups=None):
+    """True when cuDNN runs this attention (see the module docstring); `groups`: the
+    HeadGroups the query heads read k and v by (None: as many heads as q's)."""
     wanted = choice()
     if wanted in ("flash", "matmul") or dropout_p > 0 or not is_device_array(q):
         return False
-    if q.shape[2] != k.shape[2]:
+    if q.shape[2] != k.shape[2] or not _plain(q, k, groups):
         return False
     if q.dtype not in DTYPES or q.shape[-1] not in HEAD_DIMS or not (q.size and k.size):
         return False
     if wanted == "auto" and q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] < CUDNN_MIN_SCORES:
         return False
-    return _frontend(wanted == "cudnn") is not None
+    if _frontend(wanted == "cudnn") is None:
+        return False
+    return q.shape[1] == k.shape[1] or _builds_grouped_graphs()
+
+
+def _plain(q, k, groups):
+    """True when query head h reads key/value head h // (H / Hk) (the grouping cuDNN knows)."""
+    hq, hk = q.shape[1], k.shape[1]
+    return hk > 0 and hq % hk == 0 and (groups is None or (groups.offset == 0 and
+                                                             groups.group * hk == hq))
+
+
+@functools.cache
+def _builds_grouped_graphs():
+    """True when this cuDNN builds attention graphs whose k and v have fewer heads than q,
+    forward and backward (tried once, on a small shape)."""
+    b, hq, hk, t, d = 1, 4, 2, 128, 64
+    q = ((b, hq, t, d), (t * hq * d * 2, d * 2, hq * d * 2, 2))
+    kv = ((b, hk, t, d), (t * hk * d * 2, d * 2, hk * d * 2, 2))
+    try:
+        _forward_graph(bfloat16, (q, kv, kv, q), True, 0.125)
+        _backward_graph(bfloat16, (q, kv, kv, q, q, q, kv, kv), True, 0.125)
+    except Exception:       # the frontend's own error types: not supported here
+        return False
+    return True
 
 
 def describe():
@@ -75,8 +102,8 @@ def _frontend(required):
         return None
 
 
-def attention_forward(q, k, v, causal, scale, dropout=None):
-    _no_dropout(dropout)
+def attention_forward(q, k, v, causal, scale, dropout=None, groups=None):
+    _check_supported(dropout, q, k, groups)
     b, h, t, d = q.shape
     o = like_output(q)
     stats = xp.empty((b, h, t, 1), dtype=xp.float32)
@@ -84,8 +111,9 @@ def attention_forward(q, k, v, causal, scale, dropout=None):
     return o, stats.reshape(b, h, t)
 
 
-def attention_backward(q, k, v, o, lse, do, causal, scale, dropout=None, grads=None):
-    _no_dropout(dropout)
+def attention_backward(q, k, v, o, lse, do, causal, scale, dropout=None, grads=None,
+                       groups=None):
+    _check_supported(dropout, q, k, groups)
     b, h, t, d = q.shape
     dq, dk, dv = check_grads(grads, q, k, v)
     o, do = _laid_out(o), _laid_out(do)     # one layout for both, as the graph wants
@@ -96,10 +124,14 @@ def attention_backward(q, k, v, o, lse, do, causal, scale, dropout=None, grads=N
     return dq, dk, dv
 
 
-def _no_dropout(dropout):
+def _check_supported(dropout, q, k, groups):
     if dropout is not None:
         raise ValueError("cuDNN attention runs without dropout here (its mask would not be the "
                          "framework's): use flash_attention for dropout")
+    if not _plain(q, k, groups):
+        raise ValueError(f"cuDNN attention groups query heads only plainly (h reads key/value "
+                         f"head h // (H / Hk)), not {groups} over q {q.shape} and k {k.shape}: "
+                         "use flash_attention")
 
 
 def _laid_out(a):

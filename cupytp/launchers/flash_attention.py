@@ -1,14 +1,20 @@
-"""Flash attention over (B, H, T, D) queries and (B, H, S, D) keys and values: `flash_attention.cu`
-for CuPy arrays, a NumPy twin of the same math otherwise (the twin stores the scores; the kernel
-never does).
+"""Flash attention over (B, H, T, D) queries and (B, Hk, S, D) keys and values:
+`flash_attention.cu` for CuPy arrays, a NumPy twin of the same math otherwise (the twin stores the
+scores; the kernel never does).
 
-`attention_forward(q, k, v, causal, scale, dropout)` → (o, lse): o = softmax(scale q kᵀ) v in q's
-dtype, returned as a (B, H, T, D) view of (B, T, H, D) memory (so o.transpose(1, 2) is contiguous);
-lse (B, H, T) float32, the log-sum-exp of each row of scaled scores (-inf for a query that sees no
-key). `attention_backward(q, k, v, o, lse, do, causal, scale, dropout, grads=None)` → (dq, dk, dv),
-laid out like o, or written into `grads` (three arrays shaped like q, k and v with contiguous rows:
-views into one packed gradient, say). Causal: query t sees keys s <= t + S - T. Inputs may be
-strided views; bf16 or fp16, head dim 64 or 128 (`supported`); fp32 accumulation.
+`attention_forward(q, k, v, causal, scale, dropout, groups=None)` → (o, lse): o = softmax(scale q
+kᵀ) v in q's dtype, returned as a (B, H, T, D) view of (B, T, H, D) memory (so o.transpose(1, 2)
+is contiguous); lse (B, H, T) float32, the log-sum-exp of each row of scaled scores (-inf for a
+query that sees no key). `attention_backward(q, k, v, o, lse, do, causal, scale, dropout,
+grads=None, groups=None)` → (dq, dk, dv), laid out like o, or written into `grads` (three arrays
+shaped like q, k and v with contiguous rows: views into one packed gradient, say). Causal: query t
+sees keys s <= t + S - T. Inputs may be strided views; bf16 or fp16, head dim 64 or 128
+(`supported`); fp32 accumulation.
+
+Grouped-query attention: k and v may have fewer heads than q. Query head h reads key/value head
+(h + groups.offset) // groups.group (a `HeadGroups`; by default group = H / Hk and offset 0),
+without copying k or v; dk and dv sum over the query heads that read each key/value head (zero for
+one that none reads).
 
 Dropout (an `AttentionDropout`, or None) zeroes the probability (b, h, t, s) unless the Philox
 uniform of counter base + add + row-major index of (b + batch_offset, h + head_offset, t, s) in
@@ -36,6 +42,26 @@ NULL = numpy.uint64(0)
 MAX_PLANS = 256                  # planned shapes kept (all dropped when full)
 
 
+class HeadGroups(NamedTuple):
+    """Which key/value head each query head reads: query head h (local index) reads key/value
+    head (h + offset) // group, `group` query heads per key/value head. offset > 0 where a rank
+    holds every key/value head but only some of the query heads (offset: the global index of
+    its first query head)."""
+    group: int
+    offset: int = 0
+
+
+def head_groups(q, k, groups=None):
+    """`groups`, or the plain grouping of q's heads over k's (H / Hk query heads each)."""
+    if groups is not None:
+        return HeadGroups(int(groups.group), int(groups.offset))
+    hq, hk = q.shape[1], k.shape[1]
+    if hk == 0 or hq % hk:
+        raise ValueError(f"attention: {hq} query heads do not group evenly over {hk} key/value "
+                         "heads: give the head groups")
+    return HeadGroups(hq // hk)
+
+
 class AttentionDropout(NamedTuple):
     """Dropout of the attention probabilities: p, the generator's (seed, base, add) for
     B·heads·T·S counters, the global head count and this tensor's batch and head offsets."""
@@ -54,52 +80,54 @@ def supported(q, k, v):
             and q.shape[-1] in HEAD_DIMS)
 
 
-def attention_forward(q, k, v, causal, scale, dropout=None):
+def attention_forward(q, k, v, causal, scale, dropout=None, groups=None):
     if not is_device_array(q):
-        _check(q=q, k=k, v=v)
-        return attention_forward_numpy(q, k, v, causal, scale, dropout)
+        groups = _check(groups, q=q, k=k, v=v)
+        return attention_forward_numpy(q, k, v, causal, scale, dropout, groups)
     if type(k) is not type(q) or type(v) is not type(q):
-        _check(q=q, k=k, v=v)           # the error naming the mix of kinds
+        _check(groups, q=q, k=k, v=v)           # the error naming the mix of kinds
     arrays = _read_in_place((q, k, v))
     o, lse = _outputs(q)
-    _planned(_ForwardPlan, arrays, causal, scale, dropout)(*arrays, o, lse,
-                                                            *_dropout_values(dropout))
+    _planned(_ForwardPlan, arrays, causal, scale, dropout, groups)(*arrays, o, lse,
+                                                                    *_dropout_values(dropout))
     return o, lse
 
 
-def attention_backward(q, k, v, o, lse, do, causal, scale, dropout=None, grads=None):
+def attention_backward(q, k, v, o, lse, do, causal, scale, dropout=None, grads=None,
+                       groups=None):
     if not is_device_array(q):
-        _check(q=q, k=k, v=v, o=o, do=do)
+        groups = _check(groups, q=q, k=k, v=v, o=o, do=do)
         check_lse(lse, q)
         grads = check_grads(grads, q, k, v)
-        return fill(grads, attention_backward_numpy(q, k, v, o, lse, do, causal, scale, dropout))
+        return fill(grads, attention_backward_numpy(q, k, v, o, lse, do, causal, scale, dropout,
+                                                    groups))
     if any(type(a) is not type(q) for a in (k, v, o, do)):
-        _check(q=q, k=k, v=v, o=o, do=do)      # the error naming the mix of kinds
+        _check(groups, q=q, k=k, v=v, o=o, do=do)      # the error naming the mix of kinds
     grads = check_grads(grads, q, k, v)
     arrays = _read_in_place((q, k, v, o, do))
     check_lse(lse, q)
     lse = lse if c_contiguous(lse) else xp.ascontiguousarray(lse)   # read as (B, H, T) rows
-    _planned(_BackwardPlan, arrays + grads, causal, scale, dropout)(
+    _planned(_BackwardPlan, arrays + grads, causal, scale, dropout, groups)(
         *arrays, lse, *grads, *_dropout_values(dropout))
     return grads
 
 
-_plans = {}     # (plan class, dtype, causal, scale, dropout's fixed part, the arrays' types,
-                # shapes and strides) -> plan
+_plans = {}     # (plan class, dtype, causal, scale, dropout's fixed part, head groups, the
+                # arrays' types, shapes and strides) -> plan
 
 
-def _planned(kind, arrays, causal, scale, dropout):
+def _planned(kind, arrays, causal, scale, dropout, groups):
     """The plan of `kind` for arrays of these types, shapes, strides and dtype, made (and the
     arrays checked) on first use."""
     fixed = None if dropout is None else (dropout.p, dropout.heads, dropout.batch_offset,
                                           dropout.head_offset)
-    key = (kind, arrays[0].dtype, causal, scale, fixed,
+    key = (kind, arrays[0].dtype, causal, scale, fixed, groups,
            *[(type(a), a.shape, a.strides) for a in arrays])
     plan = _plans.get(key)
     if plan is None:
         if len(_plans) >= MAX_PLANS:
             _plans.clear()
-        plan = _plans[key] = kind(arrays, causal, float(scale), dropout)
+        plan = _plans[key] = kind(arrays, causal, float(scale), dropout, groups)
     return plan
 
 
@@ -134,13 +162,14 @@ class _ForwardPlan:
     """The forward's launch for arrays like (q, k, v): called with (q, k, v, o, lse, then the
     dropout's seed, base and counter offset when it has one)."""
 
-    def __init__(self, arrays, causal, scale, dropout):
+    def __init__(self, arrays, causal, scale, dropout, groups):
         q, k, v = arrays
-        _check(q=q, k=k, v=v)
+        group, offset = _check(groups, q=q, k=k, v=v)
         b, h, t, d = q.shape
         self.launch = None if not q.size else _kernel("forward", d, q.dtype, dropout is not None)\
             .planned((ceil_div(t, BLOCK_M), b * h), (THREADS,),
-                     (None,) * 5 + (numpy.int32(h), numpy.int32(t), numpy.int32(k.shape[2]),
+                     (None,) * 5 + (numpy.int32(h), numpy.int32(group), numpy.int32(offset),
+                                    numpy.int32(t), numpy.int32(k.shape[2]),
                                     *_strides(q), *_strides(k), *_strides(v),
                                     *[numpy.int64(x // q.itemsize)
                                       for x in output_strides(q)[:3]],
@@ -158,11 +187,11 @@ class _BackwardPlan:
     blocks (dq added into a zeroed float32 buffer), dq. Called with (q, k, v, o, do, lse, dq, dk,
     dv, the dropout's open values)."""
 
-    def __init__(self, arrays, causal, scale, dropout):
+    def __init__(self, arrays, causal, scale, dropout, groups):
         q, k, v, o, do, dq, dk, dv = arrays
-        _check(q=q, k=k, v=v, o=o, do=do)
+        group, offset = _check(groups, q=q, k=k, v=v, o=o, do=do)
         b, h, t, d = q.shape
-        s = k.shape[2]
+        hk, s = k.shape[1], k.shape[2]
         self.empty = not (q.size and k.size)       # no query or no key: nothing flows back
         self.delta_bytes = -(-b * h * t * 4 // 256) * 256      # delta (B, H, T) float32, then
         self.accum_bytes = b * h * t * d * 4                  # dq's float32 (B, H, T, D) sums
@@ -172,8 +201,9 @@ class _BackwardPlan:
                 (None, None, None, numpy.int32(h), numpy.int32(t), *_strides(o),
                  *_strides(do))),
             _kernel("backward", d, q.dtype, dropout is not None).planned(
-                (ceil_div(s, BLOCK_N), b * h), (THREADS,),
-                (None,) * 9 + (numpy.int32(h), numpy.int32(t), numpy.int32(s), *_strides(q),
+                (ceil_div(s, BLOCK_N), b * hk), (THREADS,),
+                (None,) * 9 + (numpy.int32(h), numpy.int32(hk), numpy.int32(group),
+                               numpy.int32(offset), numpy.int32(t), numpy.int32(s), *_strides(q),
                                *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
                                *_strides(dv), numpy.float32(scale), numpy.int32(causal),
                                *_dropout_template(dropout)),
@@ -198,7 +228,8 @@ class _BackwardPlan:
         dq_launch(accum, dq)
 
 
-def _check(**arrays):
+def _check(groups, **arrays):
+    """The head groups (checked, or the plain grouping), after checking the arrays."""
     q = arrays["q"]
     kinds = {type(a) for a in arrays.values()}
     if len(kinds) != 1:     # both kinds are named ndarray: name their modules too
@@ -211,8 +242,8 @@ def _check(**arrays):
                          f"{arrays['k'].dtype} {arrays['k'].shape}, v {arrays['v'].dtype} "
                          f"{arrays['v'].shape}: use the matmul path for these")
     b, h, t, d = q.shape
-    s = arrays["k"].shape[2]
-    expected = {"q": (b, h, t, d), "k": (b, h, s, d), "v": (b, h, s, d), "o": (b, h, t, d),
+    hk, s = arrays["k"].shape[1:3]
+    expected = {"q": (b, h, t, d), "k": (b, hk, s, d), "v": (b, hk, s, d), "o": (b, h, t, d),
                 "do": (b, h, t, d)}
     for name, array in arrays.items():
         if array.shape != expected[name] or array.dtype != q.dtype:
@@ -221,6 +252,12 @@ def _check(**arrays):
     if b * h > 65535:
         raise ValueError(f"flash attention: batch x heads = {b * h} exceeds the grid's 65535: "
                          "split the batch")
+    groups = head_groups(q, arrays["k"], groups)
+    if groups.group < 1 or groups.offset < 0 or (h and (h - 1 + groups.offset) // groups.group
+                                                   >= hk):
+        raise ValueError(f"flash attention: query heads 0..{h - 1} read key/value heads "
+                         f"(h + {groups.offset}) // {groups.group}, outside k's {hk} heads")
+    return groups
 
 
 def check_grads(grads, q, k, v):
@@ -313,6 +350,15 @@ def dropout_keep(dropout, shape):
     return backend.asnumpy(uniform_at(dropout.seed, counter) >= dropout.p)
 
 
+def _expanded(a, groups, heads):
+    """k or v (B, Hk, S, D) with the key/value head of each of `heads` query heads (a copy)."""
+    return a[:, _kv_index(groups, heads)]
+
+
+def _kv_index(groups, heads):
+    return (numpy.arange(heads) + groups.offset) // groups.group
+
+
 def _probabilities(q, k, causal, scale, lse=None):
     """float32 (B, H, T, S) softmax of the scaled, masked scores; with `lse` given, recomputed
     from it as the backward does. Returns (p, lse)."""
@@ -348,15 +394,20 @@ def _output_layout(array, dtype):
     return out
 
 
-def attention_forward_numpy(q, k, v, causal, scale, dropout=None):
+def attention_forward_numpy(q, k, v, causal, scale, dropout=None, groups=None):
+    groups = head_groups(q, k, groups)
+    k, v = (_expanded(a, groups, q.shape[1]) for a in (k, v))
     p, lse = _probabilities(q, k, causal, scale)
     p = p * _dropout_scale(dropout, p.shape)
     o = numpy.einsum("bhts,bhsd->bhtd", p, v.astype(numpy.float32))
     return _output_layout(o, q.dtype), lse
 
 
-def attention_backward_numpy(q, k, v, o, lse, do, causal, scale, dropout=None):
+def attention_backward_numpy(q, k, v, o, lse, do, causal, scale, dropout=None, groups=None):
     f32 = numpy.float32
+    groups = head_groups(q, k, groups)
+    kv_shape = k.shape
+    k, v = (_expanded(a, groups, q.shape[1]) for a in (k, v))
     p, _ = _probabilities(q, k, causal, scale, lse)
     z = _dropout_scale(dropout, p.shape)
     dof = do.astype(f32)
@@ -366,4 +417,12 @@ def attention_backward_numpy(q, k, v, o, lse, do, causal, scale, dropout=None):
     ds = p * (dp - delta)
     dq = numpy.einsum("bhts,bhsd->bhtd", ds, k.astype(f32)) * f32(scale)
     dk = numpy.einsum("bhts,bhtd->bhsd", ds, q.astype(f32)) * f32(scale)
+    dk, dv = (_summed_over_groups(g, groups, kv_shape) for g in (dk, dv))
     return tuple(_output_layout(g, q.dtype) for g in (dq, dk, dv))
+
+
+def _summed_over_groups(grad, groups, kv_shape):
+    """float32 (B, Hk, S, D): each key/value head's sum of the gradients of its query heads."""
+    out = numpy.zeros(kv_shape, numpy.float32)
+    numpy.add.at(out, (slice(None), _kv_index(groups, grad.shape[1])), grad)
+    return out

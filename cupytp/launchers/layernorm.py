@@ -29,24 +29,26 @@ NULL = numpy.uint64(0)
 PARAM_GRAD_BLOCKS_PER_SM = 4
 VECTOR = {"f32": 4, "f64": 2, "bf16": 8, "f16": 8, "f32_bf16": 8, "f32_f16": 8}  # see the .cu
 CACHED_VECTORS = (1, 2, 4)      # vectors per thread of the cached kernels
+SOURCES = {"layer_norm": "layernorm.cu", "rms_norm": "rmsnorm.cu"}   # the norms' kernel files
 
 
 class _Plan:
     """How one signature of arrays launches (worked out and checked once per signature): the
     row-cached kernel (None where the row does not fit the registers), the streaming one, the
     byte alignment of every pointer that the cached one needs, the compute dtype, and rows and
-    cols."""
+    cols. `op` names the norm ("layer_norm", or "rms_norm": rmsnorm.cu's kernels, made the
+    same way)."""
     __slots__ = ("cached", "streaming", "alignment", "compute", "rows", "cols")
 
-    def __init__(self, direction, suffix, shape):
+    def __init__(self, direction, suffix, shape, op="layer_norm"):
         vec = VECTOR[suffix]
         self.cols = shape[-1] if shape else 0
         self.rows = math.prod(shape[:-1]) if self.cols else 0
         per_thread = ceil_div(self.cols, BLOCK_THREADS * vec)
         vectors = next((n for n in CACHED_VECTORS if n >= per_thread), None)
         self.cached = None if vectors is None or self.cols % vec else \
-            get_kernel("layernorm.cu", f"layer_norm_{direction}_cached_{suffix}_v{vec}_n{vectors}")
-        self.streaming = get_kernel("layernorm.cu", f"layer_norm_{direction}_{suffix}")
+            get_kernel(SOURCES[op], f"{op}_{direction}_cached_{suffix}_v{vec}_n{vectors}")
+        self.streaming = get_kernel(SOURCES[op], f"{op}_{direction}_{suffix}")
         self.alignment = vec * 8 if suffix == "f64" else vec * 4     # vectors of the widest
         self.compute = compute_dtype(numpy.float64 if suffix == "f64" else numpy.float32)
 
@@ -83,17 +85,17 @@ def _backward_plan(g, xhat, rstd, weight, add, dx_dtype):
     return _Plan("backward", _suffix(dx_dtype, g[1]), g[0])
 
 
-def _check(x, others, dtype):
+def _check(x, others, dtype, op="layer_norm"):
     """x and each of the `others` ((name, signature or None)) C-contiguous; a weight or bias
     of `dtype` and shape (C,)."""
     dtype_suffix(x[1])
     for name, signature in (("x", x),) + others:
         if signature is not None and not signature[2]:
-            raise ValueError(f"layer_norm: {name} is not C-contiguous")
+            raise ValueError(f"{op}: {name} is not C-contiguous")
     for name, signature in others:
         if name in ("weight", "bias") and signature is not None and \
                 (signature[1] != dtype or signature[0] != x[0][-1:]):
-            raise ValueError(f"layer_norm: {name} must have dtype {dtype} and shape "
+            raise ValueError(f"{op}: {name} must have dtype {dtype} and shape "
                              f"{x[0][-1:]}, got {signature[1]} {signature[0]}")
 
 
@@ -125,36 +127,46 @@ def layer_norm_backward(g, xhat, rstd, weight, dx_dtype=None, add=None, param_gr
         return layer_norm_backward_numpy(g, xhat, rstd, weight, dx_dtype, add, param_grads)
     plan = _backward_plan(_signature(g), _signature(xhat), _signature(rstd), _signature(weight),
                           _signature(add), dx_dtype)
-    rows, cols = plan.rows, plan.cols
     dx = xp.empty(g.shape, dtype=dx_dtype)
     args = (g, xhat, rstd, NULL if weight is None else weight, NULL if add is None else add, dx)
-    kernel = plan.kernel(g, xhat, weight, add, dx) if rows else None
+    sums = run_backward(plan, args, (g, xhat, weight, add, dx), 2 if param_grads else 0,
+                        lambda: (column_sum(g, xhat, dtype=xhat.dtype),
+                                 column_sum(g, dtype=xhat.dtype)))
+    return (dx, *sums) if param_grads else dx
+
+
+def run_backward(plan, args, aligned, sums, streaming_sums):
+    """Launch a norm's backward (`args`: its arrays up to dx) by `plan`: the row-cached kernel
+    where it applies to the `aligned` arrays, which also sums the `sums` parameter gradients per
+    column in its pass (partial sums of PARAM_GRAD_BLOCKS_PER_SM blocks per multiprocessor, then
+    `column_sum`), else the streaming one and `streaming_sums()`. Returns the `sums` column sums
+    (cols,) each."""
+    rows, cols = plan.rows, plan.cols
+    kernel = plan.kernel(*aligned) if rows else None
     if kernel is None or kernel is plan.streaming:  # the parameter gradients by column sums
         if rows:
             kernel((rows,), (BLOCK_THREADS,), args + (numpy.int32(cols),))
-        if not param_grads:
-            return dx
-        return dx, column_sum(g, xhat, dtype=xhat.dtype), column_sum(g, dtype=xhat.dtype)
-    blocks = min(rows, PARAM_GRAD_BLOCKS_PER_SM * multiprocessors()) if param_grads else rows
-    partials = xp.empty((blocks, 2 * cols), xhat.dtype) if param_grads else None
+        return streaming_sums() if sums else ()
+    blocks = min(rows, PARAM_GRAD_BLOCKS_PER_SM * multiprocessors()) if sums else rows
+    partials = xp.empty((blocks, sums * cols), plan.compute) if sums else None
     kernel((blocks,), (BLOCK_THREADS,),
            args + (NULL if partials is None else partials, numpy.int64(rows), numpy.int32(cols)))
-    if not param_grads:
-        return dx
-    sums = column_sum(partials)
-    # two arrays over the two halves, not views: each is the one array over its bytes, so the
+    if not sums:
+        return ()
+    total = column_sum(partials)
+    # arrays over each part, not views: each is the one array over its bytes, so the
     # parameters take them as their gradients without a copy
-    return dx, xp.ndarray((cols,), sums.dtype, sums.data), \
-        xp.ndarray((cols,), sums.dtype, sums.data + cols * sums.itemsize)
+    return tuple(xp.ndarray((cols,), total.dtype, total.data + i * cols * total.itemsize)
+                 for i in range(sums))
 
 
-def _suffix(dtype, out_dtype):
+def _suffix(dtype, out_dtype, op="layer_norm"):
     """The instantiation for storage `dtype` with y and g in `out_dtype`: the same dtype, or a
     float32 x with bf16/fp16 y."""
     if out_dtype == dtype:
         return dtype_suffix(dtype)
     if dtype != numpy.float32 or dtype_suffix(out_dtype) not in ("bf16", "f16"):
-        raise ValueError(f"layer_norm: no kernel for input {dtype} with output {out_dtype}: the "
+        raise ValueError(f"{op}: no kernel for input {dtype} with output {out_dtype}: the "
                          "output has the input's dtype, or bf16/fp16 for a float32 input")
     return f"f32_{dtype_suffix(out_dtype)}"
 

@@ -25,7 +25,7 @@ import numpy
 
 import cupytp
 from cupytp import backend, nn, ops
-from cupytp.autograd import no_grad
+from cupytp.models import generation
 from cupytp.parallel import apply_tensor_parallel
 from cupytp.tensor import Replicated, deferred, deferred_init, is_deferring
 from cupytp.tensor.layout import Layout
@@ -92,27 +92,36 @@ class GPT2Transformer(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd, None, config.layer_norm_epsilon, config.bias)
         self._position_ids = {}                # (T, mesh) -> 0, 1, ..., T-1, made once
 
-    def forward(self, ids, positions=None):
+    def forward(self, ids, positions=None, cache=None):
         """The final norm's output (B, T, C) for token `ids` (B, T) at `positions` (T,), by
-        default 0, 1, ..., T-1; ids whose sequence is split across ranks (context parallelism)
-        need their positions given (`ContextParallel.positions`)."""
+        default start, ..., start+T-1 (start: the tokens an `nn.KVCache` holds already); ids
+        whose sequence is split across ranks (context parallelism) need their positions given
+        (`ContextParallel.positions`)."""
         b, t = ids.shape
+        start = 0 if cache is None else cache.length
         if positions is None:
             if any(p.is_shard(1) and n > 1 for p, n in zip(ids.placements, ids.mesh.shape)):
                 raise ValueError("ids sharded on the sequence need their positions: pass "
                                  "positions= (cupytp.parallel.ContextParallel.positions(T) for "
                                  "ids from its shard())")
-            positions = self.positions(t, ids.mesh)
+            positions = self.positions(t, ids.mesh, start)
         x = self.drop(self.wte(ids) + self.wpe(positions))                      # (B, T, C)
-        for block in self.h:
-            x = nn.recompute(block, x) if self.recompute else block(x)
+        for i, block in enumerate(self.h):
+            if cache is not None:
+                x = block(x, cache.layer(i))
+            else:
+                x = nn.recompute(block, x) if self.recompute else block(x)
         return self.ln_f(x)
 
-    def positions(self, t, mesh):
-        """The position ids 0, 1, ..., t-1 (Replicated on `mesh`), built once per length."""
+    def positions(self, t, mesh, start=0):
+        """The position ids start, ..., start + t - 1 (Replicated on `mesh`); those from 0 built
+        once per length."""
+        replicated = (Replicated(),) * mesh.ndim
+        if start:
+            return cupytp.arange(start + t, mesh, replicated)[start:]
         key = (t, mesh)
         if key not in self._position_ids:
-            self._position_ids[key] = cupytp.arange(t, mesh, (Replicated(),) * mesh.ndim)
+            self._position_ids[key] = cupytp.arange(t, mesh, replicated)
         return self._position_ids[key]
 
 
@@ -156,12 +165,17 @@ class GPT2(nn.Module):
         if not is_deferring():      # else the caller lays it out further, then materializes
             nn.materialize(self)
 
-    def forward(self, ids, targets=None, positions=None):
-        """(logits, loss): `positions` as in GPT2Transformer.forward."""
-        if ids.shape[1] > self.config.block_size:
-            raise ValueError(f"sequence length {ids.shape[1]} is longer than the model's "
+    def forward(self, ids, targets=None, positions=None, cache=None):
+        """(logits, loss): `positions` as in GPT2Transformer.forward. With an `nn.KVCache` the
+        tokens follow those cached (positions from cache.length), which the cache then holds
+        too."""
+        start = 0 if cache is None else cache.length
+        if start + ids.shape[1] > self.config.block_size:
+            raise ValueError(f"sequence length {start + ids.shape[1]} is longer than the model's "
                              f"context of {self.config.block_size} tokens")
-        logits = self.lm_head(self.transformer(ids, positions))       # (B, T, V/tp)
+        logits = self.lm_head(self.transformer(ids, positions, cache))    # (B, T, V/tp)
+        if cache is not None:
+            cache.advance(ids.shape[1])
         loss = None if targets is None else ops.cross_entropy(
             logits, targets, vocab_size=self.config.vocab_size)       # fp32, padding excluded
         return _mask_padding(logits, self.config.vocab_size), loss
@@ -170,28 +184,15 @@ class GPT2(nn.Module):
     def mesh(self):
         return self.transformer.wte.weight.mesh
 
+    @property
+    def context_length(self):
+        """The longest window the model takes (its learned positions)."""
+        return self.config.block_size
+
     def generate(self, ids, max_new_tokens, temperature=1.0, top_k=None, seed=0):
-        """Append `max_new_tokens` sampled tokens to `ids` (NumPy (B, T)); the same on every
-        rank (the same seed picks the same tokens)."""
-        rng = numpy.random.default_rng(seed)
-        ids = numpy.asarray(ids)
-        replicated = (Replicated(),) * self.mesh.ndim
-        with no_grad():
-            for _ in range(max_new_tokens):
-                window = ids[:, -self.config.block_size:]
-                x = cupytp.from_local(backend.asarray(window), self.mesh, replicated,
-                                      shape=window.shape)
-                logits, _ = self(x)
-                last = backend.asnumpy(logits[:, -1].full_tensor()).astype(numpy.float64)
-                last = last[:, :self.config.vocab_size] / max(temperature, 1e-6)
-                if top_k is not None:
-                    cut = numpy.sort(last, axis=-1)[:, -min(top_k, last.shape[-1])][:, None]
-                    last = numpy.where(last < cut, -numpy.inf, last)
-                probs = numpy.exp(last - last.max(-1, keepdims=True))
-                probs /= probs.sum(-1, keepdims=True)
-                nxt = [rng.choice(len(p), p=p) for p in probs]
-                ids = numpy.concatenate([ids, numpy.array(nxt)[:, None]], axis=1)
-        return ids
+        """Append `max_new_tokens` sampled tokens to `ids` (NumPy (B, T)), with a KV cache
+        (`models.generation`); the same on every rank (the same seed picks the same tokens)."""
+        return generation.generate(self, ids, max_new_tokens, temperature, top_k, seed)
 
     # ---- Hugging Face weights -------------------------------------------------------------------
     def hf_state_dict(self):

@@ -252,22 +252,30 @@ class DAttention(Module):
         self.context_parallel = None
         check_heads(self)
 
-    def forward(self, x, residual=None, norm=None):
+    def forward(self, x, residual=None, norm=None, cache=None):
         """Attention over x (over norm(x) with a LayerNorm module `norm`), its dropouts, plus
-        `residual` when given: then one fused op with the norm, `ops.attention_residual`."""
+        `residual` when given: then one fused op with the norm, `ops.attention_residual`. With
+        a `nn.LayerCache` the new keys and values are appended to it and the queries attend over
+        everything cached."""
         b, t, c = x.shape
         h = self.num_heads
         p = self.attn_dropout.effective_p
-        if residual is not None and _fusable(x):
+        if residual is not None and cache is None and _fusable(x):
             return ops.attention_residual(x, residual, self.c_attn.weight, self.c_attn.bias,
                                           self.c_proj.weight, self.c_proj.bias, h, p,
                                           norm=_norm_args(norm),
                                           resid_dropout_p=self.resid_dropout.effective_p)
         x = x if norm is None else norm(x)
         qkv = self.c_attn(x).reshape(b, t, 3, h, c // h)            # (B, T, 3, H/tp, D)
-        attend = ops.packed_attention if self.context_parallel is None else \
-            self.context_parallel.attention
-        y = attend(qkv, causal=True, dropout_p=p)                    # (B, T, H/tp, D)
+        if cache is not None:
+            k, v = cache.append(qkv[:, :, 1], qkv[:, :, 2])         # (B, S, H/tp, D)
+            y = ops.scaled_dot_product_attention(qkv[:, :, 0].transpose(1, 2),
+                                                 k.transpose(1, 2), v.transpose(1, 2),
+                                                 dropout_p=p).transpose(1, 2)
+        else:
+            attend = ops.packed_attention if self.context_parallel is None else \
+                self.context_parallel.attention
+            y = attend(qkv, causal=True, dropout_p=p)                # (B, T, H/tp, D)
         y = y.reshape(b, t, c)                                       # (B, T, C/tp)
         return project(self.c_proj, self.resid_dropout, y, residual)
 
@@ -314,24 +322,39 @@ def check_heads(attention):
                          "tensor-parallel ranks: use a tp size that divides the heads")
 
 
-class DQKV(Module):
-    """The fused q|k|v projection: weight `[C, 3, C]` and bias `[3, C]`, heads on the last axis
-    (Shard(2) / Shard(1) when tensor-parallel); output `[B, T, 3, C]`. Its input's gradient is
+class DPackedLinear(Module):
+    """`parts` projections of one input side by side, one product: weight `[in, parts, out]`,
+    bias `[parts, out]`; output `[B, T, parts, out]`. Column-parallel on the last axis (weight
+    Shard(2), bias Shard(1)): every rank holds the same columns of each part (a SwiGLU's gate
+    and up, attention's k and v), so splitting never mixes the parts. Its input's gradient is
     all-reduced in backward as a column-parallel DLinear's is."""
 
-    def __init__(self, embed_dim, mesh, bias, dtype, init_std):
+    def __init__(self, in_features, parts, out_features, mesh=None, bias=True, weight=Shard(2),
+                 dtype="fp32", init_std=0.02):
         super().__init__()
-        self.weight = randn((embed_dim, 3, embed_dim), mesh, tp_placements(mesh, Shard(2)),
-                            dtype=dtype, std=init_std, requires_grad=True)
-        self.bias = zeros((3, embed_dim), mesh, tp_placements(mesh, Shard(1)), dtype=dtype,
-                          requires_grad=True) if bias else None
+        mesh = _mesh(mesh)
+        bias_sharding = Shard(1) if weight == Shard(2) else Replicated()
+        self.weight = randn((in_features, parts, out_features), mesh,
+                            tp_placements(mesh, weight), dtype=dtype, std=init_std,
+                            requires_grad=True)
+        self.bias = zeros((parts, out_features), mesh, tp_placements(mesh, bias_sharding),
+                          dtype=dtype, requires_grad=True) if bias else None
 
     def forward(self, x):
         y = ops.einsum("btc,cjd->btjd", x, self.weight, reduce_input_grad=True)
         return y + autocast_operand(self.bias) if self.bias is not None else y
 
     def parallel_layout(self, style):
-        return {"heads": (Shard(2), Shard(1)), "replicate": (Replicated(), Replicated())}[style]
+        split = (Shard(2), Shard(1))
+        return {"heads": split, "colwise": split, "replicate": (Replicated(), Replicated())}[style]
+
+
+class DQKV(DPackedLinear):
+    """The fused q|k|v projection: weight `[C, 3, C]` and bias `[3, C]`, heads on the last axis
+    (Shard(2) / Shard(1) when tensor-parallel); output `[B, T, 3, C]`."""
+
+    def __init__(self, embed_dim, mesh, bias, dtype, init_std):
+        super().__init__(embed_dim, 3, embed_dim, mesh, bias, dtype=dtype, init_std=init_std)
 
 
 class DBlock(Module):
@@ -347,22 +370,33 @@ class DBlock(Module):
         self.mlp = DMLP(embed_dim, 4 * embed_dim, embed_dim, mesh, bias, dropout, dtype, init_std,
                         proj_init_std)
 
-    def forward(self, x):
-        x = self.attn(x, residual=x, norm=self.ln_1)
+    def forward(self, x, cache=None):
+        x = self.attn(x, residual=x, norm=self.ln_1, cache=cache)
         return self.mlp(x, residual=x, norm=self.ln_2)
 
 
 class DLMHead(Module):
     """Logits `x @ weightᵀ` with the weight tied to an embedding `[vocab, C]`: vocab-parallel
     embedding → vocab-sharded logits (Shard(-1)), fed to cross_entropy without gathering; the
-    input's gradient is all-reduced in backward while the weight's is computed."""
+    input's gradient is all-reduced in backward while the weight's is computed. Given no
+    embedding, the head holds a `[vocab, C]` weight of its own (an untied head, Hugging Face's
+    `lm_head.weight`), laid out as an embedding's (vocab-parallel: Shard(0))."""
 
-    def __init__(self, embedding):
+    def __init__(self, embedding=None, vocab_size=None, embedding_dim=None, mesh=None,
+                 dtype="fp32", init_std=0.02):
         super().__init__()
+        if embedding is None:
+            self.weight = randn((vocab_size, embedding_dim), _mesh(mesh),
+                                (Replicated(),) * _mesh(mesh).ndim, dtype=dtype, std=init_std,
+                                requires_grad=True)
+            embedding = self
         object.__setattr__(self, "_embedding", embedding)
 
     def forward(self, x):
         return ops.einsum("btc,vc->btv", x, self._embedding.weight, reduce_input_grad=True)
+
+    def parallel_layout(self, style):
+        return {"vocab": (Shard(0),), "replicate": (Replicated(),)}[style]
 
 
 def scaled_init(init_std, n_layer):
@@ -371,5 +405,5 @@ def scaled_init(init_std, n_layer):
 
 
 __all__ = ["DLinear", "DColumnLinear", "DRowLinear", "DEmbedding", "LayerNorm", "GeLU",
-           "Dropout", "DMLP", "DAttention", "DQKV", "DBlock", "DLMHead", "tp_dim",
-           "tp_placements", "sequence_sharded", "scaled_init"]
+           "Dropout", "DMLP", "DAttention", "DPackedLinear", "DQKV", "DBlock", "DLMHead",
+           "tp_dim", "tp_placements", "sequence_sharded", "scaled_init"]

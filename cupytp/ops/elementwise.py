@@ -239,6 +239,32 @@ def bias_gelu(x, bias):
                  [x, bias], NONLINEAR, backward)
 
 
+def silu_mul(h):
+    """silu(h[..., 0, :]) * h[..., 1, :] for h (..., 2, F): the gate of a SwiGLU MLP over one
+    gate|up product's output, (..., F); one kernel each way on GPU (`kernels/swiglu.cu`). h may
+    be sharded on any dimension but the pair (-2): column-parallel, F/tp per rank."""
+    from cupytp.launchers.swiglu import swiglu, swiglu_backward
+    if h.ndim < 2 or h.shape[-2] != 2:
+        raise ValueError(f"silu_mul takes gate and up side by side, (..., 2, F); got {h.shape}")
+    pair = Shard(h.ndim - 2)
+    h = convert("silu_mul", h, tuple(Replicated() if p == pair or p.is_partial() else p
+                                     for p in h.placements), [h])   # errs where that gathers
+    xp = backend.xp
+    h_local = xp.ascontiguousarray(h._local)
+    placements = tuple(Shard(p.dim - 1) if isinstance(p, Shard) and p.dim == h.ndim - 1 else p
+                       for p in h.placements)
+    layout = h.layout
+    out = make(swiglu(h_local), layout.mesh, h.shape[:-2] + h.shape[-1:], placements)
+
+    def backward(g):
+        g = linear_grad(g, out.placements)
+        dh = swiglu_backward(h_local, xp.ascontiguousarray(g._local, dtype=h_local.dtype))
+        grad_placements = tuple(Shard(p.dim + 1) if isinstance(p, Shard) and
+                                p.dim == layout.ndim - 2 else p for p in g.placements)
+        return (make(dh, layout.mesh, layout.shape, grad_placements),)
+    return engine.record(out, (h,), backward, "silu_mul")
+
+
 def astype(x, dtype):
     """`x` cast to `dtype`; the gradient is cast back."""
     dtype = backend.dtype(dtype)

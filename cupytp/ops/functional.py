@@ -1,7 +1,7 @@
-"""Neural-network ops: softmax, log_softmax, layer_norm, embedding, take_along_last,
-cross_entropy, dropout, bias_dropout_add, scaled_dot_product_attention.
+"""Neural-network ops: softmax, log_softmax, layer_norm, rms_norm, embedding, take_along_last,
+cross_entropy, dropout, bias_dropout_add, scaled_dot_product_attention (grouped-query included).
 
-softmax, log_softmax and layer_norm work along a dimension no mesh dimension shards. embedding
+softmax, log_softmax and the norms work along a dimension no mesh dimension shards. embedding
 and take_along_last accept a table sharded along the looked-up dimension (vocab-parallel): each
 rank answers the ids in its range, zeros elsewhere, and the output is Partial. cross_entropy on
 vocab-sharded logits never gathers them: one max all-reduce, then one all-reduce of the packed
@@ -10,7 +10,9 @@ way (`kernels/cross_entropy.cu`).
 """
 import math
 
-from cupytp.launchers import is_device_array
+import numpy
+
+from cupytp.launchers import compute_dtype, is_device_array
 from cupytp.launchers.column_sum import column_sum
 from cupytp.ops.conversion import (
     Layout, Partial, Replicated, Shard, backend, convert, engine, fail, is_tensor, linear_grad,
@@ -90,48 +92,76 @@ def layer_norm(x, weight, bias, eps=1e-5):
     the weight and bias gradients are column sums over the leading (maybe sharded) dims. Inside
     `autocast`, a float32 input gives the autocast dtype (computed in float32, rounded once)."""
     from cupytp.launchers.layernorm import layer_norm_backward, layer_norm_forward
-    x, _ = _unsharded("layer_norm", x, -1)
+
+    def forward(x_local, params, out_dtype, keep):
+        y, xhat, rstd = layer_norm_forward(x_local, *params, eps, out_dtype, keep)
+        return y, (xhat, rstd)        # the closure keeps these, not x
+
+    def backward(g, saved, params, dx_dtype, add, sums):
+        return layer_norm_backward(g, *saved, params[0], dx_dtype, add, param_grads=sums)
+    return _normalization("layer_norm", x, (weight, bias), forward, backward)
+
+
+def rms_norm(x, weight, eps=1e-6):
+    """x / sqrt(mean(x²) + eps) over the last dimension (unsharded), scaled by `weight`
+    (Replicated, shape (C,), or None): Llama's RMSNorm. One fused kernel per direction on GPU
+    (`kernels/rmsnorm.cu`); the weight gradient is a column sum over the leading (maybe sharded)
+    dims. Backward reads x again rather than a normalized copy (x, the residual stream, is kept
+    anyway). Inside `autocast`, a float32 input gives the autocast dtype (computed in float32,
+    rounded once)."""
+    from cupytp.launchers.rmsnorm import rms_norm_backward, rms_norm_forward
+
+    def forward(x_local, params, out_dtype, keep):
+        y, rstd = rms_norm_forward(x_local, params[0], eps, out_dtype)
+        return y, (x_local, rstd)
+
+    def backward(g, saved, params, dx_dtype, add, sums):
+        return rms_norm_backward(g, *saved, params[0], dx_dtype, add, weight_grad=sums)
+    return _normalization("rms_norm", x, (weight,), forward, backward)
+
+
+def _normalization(op, x, params, forward, backward):
+    """The op of a normalization over x's last dimension (unsharded) with Replicated (C,)
+    parameters `params` (None where absent): `forward(x_local, param_locals, out_dtype, keep)` →
+    (y, saved), `keep` False when no backward will run (nothing need be written for it); `backward(g_local, saved, param_locals, dx_dtype, add, sums)` → dx, or with `sums`
+    (dx, one column sum per parameter slot). `add` is x's gradient from elsewhere, summed in the
+    kernel (the residual stream's, through the engine's sums_first)."""
+    x, _ = _unsharded(op, x, -1)
     replicated = (Replicated(),) * x.mesh.ndim
-    weight = convert("layer_norm", weight, replicated, [x, weight]) if weight is not None else None
-    bias = convert("layer_norm", bias, replicated, [x, bias]) if bias is not None else None
+    params = tuple(None if p is None else convert(op, p, replicated, [x, p]) for p in params)
     xp = backend.xp
-    w_local = weight._local.astype(x.dtype, copy=False) if weight is not None else None
-    b_local = bias._local.astype(x.dtype, copy=False) if bias is not None else None
+    param_locals = tuple(None if p is None else p._local.astype(x.dtype, copy=False)
+                         for p in params)
     wanted = autocast_dtype()
     out_dtype = wanted if wanted is not None and x.dtype == xp.float32 else x.dtype
-    saved = engine.records((x, weight, bias))
-    y, xhat, rstd = layer_norm_forward(xp.ascontiguousarray(x._local), w_local, b_local, eps,
-                                       out_dtype, saved)
+    keep = engine.records((x,) + params)
+    y, saved = forward(xp.ascontiguousarray(x._local), param_locals, out_dtype, keep)
     layout, x_dtype = x.layout, x.dtype     # closures keep layouts, not tensors
     out = make(y, layout.mesh, layout.shape, layout.placements)
-    if not saved:
+    if not keep:
         return out
+    sums = any(p is not None for p in params)
 
-    def backward(g, given):
+    def node_backward(g, given):
         # a Partial g (a column-parallel layer's input gradient) is reduced here, once, in its
-        # own dtype: reducing dx and both parameter gradients instead costs three collectives
+        # own dtype: reducing dx and the parameter gradients instead costs more collectives
         g = linear_grad(g, layout.placements, strict=range(layout.mesh.ndim))
         gl = xp.ascontiguousarray(g._local).astype(out_dtype, copy=False)
         fused = given is not None and given.placements == g.placements and \
             given.dtype == x_dtype and backend.c_contiguous(given._local)
-        params = weight is not None or bias is not None
-        dx = layer_norm_backward(gl, xhat, rstd, w_local, x_dtype,
-                                 given._local if fused else None, param_grads=params)
-        grad_w = grad_b = None
-        if params:          # column sums over the leading (maybe sharded) dims: Partial there
-            dx, dw, db = dx
+        dx = backward(gl, saved, param_locals, x_dtype, given._local if fused else None, sums)
+        grads = [None] * len(params)
+        if sums:            # column sums over the leading (maybe sharded) dims: Partial there
+            dx, *columns = dx
             summed = leading_sum_placements(g.placements, g.ndim)
-            if weight is not None:
-                grad_w = make(dw.astype(weight.dtype, copy=False), weight.mesh, weight.shape,
-                              summed)
-            if bias is not None:
-                grad_b = make(db.astype(bias.dtype, copy=False), bias.mesh, bias.shape, summed)
+            grads = [None if p is None else make(c.astype(p.dtype, copy=False), p.mesh, p.shape,
+                                                 summed) for p, c in zip(params, columns)]
         grad_x = make(dx, layout.mesh, layout.shape, g.placements)
         if given is not None and not fused:
             grad_x = grad_x + given
-        return grad_x, grad_w, grad_b
+        return (grad_x, *grads)
     # sums_first: the residual stream's gradient from the block's addition joins dx in-kernel
-    return engine.record(out, (x, weight, bias), backward, "layer_norm", sums_first=True)
+    return engine.record(out, (x,) + params, node_backward, op, sums_first=True)
 
 
 def _as_index(op, index, like):
@@ -413,22 +443,31 @@ def bias_dropout_add(y, bias, residual, p, training=True, generator=None):
 
 
 def scaled_dot_product_attention(q, k, v, causal=True, dropout_p=0.0, generator=None):
-    """softmax(q kᵀ / sqrt(D)) v over (B, H, T, D) queries and (B, H, S, D) keys and values,
-    query t seeing keys s <= t + S - T when causal; batch and heads may be sharded (Shard(0),
-    Shard(1)), no communication. Dropout with probability `dropout_p` on the probabilities, by
-    their global (b, h, t, s) index: the same mask on any mesh and on both paths.
+    """softmax(q kᵀ / sqrt(D)) v over (B, H, T, D) queries and (B, Hk, S, D) keys and values,
+    query t seeing keys s <= t + S - T when causal. Hk may be a divisor of H (grouped-query
+    attention: query head h attends with key/value head h // (H / Hk)). Batch and heads may be
+    sharded (Shard(0), Shard(1)), with no communication: where q's heads are sharded, k and v
+    shard theirs alike when both head counts divide by that mesh dim's size, else they are
+    Replicated along it and each rank reads the key/value heads its query heads need (their
+    gradient is then Partial there: each rank's share). Dropout with probability `dropout_p` on
+    the probabilities, by their global (b, h, t, s) index: the same mask on any mesh and on both
+    paths.
 
     Inside `autocast` q, k and v are cast to its dtype first, as contractions are. bf16/fp16
     with head dim 64 or 128: flash attention, one node whose kernels never store the (T, S)
-    scores (`kernels/flash_attention.cu`, or cuDNN's where `launchers/cudnn_attention.py` says; the
-    NumPy twin on CPU). Otherwise, or with CUPYTP_ATTENTION=matmul, the scores are materialized:
-    einsum, fused causal softmax, `dropout`, einsum."""
+    scores (`kernels/flash_attention.cu`, or cuDNN's where `launchers/cudnn_attention.py` says;
+    the NumPy twin on CPU), reading each key/value head in place for all its query heads.
+    Otherwise, or with CUPYTP_ATTENTION=matmul, the scores are materialized: einsum (k and v
+    first repeated per query head), fused causal softmax, `dropout`, einsum."""
     from cupytp.launchers import cudnn_attention
     from cupytp.launchers.flash_attention import supported
     _dropout_p(dropout_p, "attention dropout probability")
     q, k, v = (autocast_operand(x) for x in (q, k, v))
+    q, k, v, groups = _grouped_inputs(q, k, v)
     if supported(q._local, k._local, v._local) and cudnn_attention.choice() != "matmul":
-        return _flash_attention(q, k, v, causal, dropout_p, generator)
+        return _flash_attention(q, k, v, groups, causal, dropout_p, generator)
+    if k.shape[1] != q.shape[1]:
+        k, v = (_repeated_heads(x, q.layout, groups) for x in (k, v))
     scores = einsum("bhtd,bhsd->bhts", q, k)                    # (B, H/tp, T, S)
     scale = 1.0 / math.sqrt(q.shape[-1])
     probs = causal_softmax(scores, scale) if causal else softmax(mul(scores, scale), -1)
@@ -436,46 +475,95 @@ def scaled_dot_product_attention(q, k, v, causal=True, dropout_p=0.0, generator=
     return einsum("bhts,bhsd->bhtd", probs, v)
 
 
-def _attention_placements(q, k, v):
-    """Per mesh dimension: the Shard(0) or Shard(1) of any input (all must agree), else
-    Replicated."""
-    placements = []
-    for dim in range(q.mesh.ndim):
-        shards = {x.placements[dim].dim for x in (q, k, v) if isinstance(x.placements[dim], Shard)}
+def _grouped_inputs(q, k, v):
+    """(q, k, v converted to the placements attention takes, their HeadGroups): per mesh
+    dimension the Shard(0) or Shard(1) of any input (Shard(1): q's heads; k's and v's too where
+    both head counts divide by the dim's size, else Replicated), else Replicated."""
+    from cupytp.launchers.flash_attention import HeadGroups
+    inputs = [q, k, v]
+    same_mesh("scaled_dot_product_attention", inputs)
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape or kv_heads == 0 or heads % kv_heads \
+            or q.shape[::3] != k.shape[::3]:
+        raise ValueError(f"attention takes q (B, H, T, D) and k, v (B, Hk, S, D) with Hk "
+                         f"dividing H, got q {q.shape}, k {k.shape}, v {v.shape}")
+    q_targets, kv_targets = [], []
+    for dim, size in enumerate(q.mesh.shape):
+        shards = {x.placements[dim].dim for x in inputs if isinstance(x.placements[dim], Shard)}
         if len(shards) > 1 or shards - {0, 1}:
-            fail("scaled_dot_product_attention", [q, k, v],
+            fail("scaled_dot_product_attention", inputs,
                  f"mesh dimension {dim} shards dimensions {sorted(shards)}",
                  "Shard q, k and v alike on batch (0) or heads (1) only; redistribute the "
                  "sequence and head-size dimensions to Replicated.")
-        placements.append(Shard(shards.pop()) if shards else Replicated())
-    return tuple(placements)
+        placement = Shard(shards.pop()) if shards else Replicated()
+        q_targets.append(placement)
+        split_kv = placement != Shard(1) or heads == kv_heads or \
+            (heads % size == 0 and kv_heads % size == 0)
+        kv_targets.append(placement if split_kv else Replicated())
+    q = convert("scaled_dot_product_attention", q, q_targets, inputs)
+    k, v = (convert("scaled_dot_product_attention", x, kv_targets, inputs) for x in (k, v))
+    group = heads // kv_heads
+    return q, k, v, HeadGroups(group, q.layout.offsets[1] - k.layout.offsets[1] * group)
 
 
-def _flash_attention(q, k, v, causal, dropout_p, generator):
+def _kv_grad_placements(q_placements, kv_placements, grad_placements):
+    """The placements of k's and v's gradients, given those of the output's gradient: Partial
+    where q's heads are sharded and k's are not (each rank's share), else the output gradient's
+    (k and v laid out like q)."""
+    return tuple(Partial() if pq == Shard(1) and pk == Replicated() else pg
+                 for pq, pk, pg in zip(q_placements, kv_placements, grad_placements))
+
+
+def _repeated_heads(kv, q_layout, groups):
+    """kv (B, Hk, S, D) with the key/value head of each of q's heads, laid out like q's heads
+    (B, H, S, D) (a copy, for the matmul path); the backward sums each group's gradients into
+    its key/value head. The head maps are made on the device (capturable in a CUDA graph)."""
+    xp = backend.xp
+    index = (xp.arange(q_layout.local_shape[1]) + groups.offset) // groups.group
+    placements = tuple(pq if pq == Shard(1) else pk
+                       for pq, pk in zip(q_layout.placements, kv.placements))
+    out = make(kv._local[:, index], kv.mesh, kv.shape[:1] + q_layout.shape[1:2] + kv.shape[2:],
+               placements)
+    kv_layout = kv.layout
+
+    def backward(g):
+        g = linear_grad(g, out.placements)
+        local = g._local.astype(compute_dtype(g.dtype), copy=False)       # no 16-bit einsum
+        onehot = index[:, None] == xp.arange(kv_layout.local_shape[1])[None, :]  # (H', Hk')
+        grad = xp.einsum("bhsd,hj->bjsd", local, onehot.astype(local.dtype))
+        return (make(grad.astype(g.dtype, copy=False), kv_layout.mesh, kv_layout.shape,
+                     _kv_grad_placements(q_layout.placements, kv_layout.placements,
+                                         g.placements)),)
+    return engine.record(out, (kv,), backward, "repeat_kv_heads")
+
+
+def _flash_attention(q, k, v, groups, causal, dropout_p, generator):
     """One node: flash forward (o and the row log-sum-exp kept), flash backward; cuDNN's fused
     attention instead where it applies (`launchers/cudnn_attention.py`, CUPYTP_ATTENTION)."""
-    inputs = [q, k, v]
-    same_mesh("scaled_dot_product_attention", inputs)
-    placements = _attention_placements(q, k, v)
-    q, k, v = (convert("scaled_dot_product_attention", x, placements, inputs) for x in inputs)
     kernels, scale, drop = attention_setup(q._local, k._local, dropout_p, generator,
-                                            q.shape[:3] + k.shape[2:3], q.layout.offsets[:2])
-    o, lse = kernels.attention_forward(q._local, k._local, v._local, causal, scale, drop)
-    out = make(o, q.mesh, q.shape, placements)                   # (B, H/tp, T, D)
+                                            q.shape[:3] + k.shape[2:3], q.layout.offsets[:2],
+                                            groups)
+    o, lse = kernels.attention_forward(q._local, k._local, v._local, causal, scale, drop,
+                                       groups=groups)
+    out = make(o, q.mesh, q.shape, q.placements)                # (B, H/tp, T, D)
+    q_placements, kv_layout = q.placements, k.layout
 
     def backward(g):
         g = linear_grad(g, out.placements)
         grads = kernels.attention_backward(q._local, k._local, v._local, o, lse,
                                            g._local.astype(o.dtype, copy=False), causal, scale,
-                                           drop)
-        return tuple(make(local, x.mesh, x.shape, g.placements)
-                     for local, x in zip(grads, (q, k, v)))
+                                           drop, groups=groups)
+        kv_placements = _kv_grad_placements(q_placements, kv_layout.placements, g.placements)
+        return (make(grads[0], q.mesh, q.shape, g.placements),
+                *[make(local, kv_layout.mesh, kv_layout.shape, kv_placements)
+                  for local in grads[1:]])
     return engine.record(out, (q, k, v), backward, "scaled_dot_product_attention")
 
 
-def attention_setup(q, k, dropout_p, generator, shape, offsets):
-    """(kernels, scale, dropout) for flash attention on local (B, H, T, D) arrays of a global
-    (B, H, T, S) problem at (batch, head) `offsets`: cuDNN's kernels where they apply, else the
+def attention_setup(q, k, dropout_p, generator, shape, offsets, groups=None):
+    """(kernels, scale, dropout) for flash attention on local (B, H, T, D) queries and (B, Hk,
+    S, D) keys of a global (B, H, T, S) problem at (batch, head) `offsets`, key/value heads read
+    by `groups` (HeadGroups, None: as many as q's): cuDNN's kernels where they apply, else the
     RawKernel's; the dropout draws counters of the global problem."""
     from cupytp.launchers import cudnn_attention, flash_attention
     b, h, t, s = shape
@@ -483,7 +571,8 @@ def attention_setup(q, k, dropout_p, generator, shape, offsets):
     if dropout_p > 0:
         seed, base, add = (generator or default_generator).philox_args(b * h * t * s)
         drop = flash_attention.AttentionDropout(dropout_p, seed, base, add, h, *offsets)
-    kernels = cudnn_attention if cudnn_attention.applies(q, k, dropout_p) else flash_attention
+    kernels = cudnn_attention if cudnn_attention.applies(q, k, dropout_p, groups) else \
+        flash_attention
     return kernels, 1.0 / math.sqrt(q.shape[-1]), drop
 
 
@@ -525,14 +614,15 @@ def packed_attention(qkv, causal=True, dropout_p=0.0, generator=None):
 
 
 def unpacked(qkv):
-    """(q, k, v) as (B, H, T, D) strided arrays over a local (B, T, 3, H, D) array: views, or on a
-    GPU arrays made directly over its memory (three slices and transposes cost several times
-    more host time there)."""
+    """The parts of a local (B, T, P, H, D) array (q, k and v of a fused projection: P = 3) as
+    (B, H, T, D) strided arrays: views, or on a GPU arrays made directly over its memory (slices
+    and transposes cost several times more host time there)."""
+    parts = qkv.shape[2]
     if not (is_device_array(qkv) and backend.c_contiguous(qkv)):
-        return tuple(qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+        return tuple(qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(parts))
     b, t, _, h, d = qkv.shape
     size = qkv.itemsize
-    strides = (3 * t * h * d * size, d * size, 3 * h * d * size, size)
+    strides = (parts * t * h * d * size, d * size, parts * h * d * size, size)
     array = backend.xp.ndarray
     return tuple(array((b, h, t, d), qkv.dtype, qkv.data + i * h * d * size, strides)
-                 for i in range(3))
+                 for i in range(parts))

@@ -19,13 +19,16 @@ stream: the vocab-parallel embeddings reduce-scatter their output on the sequenc
 the layout rules: a column-parallel product all-gathers its sequence-sharded input (its
 gradient reduce-scattered back), a row-parallel output is reduce-scattered into the
 sequence-sharded residual (Partial → Shard), and a norm's weight gradient, Partial along tp,
-is all-reduced when accumulated (the plan marks the parameters Replicated along tp:
-`reduce_grad_over`). The same bytes move as without it.
+is all-reduced when accumulated (every plan marks the parameters Replicated along tp:
+`reduce_grad_over`; so are those of key/value heads kept whole on every rank). The same bytes
+move as without it.
 """
 from fnmatch import fnmatchcase
 
 from cupytp import backend
+from cupytp.nn.attention import GroupedQueryAttention
 from cupytp.nn.layers import DAttention, DLMHead, DMLP, check_heads, tp_dim, tp_placements
+from cupytp.nn.swiglu import SwiGLU
 from cupytp.tensor import Replicated, deferred
 from cupytp.tensor.dtensor import reduce_grad_over
 from cupytp.tensor.layout import Layout
@@ -74,6 +77,8 @@ def _apply_style(module, name, mesh, style, sequence_parallel=False):
             module.sequence_parallel = sequence_parallel
     if isinstance(module, DAttention):
         check_heads(module)
+    elif isinstance(module, GroupedQueryAttention):
+        module.check_tp(mesh.shape[tp_dim(mesh)])
 
 
 def parallelize_module(model, mesh, plan, sequence_parallel=False):
@@ -91,22 +96,22 @@ def parallelize_module(model, mesh, plan, sequence_parallel=False):
                              f"{[name for name, _ in modules[1:4]]}")
         for name, module in matched:
             _apply_style(module, name, mesh, style, sequence_parallel)
-    if sequence_parallel:       # replicated parameters meet sequence-sharded activations
-        tp = tp_dim(mesh)
-        for p in model.parameters():
-            if p.placements[tp].is_replicated():
-                reduce_grad_over(p, (tp,))
+    tp = tp_dim(mesh)           # a parameter replicated along tp may meet activations split
+    for p in model.parameters():    # there (sequence parallelism; key/value heads kept whole):
+        if p.placements[tp].is_replicated():    # its Partial gradient is TP's to reduce
+            reduce_grad_over(p, (tp,))
     return model
 
 
 def megatron_plan(model):
-    """The plan apply_tensor_parallel uses: every DMLP and DAttention by its own plan, and
-    vocab-parallel embeddings for those tied to an LM head."""
+    """The plan apply_tensor_parallel uses: every MLP and attention (DMLP, DAttention, SwiGLU,
+    GroupedQueryAttention) by its own plan, and vocab-parallel embeddings for those tied to an
+    LM head (and an LM head's own weight)."""
     plan = {}
     tied = {id(module._embedding) for _, module in model.named_modules()
             if isinstance(module, DLMHead)}
     for name, module in model.named_modules():
-        if isinstance(module, (DMLP, DAttention)):
+        if isinstance(module, (DMLP, DAttention, SwiGLU, GroupedQueryAttention)):
             plan[name] = "auto"
         elif id(module) in tied:
             plan[name] = "vocab"

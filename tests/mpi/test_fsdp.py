@@ -119,9 +119,9 @@ def test_mixed_precision_gathers_bf16_and_keeps_fp32_masters(world):
     attention = model.transformer.h[0].attn
     forward = attention.forward
 
-    def spy(x, residual=None, norm=None):     # inside the block: what its layers see
+    def spy(*args, **kwargs):                  # inside the block: what its layers see
         seen.append(attention.c_attn.weight.dtype)
-        return forward(x, residual, norm)
+        return forward(*args, **kwargs)
     object.__setattr__(attention, "forward", spy)
     got, _ = train(model, steps=3, dp_placements=(Shard(0),))
     expected, _ = train(dense, steps=3)

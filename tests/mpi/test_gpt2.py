@@ -88,6 +88,36 @@ def test_padded_vocab_never_sampled(world):
     assert out.shape == (2, 15) and out.max() < CONFIG.vocab_size
 
 
+def test_generation_with_a_cache_equals_without(mesh):
+    """A KV cache (prefill, then one token per step) gives the logits of running the whole
+    sequence, and generate() the tokens of running the whole window every step, past the
+    context (16 tokens) too."""
+    skip_unless_heads_split(mesh)
+    cupytp.manual_seed(11)
+    model = GPT2(CONFIG, mesh).to("fp64")
+    replicated = (Replicated(),) * mesh.ndim
+    ids = tokens((2, 10), 12)
+    cache = cupytp.nn.KVCache(16)
+    with cupytp.no_grad():
+        whole, _ = model(lay_out(ids, mesh, replicated))
+        first, _ = model(lay_out(ids[:, :6], mesh, replicated), cache=cache)
+        steps = [model(lay_out(ids[:, t:t + 1], mesh, replicated), cache=cache)[0]
+                 for t in range(6, 10)]
+    numpy.testing.assert_allclose(full(first), full(whole)[:, :6], rtol=1e-10, atol=1e-12)
+    for t, step in zip(range(6, 10), steps):
+        numpy.testing.assert_allclose(full(step)[:, 0], full(whole)[:, t], rtol=1e-10,
+                                      atol=1e-12)
+    out = model.generate(ids[:, :3], 20, top_k=7, seed=4)
+    rng, expected = numpy.random.default_rng(4), ids[:, :3]
+    from cupytp.models.generation import sample
+    with cupytp.no_grad():
+        for _ in range(20):
+            logits, _ = model(lay_out(expected[:, -16:], mesh, replicated))
+            nxt = sample(full(logits)[:, -1], CONFIG.vocab_size, 1.0, 7, rng)
+            expected = numpy.concatenate([expected, nxt[:, None]], axis=1)
+    numpy.testing.assert_array_equal(out, expected)
+
+
 def test_hugging_face_round_trip(mesh):
     skip_unless_heads_split(mesh)
     cupytp.manual_seed(8)

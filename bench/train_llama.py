@@ -1,0 +1,138 @@
+"""Training-step throughput of a Llama-family model on random tokens (no data pipeline), over the
+launched ranks (tensor-parallel by default; --fsdp: the data-parallel ranks fully sharded):
+
+    python bench/train_llama.py                       # 16 x 2048, 32/8 heads, FFN 8192, vocab
+                                                      # 128256, B=4, T=2048, bf16, one GPU
+    mpiexec -n 2 python bench/train_llama.py --tp 2
+
+The default is the shape of the PyTorch anchor (/work/shared/anchors/torch_llama.py: bf16
+autocast, fused AdamW, no clipping; run it beside this one, in the same call). Times full steps
+(forward, backward, AdamW) after warm-up, the device synchronized around the timed region; on
+GPU the step is one captured CUDA graph (--no-cuda-graph: eager). Prints one RESULT line:
+tokens/s, ms/step, the device time of one step (CUDA events), the host time to issue a step, the
+peak of the framework's pool per GPU over the steps (warm-up and capture included, as the
+anchor's peaks are; allocated and reserved) and MFU (the anchor's FLOPs: 6 · parameters + 12 ·
+layers · width · T per token). --profile instead synchronizes around every module call and
+phase and prints where a step's time goes.
+"""
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("CUPY_TF32", "1")     # fp32 matmuls on tensor cores, as the anchor does
+
+import numpy  # noqa: E402
+
+import cupytp  # noqa: E402
+from cupytp import backend, memory, ops  # noqa: E402
+from cupytp.launchers import cudnn_attention  # noqa: E402
+from cupytp.models.llama import Llama, preset  # noqa: E402
+from cupytp.optim import AdamW, clip_grad_norm_, decay_groups  # noqa: E402
+from cupytp.parallel import fully_shard  # noqa: E402
+from cupytp.tensor import Replicated, Shard, from_local  # noqa: E402
+from train_gpt2 import BF16_PEAK_FLOPS, Profile, device_time_ms  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="1.5B", help="a Llama preset (tiny, 125M, 1B, 1.5B, 8B)")
+    p.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
+    p.add_argument("--tied", action="store_true", help="tie the LM head to the embedding")
+    p.add_argument("--tp", type=int, default=None)
+    p.add_argument("--B", type=int, default=4)
+    p.add_argument("--T", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
+    p.add_argument("--fsdp", action="store_true", help="fully shard over the dp ranks")
+    p.add_argument("--grad-clip", type=float, default=0.0, help="0: none (as the anchor)")
+    p.add_argument("--no-cuda-graph", action="store_true", help="run every step eagerly")
+    p.add_argument("--recompute", action="store_true", help="recompute each layer in backward")
+    p.add_argument("--profile", action="store_true", help="eager, synchronized per module")
+    p.add_argument("--label", default="", help="a name for this run in the RESULT line")
+    args = p.parse_args()
+    info = cupytp.init()
+    if info.rank == 0:
+        print(cudnn_attention.describe())
+    tp = args.tp or info.world_size
+    dp = info.world_size // tp
+    mesh = cupytp.DeviceMesh((dp, tp), ("dp", "tp"))
+    cupytp.manual_seed(0)
+    overrides = {"tie_word_embeddings": args.tied}
+    if args.layers:
+        overrides["num_hidden_layers"] = args.layers
+    config = preset(args.model, **overrides)
+    model = Llama(config, mesh, recompute=args.recompute)
+    if args.fsdp:
+        fully_shard(model, mesh, param_dtype=args.dtype)
+    optimizer = AdamW(decay_groups(model.parameters(), 0.1), lr=1e-4)
+    rng = numpy.random.default_rng(mesh.get_local_rank("dp"))
+    profile = Profile(args.profile)
+
+    def batch():
+        ids = rng.integers(0, config.vocab_size, size=(args.B, args.T + 1))
+        make = lambda a: from_local(backend.asarray(a), mesh, (Shard(0), Replicated()),
+                                    shape=(args.B * dp, args.T))
+        return make(ids[:, :-1]), make(ids[:, 1:])
+
+    def train_step(x, y):
+        with ops.autocast(None if args.dtype == "fp32" else args.dtype):
+            _, loss = profile("forward", model, x, y)
+        profile("backward", loss.backward)
+        if args.grad_clip:
+            profile("clip_grad_norm_", clip_grad_norm_, model.parameters(), args.grad_clip)
+        profile("optimizer", optimizer.step)
+        optimizer.zero_grad()   # the next forward pass reuses the gradients' memory
+        return loss
+
+    eager = args.no_cuda_graph or args.profile
+    step = train_step if eager else cupytp.cuda_graph(train_step)
+    batches = [batch() for _ in range(2)]
+    init_peak = memory.memory_stats()["allocated_bytes_peak"]
+    memory.empty_cache()                # what building the model left cached is not the step's
+    memory.reset_peak_memory_stats()
+    for i in range(args.warmup):
+        step(*batches[i % len(batches)])
+    if args.profile:
+        profile.totals.clear()
+        profile.watch_modules()
+    profiler = sys.modules.get("kernel_profile")   # bench/kernel_profile.py runs this script
+    if profiler is not None:
+        profiler.mark()                             # count the steps below, not the warm-up
+    backend.synchronize()
+    cupytp.distributed.barrier()
+    host = 0.0
+    start = time.perf_counter()
+    for i in range(args.steps):
+        issued = time.perf_counter()
+        loss = step(*batches[i % len(batches)])
+        host += time.perf_counter() - issued
+    backend.synchronize()
+    elapsed = time.perf_counter() - start
+    device_ms = device_time_ms(step, batches[0])
+    stats = memory.memory_stats()
+    if info.rank != 0:
+        return
+    if args.profile:
+        print(f"per step, tp={tp}, device synchronized around each entry (ms, inclusive):")
+        for name, total in sorted(profile.totals.items(), key=lambda kv: -kv[1]):
+            print(f"  {name:24} {1e3 * total / args.steps:8.1f}")
+    tokens_per_s = args.B * dp * args.T * args.steps / elapsed
+    mfu = config.flops_per_token(args.T) * tokens_per_s / info.world_size / BF16_PEAK_FLOPS
+    print(f"RESULT cupytp llama-{args.label or args.model} graph={int(not eager)} "
+          f"dtype={args.dtype} tp={tp} dp={dp} fsdp={int(args.fsdp)} "
+          f"params={config.num_parameters() / 1e6:.1f}M L={config.num_hidden_layers} "
+          f"D={config.hidden_size} H={config.num_attention_heads} "
+          f"KV={config.num_key_value_heads} F={config.intermediate_size} "
+          f"V={config.vocab_size} B={args.B} T={args.T} tok/s={tokens_per_s:.0f} "
+          f"step_ms={1e3 * elapsed / args.steps:.2f} device_ms={device_ms:.2f} "
+          f"host_ms={1e3 * host / args.steps:.2f} "
+          f"peak_alloc_GiB={stats['allocated_bytes_peak'] / 2 ** 30:.2f} "
+          f"peak_reserved_GiB={stats['reserved_bytes_peak'] / 2 ** 30:.2f} "
+          f"init_peak_GiB={init_peak / 2 ** 30:.2f} mfu={100 * mfu:.1f}% "
+          f"loss={loss.item():.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
