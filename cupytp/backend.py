@@ -73,6 +73,12 @@ def c_contiguous(array):
     return array.flags.c_contiguous
 
 
+def array_module(array):
+    """The module of `array`'s kind: CuPy for a device array, else NumPy (NumPy twins run on
+    host arrays on a GPU machine too)."""
+    return xp if on_gpu and isinstance(array, xp.ndarray) else numpy
+
+
 def asnumpy(array):
     """A host (NumPy) copy of an array from either backend."""
     if on_gpu and isinstance(array, xp.ndarray):

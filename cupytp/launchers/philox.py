@@ -23,14 +23,9 @@ _MASK32 = 0xFFFFFFFF
 MAX_DIMS = 4        # merged block dimensions the kernels take
 
 
-def _module(array):
-    """CuPy for a device array, else NumPy."""
-    return backend.xp if is_device_array(array) else numpy
-
-
 def philox4x32(counter_lo, counter_hi, key):
     """Four uint32 words per counter (counter as two uint32 arrays, key a 64-bit int)."""
-    xp = _module(counter_lo)
+    xp = backend.array_module(counter_lo)
     u64 = xp.uint64
     c0 = counter_lo.astype(u64)
     c1 = counter_hi.astype(u64)
@@ -49,13 +44,13 @@ def philox4x32(counter_lo, counter_hi, key):
 
 def words(seed, counter):
     """The four Philox words of uint64 `counter`s."""
-    xp = _module(counter)
+    xp = backend.array_module(counter)
     return philox4x32(counter & xp.uint64(_MASK32), counter >> xp.uint64(32), seed)
 
 
 def uniform53(a, b):
     """A float64 in [0, 1) from two uint32 words."""
-    xp = _module(a)
+    xp = backend.array_module(a)
     return ((a >> xp.uint64(5)).astype(xp.float64) * 67108864.0
             + (b >> xp.uint64(6)).astype(xp.float64)) / 9007199254740992.0
 
@@ -69,7 +64,7 @@ def uniform_at(seed, counter):
 def normal_at(seed, counter):
     """float64 standard normals at uint64 `counter`s: Box-Muller over the uniforms of words
     (0, 1) and (2, 3)."""
-    xp = _module(counter)
+    xp = backend.array_module(counter)
     a, b, c, d = words(seed, counter)
     u1, u2 = uniform53(a, b), uniform53(c, d)
     return xp.sqrt(-2.0 * xp.log1p(-u1)) * xp.cos(2.0 * numpy.pi * u2)
@@ -126,7 +121,7 @@ class Counters(NamedTuple):
 
     def indices(self):
         """The block's counters (uint64, local_shape): the twins draw with these."""
-        xp = _module(self.base)
+        xp = backend.array_module(self.base)
         return global_indices(self.shape, self.offsets, self.local_shape, xp) + \
             (self.base + xp.uint64(self.add))
 

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import numpy
 
 from cupytp import backend
-from cupytp.tensor import DTensor, is_deferred, materialize_tensor
+from cupytp.tensor import DTensor, deferred, is_deferred, materialize_tensor
 from cupytp.tensor.layout import Layout
 
 
@@ -27,6 +27,8 @@ class Module:
         raise NotImplementedError(f"{type(self).__name__} has no forward()")
 
     def __call__(self, *args, **kwargs):
+        if deferred.live:           # a tensor has no values yet: not one of this module's
+            deferred.check_materialized(self.parameters())
         if not _tracking:
             return self.forward(*args, **kwargs)
         stack = _stack()

@@ -101,7 +101,7 @@ def merge(o, lse, o_block, lse_block):
     running (o, lse), in place: o = (o·e^lse + o_block·e^lse_block) / e^lse_new with
     lse_new = log(e^lse + e^lse_block), exact. Rows that no key has reached (lse = −inf) take
     the block's values."""
-    xp = backend.xp
+    xp = backend.array_module(o)
     new = xp.logaddexp(lse, lse_block)
     seen = xp.isfinite(new)
     keep = xp.where(seen, xp.exp(lse - xp.where(seen, new, 0)), 0)[..., None]

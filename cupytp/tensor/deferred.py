@@ -22,6 +22,9 @@ from cupytp import backend
 CHUNK_ELEMENTS = 1 << 20      # elements made at once by a recipe
 
 
+live = 0        # Deferred objects alive: while any is, modules check theirs before running
+
+
 class DeferredError(RuntimeError):
     """A deferred tensor's values were asked for before it was materialized."""
 
@@ -119,7 +122,13 @@ class Deferred:
     __slots__ = ("recipe", "shape")
 
     def __init__(self, recipe, shape):
+        global live
         self.recipe, self.shape = recipe, tuple(shape)
+        live += 1
+
+    def __del__(self):
+        global live
+        live -= 1
 
     @property
     def dtype(self):
@@ -167,6 +176,14 @@ class Deferred:
 def is_deferred(tensor):
     """True when `tensor` (a DTensor) is not materialized."""
     return type(tensor._local) is Deferred
+
+
+def check_materialized(tensors):
+    """DeferredError if any of `tensors` has no values yet (before a kernel meets one: a device
+    array function would fail on it with a less clear error)."""
+    for tensor in tensors:
+        if type(tensor._local) is Deferred:
+            tensor._local._refuse()
 
 
 def build(layout, fill, requires_grad, generator=None):

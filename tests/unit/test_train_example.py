@@ -355,6 +355,6 @@ def test_gpu_default_recipe_learns_past_a_bigram_model(tmp_path):
     out = str(tmp_path)
     result = run(["--steps", "1000", "--sample-tokens", "100", "--out", out], timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "GPT-2 10M: 10.7" in result.stdout and " bf16, 16384 tokens/step" in result.stdout
+    assert "GPT-2 10M: " in result.stdout and " bf16, 16384 tokens/step" in result.stdout
     final = [row for row in rows(out) if row["step"] == "1000"][0]
     assert float(final["val_loss"]) < 2.0, final
