@@ -3,7 +3,7 @@
 # from the shared anchors folder into .carry/anchors, named in the device tool's carry), in the
 # same call; the anchors do not clip gradients, so neither do these runs.
 # Usage: bench/gpu_bench.sh [check] [comm] [train1] [train2] [train] [host] [fsdp] [ddp] [build]
-# [small] [eval] [dropout] [profile] [profile2] [profile3] (default: train host; train = train1
+# [small] [eval] [dropout] [targets] [profile] [profile2] [profile3] (default: train host; train = train1
 # train2, the 1-GPU and the TP=2 pairs; fsdp: fully_shard beside PyTorch FSDP2 with bf16
 # parameters and fp32 reduction, untied models; ddp: replicated data parallelism of 124M
 # (scaling over one GPU, share of the all-reduce hidden) beside PyTorch DDP; build: the
@@ -11,7 +11,7 @@
 # vocab 65, B=64, T=256, no biases) with dropout 0.2 and 0, captured and eager, beside PyTorch
 # eager and torch.compile with fused AdamW; eval: the 124M evaluation forward beside its
 # training step; dropout: 124M, 774M and 1558M with dropout 0.1 beside torch.compile with fused
-# AdamW;
+# AdamW; targets: the one-GPU targets (small GPT, 124M, Llama 1.5B) beside torch.compile;
 # profile, profile2, profile3: device time per kind of kernel at 124M on one GPU, at 24x2048 at TP=2,
 # of the 1.4B fully_shard step beside FSDP2's). A
 # cuDNN frontend wheel carried in .carry/wheels is installed first (the machines have no
@@ -83,6 +83,26 @@ for part in $what; do
                 "small-d$p-graph/compile=$out/ours_small_$p.log,$out/torch_small_compile_$p.log"
                 "small-d$p-eager/eager=$out/ours_small_eager_$p.log,$out/torch_small_$p.log")
       done ;;
+    targets) # the one-GPU speed targets in one pass: the small GPT with dropout 0.2 (and 0),
+             # 124M B=8 and the Llama 1.5B shape, each beside the stronger PyTorch anchor
+      small="--layers 6 --embd 384 --heads 6 --vocab 65 --B 64 --T 256 --bias 0 --dtype bf16"
+      for p in 0.2 0; do
+        run ours_small_$p python3 bench/train_gpt2.py --tp 1 --grad-clip 0 $small --dropout $p \
+            --steps 30 --label small-d$p-graph
+      done
+      run torch_small_0.2 python3 $anchors/torch_tp_gpt2.py $small --dropout 0.2 --fused 1 --steps 30
+      run torch_small_compile_0.2 python3 $anchors/torch_tp_gpt2.py $small --dropout 0.2 --fused 1 \
+          --compile 1 --steps 30
+      run ours_124M python3 bench/train_gpt2.py --tp 1 --dtype bf16 --grad-clip 0 --label 124M-1gpu
+      run torch_124M_compile python3 $anchors/torch_tp_gpt2.py --dtype bf16 --sdpa 1 --fused 1 \
+          --compile 1 --steps 10
+      run ours_llama python3 bench/train_llama.py --label llama-1.5B
+      run torch_llama_compile python3 $anchors/torch_llama.py --compile 1
+      pairs+=("small-d0.2/eager=$out/ours_small_0.2.log,$out/torch_small_0.2.log"
+              "small-d0.2/compile=$out/ours_small_0.2.log,$out/torch_small_compile_0.2.log"
+              "small-d0/d0.2-compile=$out/ours_small_0.log,$out/torch_small_compile_0.2.log"
+              "124M-B8/compile=$out/ours_124M.log,$out/torch_124M_compile.log"
+              "llama-1.5B/compile=$out/ours_llama.log,$out/torch_llama_compile.log") ;;
     eval)    # the 124M evaluation forward (no tape, captured) beside its training step
       run ours_eval python3 bench/train_gpt2.py --tp 1 --dtype bf16 --grad-clip 0 --eval \
           --label 124M-eval
