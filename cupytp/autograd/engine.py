@@ -18,6 +18,13 @@ node's gradients are computed.
 
 A node's backward may `queue_callback(fn)`: `fn()` runs when the pass ends, before `backward()`
 returns (fully_shard finishes its last gradient reductions there).
+
+Split backward: `backward(root, grad, inputs=[x])` computes now only the gradients on the way
+from root to the leaves `inputs` (a pipeline stage's input, whose gradient the previous stage
+waits for) and returns a `DeferredBackward` whose `run()` computes every other gradient later
+(the weights', which fill the pipeline's idle time). An op recorded with `splits=True` takes the
+inputs whose gradients to compute, `backward(grad, needs)`, so a weight's product runs only in
+the second part; any other op on the way computes all its gradients in the first.
 """
 import threading
 from contextlib import contextmanager
@@ -60,15 +67,18 @@ class Node:
     `backward`, the output's `shape`, and the `scope` it ran in (None unless a scope source is
     set). The tape keeps nodes, not the values of intermediate tensors: an activation that no
     backward closure saved is freed as soon as the forward pass drops it."""
-    __slots__ = ("inputs", "backward", "name", "shape", "scope", "sums_first", "__weakref__")
+    __slots__ = ("inputs", "backward", "name", "shape", "scope", "sums_first", "splits",
+                 "__weakref__")
 
-    def __init__(self, inputs, backward, name, shape, scope=None, sums_first=False):
+    def __init__(self, inputs, backward, name, shape, scope=None, sums_first=False,
+                 splits=False):
         self.inputs = inputs
         self.backward = backward
         self.name = name
         self.shape = shape
         self.scope = scope
         self.sums_first = sums_first
+        self.splits = splits
 
 
 def is_walked(tensor):
@@ -99,13 +109,16 @@ def backward_scope():
     return None if node is None else node.scope
 
 
-def record(output, inputs, backward, name, sums_first=False):
+def record(output, inputs, backward, name, sums_first=False, splits=False):
     """Attach a Node to `output` when gradients are on and some input requires one.
 
     `sums_first=True`: `backward(grad, pending)` also gets the gradient of the first input that
     other ops have already given (None if none yet, or if that input is a leaf) and returns the
     first input's gradient with it summed in (one pass instead of a separate addition: a
-    LayerNorm on the residual stream)."""
+    LayerNorm on the residual stream).
+    `splits=True`: `backward(grad, needs)` may be called with `needs`, one bool per input, and
+    then computes only the gradients of the inputs marked True (None for the others): a split
+    backward asks for the input's gradient first and the weight's later."""
     if not _state.enabled:
         return output
     needed = tuple([None if t is None or not t.requires_grad else
@@ -113,15 +126,17 @@ def record(output, inputs, backward, name, sums_first=False):
     if needed.count(None) < len(needed):
         output.requires_grad = True
         output._node = Node(needed, backward, name, output.shape,
-                            None if _scope_source is None else _scope_source(), sums_first)
+                            None if _scope_source is None else _scope_source(), sums_first,
+                            splits)
     return output
 
 
-def _topological_order(root):
-    """The nodes reachable from node `root`, each after every node computed from it (iterative
-    DFS)."""
+def _topological_order(roots, done=None):
+    """The nodes reachable from the nodes `roots`, each after every node computed from it
+    (iterative DFS). `done`: {id(node): per input, True where its gradient was computed
+    already}: those inputs are not followed."""
     order, visited = [], set()
-    stack = [(root, False)]
+    stack = [(root, False) for root in reversed(roots)]
     while stack:
         node, expanded = stack.pop()
         if expanded:
@@ -134,8 +149,10 @@ def _topological_order(root):
                                " run the forward pass again")
         visited.add(id(node))
         stack.append((node, True))
-        for parent in node.inputs:
-            if type(parent) is Node and id(parent) not in visited:
+        skipped = () if done is None else done.get(id(node), ())
+        for i, parent in enumerate(node.inputs):
+            if type(parent) is Node and id(parent) not in visited and \
+                    not (skipped and skipped[i]):
                 stack.append((parent, False))
     return order[::-1]
 
@@ -148,19 +165,30 @@ def queue_callback(callback):
     _state.callbacks.append(callback)
 
 
-def backward(root, grad):
-    """Propagate `grad` (d loss / d root) to every leaf that requires a gradient."""
+def backward(root, grad, inputs=None):
+    """Propagate `grad` (d loss / d root) to every leaf that requires a gradient.
+
+    With `inputs` (leaves): only the gradients on the way from root to them are computed now,
+    into their `.grad`; the returned DeferredBackward's `run()` computes the others later (see
+    the module docstring)."""
     if not root.requires_grad:
         raise RuntimeError("backward() on a tensor that does not require a gradient: no input "
                            "of the ops that made it has requires_grad=True")
+    if inputs is not None:
+        return _backward_split(root, grad, inputs)
     if root._node is None:
         root.accumulate_grad(grad)
-        return
-    pending = {id(root._node): grad}
+        return None
+    _run_pass(_topological_order([root._node]), {id(root._node): grad})
+    return None
+
+
+def _run_pass(order, pending, needs=None, kept=None):
+    """A whole backward pass over `order` (see _walk), then the callbacks its nodes queued."""
     _state.callbacks = []
     with no_grad():
         try:
-            _walk(root._node, pending)
+            _walk(order, pending, needs, kept)
         finally:
             _state.node = None
         while _state.callbacks:
@@ -176,25 +204,34 @@ def backward_within(root, grad):
         return
     outer = _state.node
     try:
-        _walk(root._node, {id(root._node): grad})
+        _walk(_topological_order([root._node]), {id(root._node): grad})
     finally:
         _state.node = outer
 
 
-def _walk(root, pending):
-    """The reverse walk: each node's gradients handed to its inputs (`_state.node` is the node
-    being worked on). A walked node drops its closure and inputs, freeing what it saved."""
-    for node in _topological_order(root):
+def _walk(order, pending, needs=None, kept=None):
+    """The reverse walk over `order`: each node's gradients handed to its inputs (`_state.node`
+    is the node being worked on). A walked node drops its closure and inputs, freeing what it
+    saved, unless it is in `kept` (its other gradients come later: the gradient it got is
+    stored there). `needs`: {id(node): per input, compute its gradient now?} for nodes recorded
+    with splits=True; other nodes compute them all."""
+    for node in order:
         out_grad = pending.pop(id(node), None)
         backward, inputs = node.backward, node.inputs
-        node.backward, node.inputs = None, ()
+        if kept is not None and id(node) in kept:
+            kept[id(node)] = out_grad
+        else:
+            node.backward, node.inputs = None, ()
         if out_grad is None:
             continue
         _state.node = node
+        mask = None if needs is None else needs.get(id(node))
         if node.sums_first:
             first = inputs[0]
             given = pending.pop(id(first), None) if type(first) is Node else None
             grads = list(backward(out_grad, given))
+        elif mask is not None:
+            grads = list(backward(out_grad, mask))
         else:
             grads = list(backward(out_grad))
         if len(grads) != len(inputs):
@@ -202,7 +239,7 @@ def _walk(root, pending):
                                f"for {len(inputs)} inputs")
         for i, parent in enumerate(inputs):
             g, grads[i] = grads[i], None    # only `g` holds it: a leaf may keep it uncopied
-            if parent is None or g is None:
+            if parent is None or g is None or (mask is not None and not mask[i]):
                 continue
             if g.shape != parent.shape:
                 g = g.sum_to_shape(parent.shape)
@@ -212,3 +249,66 @@ def _walk(root, pending):
                 pending[id(parent)] = pending[id(parent)] + g
             else:
                 pending[id(parent)] = g
+
+
+# ---- split backward -----------------------------------------------------------------------------
+class DeferredBackward:
+    """The part of a split backward pass left for later: `run()` computes it (once), handing
+    every remaining gradient to its leaf as backward() would."""
+
+    def __init__(self, work=None):
+        self._work, self._ran = work, False
+
+    def run(self):
+        if self._ran:
+            raise RuntimeError("this deferred backward has run already")
+        work, self._work, self._ran = self._work, None, True
+        if work is not None:
+            work()
+
+
+def _backward_split(root, grad, inputs):
+    """backward() in two parts: now what reaches `inputs`, the rest in a DeferredBackward."""
+    targets = set()
+    for tensor in inputs:
+        if tensor._node is not None:
+            raise ValueError("backward(inputs=...) takes leaf tensors (a stage's input made a "
+                             "leaf with requires_grad=True), not tensors computed by ops")
+        targets.add(id(tensor))
+    if root._node is None:
+        if id(root) in targets:
+            root.accumulate_grad(grad)
+            return DeferredBackward()
+        return DeferredBackward(lambda: root.accumulate_grad(grad))
+    order = _topological_order([root._node])
+    reaching = _reaching(order, targets)
+    needs, kept = {}, {}
+    for node in order:
+        if node.splits and id(node) in reaching:
+            mask = tuple(_leads(p, reaching, targets) for p in node.inputs)
+            if not all(m or p is None for p, m in zip(node.inputs, mask)):
+                needs[id(node)], kept[id(node)] = mask, None
+    pending = {id(root._node): grad}
+    _run_pass([n for n in order if id(n) in reaching], pending, needs, kept)
+    # later: the rest of each split node, and the nodes whose gradients were handed out now
+    by_id = {id(n): n for n in order}
+    later = {key: tuple(p is not None and not m for p, m in zip(by_id[key].inputs, mask))
+             for key, mask in needs.items() if kept[key] is not None}
+    pending.update((key, kept[key]) for key in later)
+    order = _topological_order([by_id[key] for key in pending], needs)
+    return DeferredBackward(lambda: _run_pass(order, pending, later))
+
+
+def _leads(parent, reaching, targets):
+    """True when the input `parent` of a node is a target leaf or a node reaching one."""
+    return id(parent) in (reaching if type(parent) is Node else targets) \
+        if parent is not None else False
+
+
+def _reaching(order, targets):
+    """The ids of the nodes of `order` from which a target leaf can be reached."""
+    reaching = set()
+    for node in reversed(order):                    # inputs before the nodes made from them
+        if any(_leads(p, reaching, targets) for p in node.inputs):
+            reaching.add(id(node))
+    return reaching

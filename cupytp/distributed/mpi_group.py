@@ -77,7 +77,7 @@ class ProcessGroupMPI(ProcessGroup):
         request = self.host_comm.Ibcast(_buffer(buffer), root=src)
         return self._pending([request], "broadcast", (buffer,))
 
-    def _exchange(self, sends, recvs, async_op):
+    def _exchange(self, sends, recvs, async_op, op="send/recv"):
         requests = [self.host_comm.Irecv(_buffer(buf), source=peer) for buf, peer in recvs]
         requests += [self.host_comm.Isend(_buffer(buf), dest=peer) for buf, peer in sends]
-        return self._pending(requests, "send/recv", [buf for buf, _ in sends + recvs])
+        return self._pending(requests, op, [buf for buf, _ in sends + recvs])

@@ -7,6 +7,11 @@ supplies only flat, equal-count primitives: `_all_reduce`, `_all_gather`, `_redu
 `_broadcast` and `_exchange` (a batch of point-to-point sends and receives), each taking the
 caller's `async_op` and returning a `Pending` that completes the transfer.
 
+Point-to-point: `send`, `recv` and `batch_isend_irecv` (sends and receives with several peers
+posted together, as one NCCL group: two ranks that send to each other do not wait on each
+other). They run under the same timeout as the collectives; a receive whose send never comes is
+a CollectiveTimeoutError naming both ranks.
+
 Results are new arrays; they may be the input itself on a group of one rank, and on the source
 rank of a broadcast.
 
@@ -115,12 +120,15 @@ def remove_observer(observer):
 class Call:
     """One collective as observers see it: the group, the op name, `detail` (its arguments
     that every rank must share), the global `shape` and `dtype` it moves, and this rank's
-    `nbytes`. `state` is free for observers to use."""
-    __slots__ = ("group", "op", "detail", "shape", "dtype", "nbytes", "state")
+    `nbytes`. A point-to-point call has `peers` instead: one ("send" or "recv", group rank of
+    the peer, shape, dtype name) per transfer, and `nbytes` counts what it sends and receives.
+    `state` is free for observers to use."""
+    __slots__ = ("group", "op", "detail", "shape", "dtype", "nbytes", "peers", "state")
 
-    def __init__(self, group, op, detail, shape, dtype, nbytes):
+    def __init__(self, group, op, detail, shape, dtype, nbytes, peers=None):
         self.group, self.op, self.detail = group, op, detail
         self.shape, self.dtype, self.nbytes = shape, dtype, nbytes
+        self.peers = peers
         self.state = {}
 
 
@@ -197,14 +205,29 @@ def _describe_all_to_all(group, inputs, out_shapes=None, async_op=False):
     return f"{len(inputs)} parts", None, str(inputs[0].dtype) if inputs else None, nbytes
 
 
-def _describe_send(group, array, dst):
-    return f"dst={dst}", tuple(array.shape), str(array.dtype), array.nbytes
+def _describe_p2p(sends, recvs):
+    """(detail, shape, dtype, nbytes, peers) of point-to-point transfers: `sends` as (array,
+    dst), `recvs` as (shape, dtype, src)."""
+    peers = [("send", dst, tuple(a.shape), str(a.dtype)) for a, dst in sends] + \
+        [("recv", src, tuple(shape), str(backend.dtype(dtype))) for shape, dtype, src in recvs]
+    nbytes = sum(a.nbytes for a, _ in sends) + sum(
+        int(numpy.prod(tuple(shape), dtype=numpy.int64)) * backend.dtype(dtype).itemsize
+        for shape, dtype, _ in recvs)
+    detail = ", ".join(f"{kind} {shape} {'to' if kind == 'send' else 'from'} {peer}"
+                       for kind, peer, shape, _ in peers)
+    return detail, None, peers[0][3] if peers else None, nbytes, peers
 
 
-def _describe_recv(group, shape, dtype, src):
-    dtype = backend.dtype(dtype)
-    return (f"src={src}", tuple(shape), str(dtype),
-            int(numpy.prod(tuple(shape), dtype=numpy.int64)) * dtype.itemsize)
+def _describe_send(group, array, dst, async_op=False):
+    return _describe_p2p([(array, dst)], [])
+
+
+def _describe_recv(group, shape, dtype, src, async_op=False):
+    return _describe_p2p([], [(shape, dtype, src)])
+
+
+def _describe_batch(group, sends=(), recvs=()):
+    return _describe_p2p(list(sends), list(recvs))
 
 
 class ProcessGroup:
@@ -249,6 +272,11 @@ class ProcessGroup:
         if not 0 <= peer < self.size or not isinstance(peer, int):
             raise ValueError(f"{op}: rank {peer} is not in group {self.name!r} of size "
                              f"{self.size}")
+
+    def _check_other(self, op, peer, verb):
+        self._check_peer(op, peer)
+        if peer == self.rank:
+            raise ValueError(f"{op}: rank {peer} cannot {verb} itself on group {self.name!r}")
 
     @staticmethod
     def _run(pending, finish, async_op):
@@ -407,20 +435,52 @@ class ProcessGroup:
         pending = self._exchange(sends, recvs, async_op) if self.size > 1 else Pending()
         return self._run(pending, lambda: outputs, async_op)
 
+    # ---- point to point -------------------------------------------------------------------------
     @_observed(_describe_send)
-    def send(self, array, dst):
-        """Send `array` to rank `dst` of this group (blocks until it is handed over)."""
-        self._check("send", array, None)
-        self._check_peer("send", dst)
-        self._exchange([(backend.xp.ascontiguousarray(array), dst)], [], False).wait()
+    def send(self, array, dst, async_op=False):
+        """Send `array` to rank `dst` of this group; with `async_op=True` returns a Work (the
+        array must not change until it is waited for)."""
+        pending, _ = self._p2p("send", [(array, dst)], [], async_op)
+        return self._run(pending, lambda: None, async_op)
 
     @_observed(_describe_recv)
-    def recv(self, shape, dtype, src):
-        """Receive an array of `shape` and `dtype` from rank `src` of this group."""
-        self._check_peer("recv", src)
-        out = backend.xp.empty(tuple(shape), dtype=backend.dtype(dtype))
-        self._exchange([], [(out, src)], False).wait()
-        return out
+    def recv(self, shape, dtype, src, async_op=False):
+        """Receive an array of `shape` and `dtype` from rank `src` of this group (a Work giving
+        it with `async_op=True`)."""
+        pending, outs = self._p2p("recv", [], [(shape, dtype, src)], async_op)
+        return self._run(pending, lambda: outs[0], async_op)
+
+    @_observed(_describe_batch)
+    def batch_isend_irecv(self, sends=(), recvs=()):
+        """Post sends and receives with any peers together (one NCCL group; non-blocking MPI
+        calls) and return a Work whose wait() gives the received arrays, in the order of
+        `recvs`. `sends`: (array, dst) pairs; `recvs`: (shape, dtype, src) triples. Ranks that
+        send to each other in one batch never wait on each other. On NCCL the transfers run on
+        the communication stream and wait() orders the current stream after them (no host
+        synchronization, so a CUDA graph can capture them); the arrays sent must not change
+        until then."""
+        pending, outs = self._p2p("batch_isend_irecv", list(sends), list(recvs), True)
+        return self._run(pending, lambda: outs, True)
+
+    def _p2p(self, op, sends, recvs, async_op):
+        """Check, then post `sends` [(array, dst)] and `recvs` [(shape, dtype, src)]: the
+        Pending of the transfers and the arrays they receive into."""
+        xp = backend.xp
+        for array, dst in sends:
+            self._check(op, array, None)
+            self._check_other(op, dst, "send to")
+        outs = []
+        for shape, dtype, src in recvs:
+            self._check_other(op, src, "receive from")
+            outs.append(xp.empty(tuple(shape), dtype=backend.dtype(dtype)))
+            self._check(op, outs[-1], None)
+        if not sends and not recvs:
+            return Pending(), outs
+        label = "; ".join([f"send to global rank {self.ranks[dst]}" for _, dst in sends] +
+                          [f"recv from global rank {self.ranks[src]}" for _, _, src in recvs])
+        moved = [(xp.ascontiguousarray(array), dst) for array, dst in sends]
+        received = [(out, src) for out, (_, _, src) in zip(outs, recvs)]
+        return self._exchange(moved, received, async_op, label), outs
 
     def barrier(self):
         """Return once every rank of the group has called barrier."""
@@ -491,7 +551,9 @@ class ProcessGroup:
     def _broadcast(self, buffer, src, async_op):
         raise NotImplementedError
 
-    def _exchange(self, sends, recvs, async_op):
+    def _exchange(self, sends, recvs, async_op, op="send/recv"):
+        """Post `sends` [(array, dst)] and receives into `recvs` [(array, src)] together; `op`
+        names them in a timeout's message."""
         raise NotImplementedError
 
 
