@@ -15,6 +15,7 @@ from cupytp.distributed.process_group import (
 
 _MPI_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
 _NO_MPI_TYPE = (backend.dtype("bf16"), backend.dtype("fp16"))
+_DATA_TAG = 0
 
 
 def _buffer(array):
@@ -78,6 +79,10 @@ class ProcessGroupMPI(ProcessGroup):
         return self._pending([request], "broadcast", (buffer,))
 
     def _exchange(self, sends, recvs, async_op, op="send/recv"):
-        requests = [self.host_comm.Irecv(_buffer(buf), source=peer) for buf, peer in recvs]
-        requests += [self.host_comm.Isend(_buffer(buf), dest=peer) for buf, peer in sends]
+        # tag 0 on both sides: a receive must not take the host messages other code sends
+        # over the same communicator with tags of their own (CUPYTP_DEBUG's checks)
+        requests = [self.host_comm.Irecv(_buffer(buf), source=peer, tag=_DATA_TAG)
+                    for buf, peer in recvs]
+        requests += [self.host_comm.Isend(_buffer(buf), dest=peer, tag=_DATA_TAG)
+                     for buf, peer in sends]
         return self._pending(requests, op, [buf for buf, _ in sends + recvs])

@@ -85,11 +85,18 @@ class GPT2Transformer(nn.Module):
         self._position_ids = {}                # (T, mesh) -> 0, 1, ..., T-1, made once
 
     def forward(self, ids):
-        b, t = ids.shape
-        x = self.drop(self.wte(ids) + self.wpe(self.positions(t, ids.mesh)))    # (B, T, C)
+        x = self.embed(ids)                                                      # (B, T, C)
         for block in self.h:
-            x = nn.recompute(block, x) if self.recompute else block(x)
+            x = self.run_block(block, x)
         return self.ln_f(x)
+
+    def embed(self, ids):
+        """Token plus position embeddings of `ids` (B, T), after dropout: (B, T, C)."""
+        return self.drop(self.wte(ids) + self.wpe(self.positions(ids.shape[1], ids.mesh)))
+
+    def run_block(self, block, x):
+        """`block(x)`, recomputed in backward with `recompute`."""
+        return nn.recompute(block, x) if self.recompute else block(x)
 
     def positions(self, t, mesh):
         """The position ids 0, 1, ..., t-1 (Replicated on `mesh`), built once per length."""
@@ -153,6 +160,20 @@ class GPT2(nn.Module):
     @property
     def mesh(self):
         return self.transformer.wte.weight.mesh
+
+    def pipeline_parts(self):
+        """The pieces `cupytp.parallel.pipeline` cuts into stages: the embeddings, the blocks
+        `transformer.h`, the final norm and LM head (its weight tied to the token embedding
+        unless `tie_word_embeddings=False`), and the loss."""
+        from cupytp.parallel.pipeline import DecoderParts
+        t, tied = self.transformer, self.config.tie_word_embeddings
+        return DecoderParts(
+            embed=t.embed, embed_modules=("transformer.wte", "transformer.wpe", "transformer.drop"),
+            layers="transformer.h", run_layer=t.run_block,
+            head=lambda x: self.lm_head(t.ln_f(x)),
+            head_modules=("transformer.ln_f", "lm_head") + (() if tied else ("lm_head_embedding",)),
+            loss=lambda logits, y: ops.cross_entropy(logits, y, vocab_size=self.config.vocab_size),
+            tied=("transformer.wte.weight",) if tied else ())
 
     def generate(self, ids, max_new_tokens, temperature=1.0, top_k=None, seed=0):
         """Append `max_new_tokens` sampled tokens to `ids` (NumPy (B, T)); the same on every

@@ -1,0 +1,561 @@
+"""`pipeline()`: a decoder cut into stages along the "pp" mesh dimension and trained by a
+schedule table, micro-batch by micro-batch.
+
+Each rank of the pp dimension holds its stages (one, or v for interleaved schedules) as
+modules on the rest of the mesh (the stage mesh: tensor parallelism inside a stage, data
+parallelism across replicas of the pipeline) and runs its list of the schedule's actions in
+order. A stage's input and output cross ranks as local arrays between the ranks at the same
+coordinate of the stage mesh (`batch_isend_irecv` on the pp group), and are DTensors of the
+same layout on both sides. A received activation is a leaf that requires a gradient, so the
+stage's backward stops there and its gradient is what goes back.
+
+Every rank passes the whole batch to `step()` (the same on every rank: it lays out its own
+rows); micro-batch k is rows k of an array_split of it, and its loss counts by its share of the
+batch's targets, so a step's loss and gradients are those of the batch without a pipeline.
+The shapes a stage receives are learned in the first step with a new batch shape (the sender
+tells them over MPI) and kept.
+"""
+import dataclasses
+import time
+
+import numpy
+
+from cupytp import backend
+from cupytp.autograd import engine
+from cupytp.distributed.process_group import CollectiveTimeoutError
+from cupytp.nn.module import Module
+from cupytp.parallel.fully_shard import fully_shard
+from cupytp.parallel.pipeline import schedules
+from cupytp.parallel.pipeline.stages import (
+    PipelineStage, prune, resolve, skeleton, split_layers, stage_module_names)
+from cupytp.parallel.tensor_parallel import relayout
+from cupytp.tensor import DTensor, Replicated, Shard, local_mesh
+from cupytp.tensor.layout import Layout
+from cupytp.tensor.redistribute import grad_placements, redistribute_local
+
+DATA_PARALLEL = ("replicate", "fully_shard")
+_META_TAG, _TICK_TAG = 7401, 7402           # host messages: shapes a stage receives, ticks
+
+
+class PipelineError(RuntimeError):
+    """An action of a pipeline stage failed; the message names the stage, the action and the
+    micro-batch."""
+
+
+@dataclasses.dataclass
+class PipelineStats:
+    """What `step(measure=...)` saw on the ranks of this pipeline: the schedule's name, the
+    measure ("ticks": each compute action costs its ticks (F 1, B 2, I 1, W 1) and a receive
+    waits for its send, as a Lamport clock; "time": seconds), per rank the busy time and the
+    time its last action ended, the measured bubble (idle share of all ranks' time up to the
+    last end), the schedule's simulated and theoretical bubbles, and with ticks the measured
+    Timeline (`format_schedule(schedule, timeline)` draws it)."""
+    schedule: str
+    measure: str
+    busy: tuple
+    end: tuple
+    bubble: float
+    simulated: float
+    theoretical: float
+    timeline: object = None
+
+    def __str__(self):
+        return (f"{self.schedule}: bubble {self.bubble:.1%} measured in {self.measure}, "
+                f"{self.simulated:.1%} simulated, {self.theoretical:.1%} in theory")
+
+
+def pipeline(model, mesh, dim="pp", schedule="1f1b", microbatches=1, virtual_stages=None,
+             layers=None, data_parallel="replicate", parts=None):
+    """Cut `model` into pipeline stages over mesh dimension `dim` and return the `Pipeline`
+    holding this rank's stages; the model's other blocks are dropped on this rank.
+
+    `model`: built from cupytp.nn with its parameters on the mesh without `dim` (`mesh["dp",
+    "tp"]`, tensor parallelism applied there), or on one rank (then Replicated on it); its
+    `pipeline_parts()` (or `parts`, a DecoderParts) says where its embeddings, blocks and head
+    are. `schedule`: "gpipe", "1f1b", "interleaved_1f1b" (`virtual_stages` per rank, default 2)
+    or "zb_h1", or a Schedule; `microbatches` per step. `layers`: blocks per stage (default:
+    balanced by parameter count). `data_parallel` on the mesh's "dp" dimension: "replicate"
+    (gradients all-reduced as they are accumulated) or "fully_shard" (each stage sharded by
+    `fully_shard`)."""
+    return Pipeline(model, mesh, dim, schedule, microbatches, virtual_stages, layers,
+                    data_parallel, parts)
+
+
+class Pipeline(Module):
+    """This rank's stages of a pipelined model (see `pipeline()`). As a Module it holds them
+    under the unpipelined model's names (`named_parameters()`, `state_dict()`: what this rank
+    trains and saves). `step(inputs, targets)` runs the schedule: forward and backward of every
+    micro-batch, gradients accumulated into the parameters, the batch's mean loss returned on
+    every rank. `schedule` is the Schedule table, `stages` this rank's PipelineStages,
+    `pp_group` the ProcessGroup along the pipeline (for clip_grad_norm_'s pp_group)."""
+
+    def __init__(self, model, mesh, dim, schedule, microbatches, virtual_stages, layers,
+                 data_parallel, parts):
+        super().__init__()
+        if dim not in mesh.dim_names:
+            raise ValueError(f"pipeline: mesh {mesh} has no dimension {dim!r}; name the pipeline "
+                             f"dimension with dim= (its dimensions: {mesh.dim_names})")
+        if data_parallel not in DATA_PARALLEL:
+            raise ValueError(f"pipeline: data_parallel={data_parallel!r} is not one of "
+                             f"{DATA_PARALLEL}")
+        parts = parts if parts is not None else _parts_of(model)
+        pp = mesh.size(dim)
+        if not isinstance(schedule, schedules.Schedule):
+            schedule = schedules.make_schedule(schedule, pp, microbatches, virtual_stages)
+        elif schedule.pp != pp:
+            raise ValueError(f"pipeline: the schedule is for pp={schedule.pp}, the mesh has "
+                             f"{pp} ranks along {dim!r}")
+        others = [d for d in mesh.dim_names if d != dim]
+        set_ = object.__setattr__
+        set_(self, "mesh", mesh)
+        set_(self, "stage_mesh", mesh[others] if others else local_mesh())
+        set_(self, "pp_group", mesh.get_process_group(dim))
+        set_(self, "pp_rank", mesh.get_local_rank(dim))
+        set_(self, "schedule", schedule)
+        set_(self, "stats", None)
+        set_(self, "_parts", parts)
+        set_(self, "_shapes", {})           # batch signature -> shapes the stages receive
+        bounds = _bounds(model, parts, schedule.stages, layers)
+        set_(self, "layer_bounds", tuple(bounds))
+        mine = schedule.stages_of(self.pp_rank)
+        stages = {s: PipelineStage(model, parts, s, schedule.stages, *bounds[s]) for s in mine}
+        tied = [resolve(model, name) for name in parts.tied] if schedule.pp > 1 else []
+        keep = [name for s in mine for name in stage_module_names(
+            parts, s, schedule.stages, *bounds[s])]
+        prune(model, set(keep))
+        skeleton(model, keep, self)
+        for tensor in list(self.parameters()) + [b for _, b in self.named_buffers()] + tied:
+            _to_stage_mesh(tensor, self.stage_mesh)
+        holds_tie = self.pp_rank in (0, schedule.rank_of(schedule.stages - 1))
+        set_(self, "_tied", [(t, t.placements) for t in tied] if holds_tie else [])
+        for stage in stages.values():
+            _data_parallel(stage, self.stage_mesh, data_parallel)
+        set_(self, "stages", [stages[s] for s in mine])
+        set_(self, "_stage", stages)
+
+    def forward(self, *args, **kwargs):
+        raise TypeError("a Pipeline runs whole steps: call step(inputs, targets), not the model")
+
+    def __repr__(self):
+        return (f"Pipeline({self.schedule.name}, pp={self.schedule.pp}, rank {self.pp_rank}: "
+                f"{', '.join(map(repr, self.stages))})")
+
+    # ---- a step -------------------------------------------------------------------------------
+    def step(self, inputs, targets=None, measure=None):
+        """Run one step of the schedule on the batch `inputs` (token ids (B, T): a NumPy or
+        device array, the same on every rank) with `targets` (B, T), and return the batch's
+        mean loss, a 0-d DTensor on the stage mesh, on every rank. With gradients enabled every
+        parameter's gradient is accumulated (zero them between steps, as usual); inside
+        `no_grad()` only the forwards run. `measure`: "ticks" or "time" records the step's
+        bubble in `stats` (a PipelineStats)."""
+        if measure not in (None, "ticks", "time"):
+            raise ValueError(f"measure={measure!r} is not None, 'ticks' or 'time'")
+        if targets is None:
+            raise ValueError("step: the pipeline's last stage needs targets to compute the "
+                             "loss")
+        inputs, targets = _host_or_device(inputs, "inputs"), _host_or_device(targets, "targets")
+        m = self.schedule.microbatches
+        if inputs.ndim < 1 or inputs.shape[0] < m or targets.shape[:1] != inputs.shape[:1]:
+            raise ValueError(f"step: inputs {tuple(inputs.shape)} and targets "
+                             f"{tuple(targets.shape)} must share a batch dimension of at least "
+                             f"{m} rows (one per micro-batch)")
+        run = _Step(self, inputs, targets, measure)
+        run.execute()
+        return run.loss
+
+    def bubble(self):
+        """(measured bubble of the last step run with `measure`, or None; the schedule's
+        theoretical one)."""
+        measured = None if self.stats is None else self.stats.bubble
+        return measured, self.schedule.theoretical_bubble()
+
+
+# ---- construction helpers ---------------------------------------------------------------------
+def _parts_of(model):
+    parts = getattr(type(model), "pipeline_parts", None)
+    if parts is None:
+        raise TypeError(f"pipeline: {type(model).__name__} has no pipeline_parts(); pass "
+                        "parts=DecoderParts(...) naming its embeddings, blocks and head")
+    return model.pipeline_parts()
+
+
+def _bounds(model, parts, stages, layers):
+    """(start, stop) of every stage's blocks, after checking that every parameter of the model
+    belongs to some stage."""
+    blocks = resolve(model, parts.layers)
+    count = lambda names: sum(p.size for name in names  # noqa: E731
+                              for p in resolve(model, name).parameters())
+    tied = sum(resolve(model, name).size for name in parts.tied)
+    bounds = split_layers([sum(p.size for p in b.parameters()) for b in blocks], stages,
+                          count(parts.embed_modules), count(parts.head_modules) + tied, layers)
+    held = {id(resolve(model, name)) for name in parts.tied}
+    for s, (start, stop) in enumerate(bounds):
+        for name in stage_module_names(parts, s, stages, start, stop):
+            held.update(id(p) for p in resolve(model, name).parameters())
+    missing = [name for name, p in model.named_parameters() if id(p) not in held]
+    if missing:
+        raise ValueError(f"pipeline: parameters {missing[:4]} belong to no stage: name their "
+                         "modules in the pipeline parts (embed_modules or head_modules)")
+    return bounds
+
+
+def _to_stage_mesh(tensor, stage_mesh):
+    """Put `tensor` on the stage mesh: as it is when it lives there, Replicated when it lives
+    on one rank."""
+    if tensor.mesh == stage_mesh:
+        return
+    if tensor.mesh.size() != 1:
+        raise ValueError(f"pipeline: a parameter lives on {tensor.mesh}, not on the stage mesh "
+                         f"{stage_mesh} (the mesh without the pipeline dimension): build the "
+                         "model on it, or on one rank")
+    relayout(tensor, stage_mesh, (Replicated(),) * stage_mesh.ndim)
+
+
+def _data_parallel(stage, stage_mesh, mode):
+    """The one place the pipeline applies data parallelism to a stage: "replicate" needs
+    nothing (a parameter Replicated on "dp" gets its gradient all-reduced as it is
+    accumulated); "fully_shard" shards the stage over "dp"."""
+    if mode == "fully_shard":
+        if "dp" not in stage_mesh.dim_names:
+            raise ValueError("pipeline: data_parallel='fully_shard' needs a 'dp' mesh dimension")
+        fully_shard(stage, stage_mesh, dim="dp")
+
+
+def _host_or_device(array, what):
+    if isinstance(array, DTensor):
+        array = array.full_tensor()
+    if isinstance(array, (numpy.ndarray, backend.xp.ndarray)):
+        return array
+    raise TypeError(f"step: {what} must be a NumPy or device array (or a DTensor), got "
+                    f"{type(array).__name__}")
+
+
+# ---- one step: the schedule's actions run in order ----------------------------------------------
+class _Step:
+    """The state of one step while its actions run: each stage's inputs and outputs by
+    micro-batch, the transfers in flight, the deferred weight gradients, the clock."""
+
+    def __init__(self, pipe, inputs, targets, measure):
+        self.pipe, self.schedule = pipe, pipe.schedule
+        self.training = engine.is_grad_enabled()
+        self.measure = measure
+        m = self.schedule.microbatches
+        self.rows = numpy.array_split(numpy.arange(inputs.shape[0]), m)
+        self.inputs, self.targets = inputs, targets
+        self.weights = _loss_weights(targets, self.rows, pipe._parts.ignore_index)
+        signature = (tuple(inputs.shape), str(inputs.dtype), tuple(targets.shape),
+                     str(targets.dtype))
+        self.learning = signature not in pipe._shapes     # shapes to learn from the senders
+        self.shapes = pipe._shapes.setdefault(signature, {})
+        self.x, self.out, self.grads, self.deferred = {}, {}, {}, {}
+        self.receiving = {}           # transfer (kind, stage, micro-batch) -> (Work, index)
+        self.sending = []             # Works of sends in flight
+        self.loss_local = None
+        self.clock, self.busy, self.starts = 0, 0, []
+
+    # -- the loop ----------------------------------------------------------------------------
+    def execute(self):
+        pipe = self.pipe
+        actions = self.schedule.actions[pipe.pp_rank]
+        if not self.training:
+            actions = [a for a in actions if a.kind in (schedules.FORWARD, schedules.SEND_F,
+                                                          schedules.RECV_F)]
+        self._sync_tied_weights()
+        if self.measure == "time":
+            pipe.pp_group.barrier()
+        self.t0 = time.perf_counter()
+        batch = []
+        for action in actions:
+            if action.is_compute:
+                self._post(batch)
+                batch = []
+                self._compute(action)
+            else:
+                batch.append(action)
+        self._post(batch)
+        for work in self.sending:
+            work.wait()
+        if self.training:
+            self._reduce_tied_grads()
+        self._finish_loss()
+        if self.measure is not None:
+            self._record_stats()
+
+    def _compute(self, action):
+        run = {schedules.FORWARD: self._forward, schedules.BACKWARD: self._backward,
+               schedules.BACKWARD_INPUT: self._backward_input,
+               schedules.BACKWARD_WEIGHT: self._backward_weight}[action.kind]
+        start = self._now()
+        try:
+            run(action.stage, action.microbatch)
+        except (CollectiveTimeoutError, PipelineError):
+            raise
+        except Exception as err:
+            raise PipelineError(f"stage {action.stage} (pp rank {self.pipe.pp_rank}) failed in "
+                                f"{_NAMES[action.kind]} of micro-batch {action.microbatch}: "
+                                f"{type(err).__name__}: {err}") from err
+        self.starts.append((start, action))
+        if self.measure == "ticks":
+            self.clock += schedules.COSTS[action.kind]
+            self.busy += schedules.COSTS[action.kind]
+        elif self.measure == "time":
+            self.busy += self._now() - start
+
+    def _now(self):
+        if self.measure == "ticks":
+            return self.clock
+        if self.measure == "time":
+            if backend.on_gpu:
+                backend.synchronize()
+            return time.perf_counter() - self.t0
+        return None
+
+    # -- compute actions ---------------------------------------------------------------------
+    def _forward(self, s, k):
+        stage = self.pipe._stage[s]
+        if s == 0:
+            x = self._laid_out(self.inputs[self.rows[k]])
+        else:
+            x = self._received_input(s, k)
+        out = stage(x)
+        if stage.is_last:
+            loss = self.pipe._parts.loss(out, self._laid_out(self.targets[self.rows[k]]))
+            out = loss * self.weights[k]
+            if self.loss_local is None:
+                self.loss_local = backend.xp.array(out.to_local(), copy=True)
+            else:
+                self.loss_local += out.to_local()
+        if self.training:
+            self.x[(s, k)], self.out[(s, k)] = x, out
+        elif not stage.is_last:
+            self.out[(s, k)] = out
+
+    def _backward(self, s, k):
+        out = self.out.pop((s, k))
+        engine.backward(out, self._output_grad(s, k, out))
+
+    def _backward_input(self, s, k):
+        out = self.out.pop((s, k))
+        x = self.x[(s, k)]
+        inputs = [x] if s > 0 else []
+        self.deferred[(s, k)] = engine.backward(out, self._output_grad(s, k, out), inputs)
+
+    def _backward_weight(self, s, k):
+        self.deferred.pop((s, k)).run()
+
+    def _output_grad(self, s, k, out):
+        """The gradient of stage s's output for micro-batch k: 1 for the last stage's loss,
+        else the next stage's input gradient (received, or from this rank)."""
+        if self.pipe._stage[s].is_last:
+            return DTensor._make(backend.xp.ones(out.local_shape, out.dtype),
+                                 out.layout.with_placements(grad_placements(out.placements)))
+        layout = out.layout.with_placements(grad_placements(out.placements))
+        if self.schedule.rank_of(s + 1) == self.pipe.pp_rank:
+            local = self._input_grad(s + 1, k)
+        else:
+            local = self._take((schedules.SEND_B, s + 1, k))
+        return DTensor._make(local, layout)
+
+    def _input_grad(self, s, k):
+        """The local gradient of stage s's input for micro-batch k (zeros if none flowed)."""
+        x = self.x.pop((s, k))
+        return x.grad.to_local() if x.grad is not None else \
+            backend.xp.zeros(x.local_shape, x.dtype)
+
+    def _received_input(self, s, k):
+        """Stage s's input for micro-batch k as a leaf: the previous stage's output, received
+        or from this rank."""
+        if self.schedule.rank_of(s - 1) == self.pipe.pp_rank:
+            before = self.out[(s - 1, k)] if self.training else self.out.pop((s - 1, k))
+            local, layout = before.to_local(), before.layout
+        else:
+            shape, placements, _ = self.shapes[(s, k)]
+            local = self._take((schedules.SEND_F, s - 1, k))
+            layout = Layout(self.pipe.stage_mesh, shape, placements)
+        x = DTensor._make(local, layout)
+        x.requires_grad = self.training
+        return x
+
+    # -- communication -----------------------------------------------------------------------
+    def _post(self, batch):
+        """Post a batch of sends and receives as one batch_isend_irecv."""
+        if not batch:
+            return
+        group, sends, recvs, keys = self.pipe.pp_group, [], [], []
+        # sends first: a rank learning shapes tells its own before it waits to be told
+        for a in sorted(batch, key=lambda a: a.kind not in (schedules.SEND_F, schedules.SEND_B)):
+            peer = schedules._peer(a, self.schedule.pp)
+            if a.kind == schedules.SEND_F:
+                out = self.out[(a.stage, a.microbatch)]
+                if self.learning:
+                    self._tell_shape(out, (a.stage + 1, a.microbatch), peer)
+                sends.append((out.to_local(), peer))
+                if not self.training:
+                    del self.out[(a.stage, a.microbatch)]
+            elif a.kind == schedules.SEND_B:
+                sends.append((self._input_grad(a.stage, a.microbatch), peer))
+            elif a.kind == schedules.RECV_F:
+                if self.learning:
+                    self._learn_shape((a.stage, a.microbatch), peer)
+                shape, placements, dtype = self.shapes[(a.stage, a.microbatch)]
+                local = Layout(self.pipe.stage_mesh, shape, placements).local_shape
+                recvs.append((local, dtype, peer))
+                keys.append((schedules.SEND_F, a.stage - 1, a.microbatch))
+            else:
+                out = self.out[(a.stage, a.microbatch)]
+                recvs.append((out.local_shape, out.dtype, peer))
+                keys.append((schedules.SEND_B, a.stage + 1, a.microbatch))
+        work = group.batch_isend_irecv(sends, recvs)
+        if sends:
+            self.sending.append(work)
+        for index, key in enumerate(keys):
+            self.receiving[key] = (work, index)
+        if self.measure == "ticks":
+            self._exchange_ticks(batch)
+
+    def _take(self, transfer):
+        work, index = self.receiving.pop(transfer)
+        return work.wait()[index]
+
+    def _tell_shape(self, out, key, peer):
+        """Send the receiving stage the global shape, placements and dtype of what comes."""
+        request = self.pipe.pp_group.host_comm.isend(
+            (key, out.shape, out.placements, str(out.dtype)), dest=peer, tag=_META_TAG)
+        self.sending.append(_HostWork(request, self.pipe.pp_group, "the shape of an activation"))
+
+    def _learn_shape(self, key, peer):
+        request = self.pipe.pp_group.host_comm.irecv(source=peer, tag=_META_TAG)
+        told, shape, placements, dtype = _HostWork(
+            request, self.pipe.pp_group, f"the shape of stage {key[0]}'s input").wait()
+        if told != key:
+            raise PipelineError(f"pp rank {self.pipe.pp_rank} expected the input of stage "
+                                f"{key[0]}, micro-batch {key[1]}, and was told of {told}: the "
+                                "ranks run different schedules")
+        self.shapes[key] = (shape, placements, dtype)
+
+    def _exchange_ticks(self, batch):
+        """The Lamport clock: each send carries this rank's tick; a receive moves the clock to
+        the sender's tick when that is later."""
+        comm, requests, received = self.pipe.pp_group.host_comm, [], []
+        stamp = numpy.array([self.clock], dtype=numpy.int64)
+        for a in batch:
+            peer = schedules._peer(a, self.schedule.pp)
+            if a.kind in (schedules.SEND_F, schedules.SEND_B):
+                requests.append(comm.Isend(stamp, dest=peer, tag=_TICK_TAG))
+            else:
+                received.append(numpy.zeros(1, dtype=numpy.int64))
+                requests.append(comm.Irecv(received[-1], source=peer, tag=_TICK_TAG))
+        from cupytp.distributed.mpi_group import pending
+        pending(requests, self.pipe.pp_group, "the ticks of a pipeline transfer",
+                [stamp] + received).wait()
+        self.clock = max([self.clock] + [int(r[0]) for r in received])
+
+    # -- tied parameters (embeddings shared by the first and last stage) -------------------------
+    def _sync_tied_weights(self):
+        """The first stage sends the tied parameters to the last stage's copies."""
+        self._move_tied(lambda t, placements: t.to_local() if placements == t.placements else
+                        redistribute_local(t.to_local(), t.layout, placements)[0],
+                        lambda t, local: t.to_local().__setitem__(Ellipsis, local),
+                        from_first=True)
+
+    def _reduce_tied_grads(self):
+        """The last stage's gradients of its tied copies go to the first stage's parameters."""
+        def take(t, placements):
+            local = t.grad.to_local() if t.grad is not None else \
+                backend.xp.zeros(t.local_shape, t.dtype)
+            t.grad = None
+            return local
+
+        def add(t, local):
+            layout = t.layout.with_placements(grad_placements(self._tied_placements(t)))
+            t.accumulate_grad(DTensor._make(local, layout))
+        self._move_tied(take, add, from_first=False)
+
+    def _tied_placements(self, tensor):
+        return next(p for t, p in self.pipe._tied if t is tensor)
+
+    def _move_tied(self, give, take, from_first):
+        pipe = self.pipe
+        if not pipe._tied:
+            return
+        first, last = 0, self.schedule.rank_of(self.schedule.stages - 1)
+        source, target = (first, last) if from_first else (last, first)
+        group = pipe.pp_group
+        if pipe.pp_rank == source:
+            works = group.batch_isend_irecv([(give(t, p), target) for t, p in pipe._tied], [])
+            works.wait()
+        else:
+            shapes = [(Layout(t.mesh, t.shape, p).local_shape, t.dtype, source)
+                      for t, p in pipe._tied]
+            for (t, _), local in zip(pipe._tied, group.batch_isend_irecv([], shapes).wait()):
+                take(t, local)
+
+    # -- the loss and the statistics -----------------------------------------------------------
+    def _finish_loss(self):
+        """The batch's loss from the last stage, broadcast along the pipeline."""
+        pipe, group = self.pipe, self.pipe.pp_group
+        last = self.schedule.rank_of(self.schedule.stages - 1)
+        if self.learning:
+            dtype = group.broadcast_object(
+                str(self.loss_local.dtype) if self.loss_local is not None else None, src=last)
+            self.shapes["loss"] = dtype
+        local = self.loss_local if pipe.pp_rank == last else \
+            backend.xp.empty((), dtype=self.shapes["loss"])
+        local = group.broadcast(local, src=last)
+        self.loss = DTensor._make(local, Layout(pipe.stage_mesh, (), (Replicated(),) *
+                                                pipe.stage_mesh.ndim))
+
+    def _record_stats(self):
+        pipe = self.pipe
+        end = self.clock if self.measure == "ticks" else self._now()
+        everyone = pipe.pp_group.all_gather_object((self.busy, end, self.starts))
+        busy, ends, starts = zip(*everyone)
+        span = max(ends)
+        timeline = schedules.Timeline(tuple(tuple(s) for s in starts), tuple(busy), span) \
+            if self.measure == "ticks" else None
+        bubble = 1.0 - sum(busy) / (len(busy) * span) if span else 0.0
+        object.__setattr__(pipe, "stats", PipelineStats(
+            self.schedule.name, self.measure, tuple(busy), tuple(ends), bubble,
+            self.schedule.timeline.bubble, self.schedule.theoretical_bubble(), timeline))
+
+    def _laid_out(self, array):
+        """A micro-batch's rows on the stage mesh: Shard(0) on "dp", Replicated on the rest;
+        this rank keeps its own block."""
+        mesh = self.pipe.stage_mesh
+        placements = tuple(Shard(0) if name == "dp" else Replicated() for name in mesh.dim_names)
+        layout = Layout(mesh, array.shape, placements)
+        offsets, shape = layout.local_block()
+        block = array[tuple(slice(o, o + n) for o, n in zip(offsets, shape))]
+        return DTensor._make(backend.xp.ascontiguousarray(backend.asarray(block)), layout)
+
+
+_NAMES = {schedules.FORWARD: "the forward", schedules.BACKWARD: "the backward",
+          schedules.BACKWARD_INPUT: "the input-gradient backward",
+          schedules.BACKWARD_WEIGHT: "the weight-gradient backward"}
+
+
+def _loss_weights(targets, rows, ignore_index):
+    """Each micro-batch's share of the batch's counted targets (those != ignore_index)."""
+    counts = [float((targets[r] != ignore_index).sum()) for r in rows]
+    total = sum(counts) or 1.0
+    return [c / total for c in counts]
+
+
+class _HostWork:
+    """A pickled host message (mpi4py's isend/irecv) waited for against the group's timeout."""
+
+    def __init__(self, request, group, what):
+        self.request, self.group, self.what = request, group, what
+
+    def wait(self):
+        deadline = time.monotonic() + self.group.timeout
+        while True:
+            done, value = self.request.test()
+            if done:
+                return value
+            if time.monotonic() > deadline:
+                raise CollectiveTimeoutError(
+                    f"{self.group.describe(self.what)} did not arrive within "
+                    f"{self.group.timeout:g} s (CUPYTP_TIMEOUT): a pipeline rank skipped it "
+                    "or is stuck")
+            time.sleep(1e-4)
