@@ -12,9 +12,12 @@ stage's backward stops there and its gradient is what goes back.
 Every rank passes the whole batch to `step()` (the same on every rank: it lays out its own
 rows); micro-batch k is rows k of an array_split of it, and its loss counts by its share of the
 batch's targets, so a step's loss and gradients are those of the batch without a pipeline.
-The shapes a stage receives are learned in the first step with a new batch shape (the sender
-tells them over MPI) and kept.
+The shapes a stage receives are learned before the first step with a new batch shape: each
+stage in turn runs its forward on zeros of its input's shape (no gradients, the random
+generator left as it was) and tells the next stage's rank what it makes, over MPI. The pass
+goes stage after stage, one way, so it cannot wait in a circle as the step's transfers could.
 """
+import contextlib
 import dataclasses
 import time
 
@@ -29,7 +32,7 @@ from cupytp.parallel.pipeline import schedules
 from cupytp.parallel.pipeline.stages import (
     PipelineStage, prune, resolve, skeleton, split_layers, stage_module_names)
 from cupytp.parallel.tensor_parallel import relayout
-from cupytp.tensor import DTensor, Replicated, Shard, local_mesh
+from cupytp.tensor import DTensor, Replicated, Shard, default_generator, local_mesh
 from cupytp.tensor.layout import Layout
 from cupytp.tensor.redistribute import grad_placements, redistribute_local
 
@@ -98,6 +101,9 @@ class Pipeline(Module):
         if data_parallel not in DATA_PARALLEL:
             raise ValueError(f"pipeline: data_parallel={data_parallel!r} is not one of "
                              f"{DATA_PARALLEL}")
+        others = [d for d in mesh.dim_names if d != dim]
+        if data_parallel == "fully_shard" and "dp" not in others:
+            raise ValueError("pipeline: data_parallel='fully_shard' needs a 'dp' mesh dimension")
         parts = parts if parts is not None else _parts_of(model)
         pp = mesh.size(dim)
         if not isinstance(schedule, schedules.Schedule):
@@ -105,7 +111,6 @@ class Pipeline(Module):
         elif schedule.pp != pp:
             raise ValueError(f"pipeline: the schedule is for pp={schedule.pp}, the mesh has "
                              f"{pp} ranks along {dim!r}")
-        others = [d for d in mesh.dim_names if d != dim]
         set_ = object.__setattr__
         set_(self, "mesh", mesh)
         set_(self, "stage_mesh", mesh[others] if others else local_mesh())
@@ -216,8 +221,6 @@ def _data_parallel(stage, stage_mesh, mode):
     nothing (a parameter Replicated on "dp" gets its gradient all-reduced as it is
     accumulated); "fully_shard" shards the stage over "dp"."""
     if mode == "fully_shard":
-        if "dp" not in stage_mesh.dim_names:
-            raise ValueError("pipeline: data_parallel='fully_shard' needs a 'dp' mesh dimension")
         fully_shard(stage, stage_mesh, dim="dp")
 
 
@@ -245,8 +248,9 @@ class _Step:
         self.weights = _loss_weights(targets, self.rows, pipe._parts.ignore_index)
         signature = (tuple(inputs.shape), str(inputs.dtype), tuple(targets.shape),
                      str(targets.dtype))
-        self.learning = signature not in pipe._shapes     # shapes to learn from the senders
-        self.shapes = pipe._shapes.setdefault(signature, {})
+        if signature not in pipe._shapes:
+            pipe._shapes[signature] = self._learn_shapes()
+        self.shapes = pipe._shapes[signature]
         self.x, self.out, self.grads, self.deferred = {}, {}, {}, {}
         self.receiving = {}           # transfer (kind, stage, micro-batch) -> (Work, index)
         self.sending = []             # Works of sends in flight
@@ -286,14 +290,9 @@ class _Step:
                schedules.BACKWARD_INPUT: self._backward_input,
                schedules.BACKWARD_WEIGHT: self._backward_weight}[action.kind]
         start = self._now()
-        try:
+        with _named_errors(action.stage, self.pipe.pp_rank, _NAMES[action.kind],
+                           action.microbatch):
             run(action.stage, action.microbatch)
-        except (CollectiveTimeoutError, PipelineError):
-            raise
-        except Exception as err:
-            raise PipelineError(f"stage {action.stage} (pp rank {self.pipe.pp_rank}) failed in "
-                                f"{_NAMES[action.kind]} of micro-batch {action.microbatch}: "
-                                f"{type(err).__name__}: {err}") from err
         self.starts.append((start, action))
         if self.measure == "ticks":
             self.clock += schedules.COSTS[action.kind]
@@ -382,21 +381,16 @@ class _Step:
         if not batch:
             return
         group, sends, recvs, keys = self.pipe.pp_group, [], [], []
-        # sends first: a rank learning shapes tells its own before it waits to be told
-        for a in sorted(batch, key=lambda a: a.kind not in (schedules.SEND_F, schedules.SEND_B)):
+        for a in batch:
             peer = schedules._peer(a, self.schedule.pp)
             if a.kind == schedules.SEND_F:
                 out = self.out[(a.stage, a.microbatch)]
-                if self.learning:
-                    self._tell_shape(out, (a.stage + 1, a.microbatch), peer)
                 sends.append((out.to_local(), peer))
                 if not self.training:
                     del self.out[(a.stage, a.microbatch)]
             elif a.kind == schedules.SEND_B:
                 sends.append((self._input_grad(a.stage, a.microbatch), peer))
             elif a.kind == schedules.RECV_F:
-                if self.learning:
-                    self._learn_shape((a.stage, a.microbatch), peer)
                 shape, placements, dtype = self.shapes[(a.stage, a.microbatch)]
                 local = Layout(self.pipe.stage_mesh, shape, placements).local_shape
                 recvs.append((local, dtype, peer))
@@ -417,21 +411,46 @@ class _Step:
         work, index = self.receiving.pop(transfer)
         return work.wait()[index]
 
-    def _tell_shape(self, out, key, peer):
-        """Send the receiving stage the global shape, placements and dtype of what comes."""
-        request = self.pipe.pp_group.host_comm.isend(
-            (key, out.shape, out.placements, str(out.dtype)), dest=peer, tag=_META_TAG)
-        self.sending.append(_HostWork(request, self.pipe.pp_group, "the shape of an activation"))
-
-    def _learn_shape(self, key, peer):
-        request = self.pipe.pp_group.host_comm.irecv(source=peer, tag=_META_TAG)
-        told, shape, placements, dtype = _HostWork(
-            request, self.pipe.pp_group, f"the shape of stage {key[0]}'s input").wait()
-        if told != key:
-            raise PipelineError(f"pp rank {self.pipe.pp_rank} expected the input of stage "
-                                f"{key[0]}, micro-batch {key[1]}, and was told of {told}: the "
-                                "ranks run different schedules")
-        self.shapes[key] = (shape, placements, dtype)
+    def _learn_shapes(self):
+        """{(stage, micro-batch): (shape, placements, dtype) of its input} for the stages whose
+        input comes from another rank, and the loss's dtype under "loss" (module docstring)."""
+        pipe, schedule = self.pipe, self.schedule
+        comm, shapes, told = pipe.pp_group.host_comm, {}, []
+        state = default_generator.get_state()
+        try:
+            with engine.no_grad():
+                for s in schedule.stages_of(pipe.pp_rank):
+                    before = schedule.rank_of(s - 1) if s > 0 else None
+                    for k, rows in enumerate(self.rows):
+                        if s == 0:
+                            x = self._laid_out(self.inputs[rows])
+                        else:
+                            if before != pipe.pp_rank:
+                                shapes[(s, k)] = _HostWork(
+                                    comm.irecv(source=before, tag=_META_TAG), pipe.pp_group,
+                                    f"the shape of stage {s}'s input").wait()
+                            shape, placements, dtype = shapes[(s, k)]
+                            layout = Layout(pipe.stage_mesh, shape, placements)
+                            x = DTensor._make(backend.xp.zeros(layout.local_shape, dtype), layout)
+                        with _named_errors(s, pipe.pp_rank, "the forward (learning shapes)", k):
+                            out = pipe._stage[s](x)
+                            if s == schedule.stages - 1:
+                                targets = self._laid_out(self.targets[rows])
+                                shapes["loss"] = str(pipe._parts.loss(out, targets).dtype)
+                                continue
+                        shapes[(s + 1, k)] = (out.shape, out.placements, str(out.dtype))
+                        if schedule.rank_of(s + 1) != pipe.pp_rank:
+                            told.append(_HostWork(comm.isend(shapes[(s + 1, k)],
+                                                             dest=schedule.rank_of(s + 1),
+                                                             tag=_META_TAG),
+                                                  pipe.pp_group, "the shape of an activation"))
+        finally:
+            default_generator.set_state(state)
+        for work in told:
+            work.wait()
+        last = schedule.rank_of(schedule.stages - 1)
+        shapes["loss"] = pipe.pp_group.broadcast_object(shapes.get("loss"), src=last)
+        return shapes
 
     def _exchange_ticks(self, batch):
         """The Lamport clock: each send carries this rank's tick; a receive moves the clock to
@@ -495,10 +514,6 @@ class _Step:
         """The batch's loss from the last stage, broadcast along the pipeline."""
         pipe, group = self.pipe, self.pipe.pp_group
         last = self.schedule.rank_of(self.schedule.stages - 1)
-        if self.learning:
-            dtype = group.broadcast_object(
-                str(self.loss_local.dtype) if self.loss_local is not None else None, src=last)
-            self.shapes["loss"] = dtype
         local = self.loss_local if pipe.pp_rank == last else \
             backend.xp.empty((), dtype=self.shapes["loss"])
         local = group.broadcast(local, src=last)
@@ -527,6 +542,19 @@ class _Step:
         offsets, shape = layout.local_block()
         block = array[tuple(slice(o, o + n) for o, n in zip(offsets, shape))]
         return DTensor._make(backend.xp.ascontiguousarray(backend.asarray(block)), layout)
+
+
+@contextlib.contextmanager
+def _named_errors(stage, rank, what, microbatch):
+    """An error inside becomes a PipelineError naming the stage, the action and the
+    micro-batch (a timeout or a PipelineError passes as it is)."""
+    try:
+        yield
+    except (CollectiveTimeoutError, PipelineError):
+        raise
+    except Exception as err:
+        raise PipelineError(f"stage {stage} (pp rank {rank}) failed in {what} of micro-batch "
+                            f"{microbatch}: {type(err).__name__}: {err}") from err
 
 
 _NAMES = {schedules.FORWARD: "the forward", schedules.BACKWARD: "the backward",
