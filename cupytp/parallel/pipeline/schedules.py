@@ -78,6 +78,7 @@ class Schedule:
         self.actions = tuple(tuple(rank) for rank in actions)
         self._check()
         self.timeline = simulate(self)
+        simulate(self, blocking=True)
 
     @classmethod
     def from_compute(cls, name, pp, virtual_stages, microbatches, compute):
@@ -113,9 +114,9 @@ class Schedule:
 
     # ---- checks ---------------------------------------------------------------------------------
     def _check(self):
-        """Every stage runs F and its backward for every micro-batch once, on its own rank; the
-        transfers between each pair of ranks match in order; the table runs to its end with
-        NCCL's grouped sends and receives."""
+        """Every stage runs F and its backward for every micro-batch once, on its own rank, and
+        the transfers between each pair of ranks match in order (the constructor then runs the
+        table, with sends that never wait and with NCCL's grouped sends and receives)."""
         if len(self.actions) != self.pp:
             raise ScheduleError(f"{self.name}: {len(self.actions)} rank lists for pp={self.pp}")
         split = self.splits_backward
@@ -137,7 +138,6 @@ class Schedule:
                 raise ScheduleError(f"{self.name}: rank {rank} lacks {missing} or runs actions "
                                     "of another kind of backward")
         _check_fifo(self)
-        simulate(self, blocking=True)
 
 
 # ---- communication --------------------------------------------------------------------------------
