@@ -14,7 +14,7 @@ import cupytp
 from cupytp import checkpoint
 from cupytp.debug import CommTracer
 from cupytp.models.gpt2 import GPT2, GPT2Config
-from cupytp.optim import AdamW, clip_grad_norm_, decay_groups
+from cupytp.optim import AdamW, GradScaler, clip_grad_norm_, decay_groups
 from cupytp.parallel import pipeline
 from cupytp.parallel.pipeline import PipelineError, format_schedule
 from cupytp.tensor import Replicated, local_mesh
@@ -141,6 +141,29 @@ def test_forward_only_step_gives_the_loss(pp_mesh):
             loss = pipe.step(IDS[:, :-1], IDS[:, 1:])
             numpy.testing.assert_allclose(full(loss), full(expected), **TOLERANCE)
             assert all(p.grad is None for p in pipe.parameters())
+
+
+def test_loss_scaling_scales_every_stage_and_skips_everywhere(pp_mesh):
+    """With a GradScaler the last stage's losses are scaled before their backward, so every
+    stage's gradients are scale times the unscaled ones; a non-finite gradient on the first
+    stage only makes every stage skip the step and halve the scale."""
+    plain = pipeline(gpt2(CONFIG), pp_mesh, microbatches=2)
+    plain.step(IDS[:, :-1], IDS[:, 1:])
+    pipe = pipeline(gpt2(CONFIG), pp_mesh, microbatches=2)
+    scaler = GradScaler(init_scale=8.0, pp_group=pipe.pp_group)
+    adam = optimizer(pipe.named_parameters())
+    before = {n: full(p) for n, p in pipe.named_parameters()}
+    loss = pipe.step(IDS[:, :-1], IDS[:, 1:], scaler=scaler)
+    numpy.testing.assert_allclose(full(loss), dense(CONFIG)[0][0], **TOLERANCE)
+    for p, q in zip(pipe.parameters(), plain.parameters()):
+        numpy.testing.assert_array_equal(full(p.grad), 8.0 * full(q.grad))
+    if pipe.pp_rank == 0:
+        pipe.parameters()[0].grad.to_local()[0] = numpy.inf
+    scaler.step(adam)
+    scaler.update()
+    assert scaler.get_scale() == 4.0
+    for name, p in pipe.named_parameters():
+        numpy.testing.assert_array_equal(full(p), before[name], err_msg=name)
 
 
 def test_comm_tracer_counts_the_point_to_point_traffic(pp_mesh, world):

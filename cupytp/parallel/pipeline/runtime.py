@@ -146,13 +146,15 @@ class Pipeline(Module):
                 f"{', '.join(map(repr, self.stages))})")
 
     # ---- a step -------------------------------------------------------------------------------
-    def step(self, inputs, targets=None, measure=None):
+    def step(self, inputs, targets=None, measure=None, scaler=None):
         """Run one step of the schedule on the batch `inputs` (token ids (B, T): a NumPy or
         device array, the same on every rank) with `targets` (B, T), and return the batch's
         mean loss, a 0-d DTensor on the stage mesh, on every rank. With gradients enabled every
         parameter's gradient is accumulated (zero them between steps, as usual); inside
         `no_grad()` only the forwards run. `measure`: "ticks" or "time" records the step's
-        bubble in `stats` (a PipelineStats)."""
+        bubble in `stats` (a PipelineStats). `scaler`: a GradScaler (made with this pipeline's
+        pp_group) whose scale the last stage's losses are multiplied by before their backward
+        (the loss returned is not)."""
         if measure not in (None, "ticks", "time"):
             raise ValueError(f"measure={measure!r} is not None, 'ticks' or 'time'")
         if targets is None:
@@ -164,7 +166,7 @@ class Pipeline(Module):
             raise ValueError(f"step: inputs {tuple(inputs.shape)} and targets "
                              f"{tuple(targets.shape)} must share a batch dimension of at least "
                              f"{m} rows (one per micro-batch)")
-        run = _Step(self, inputs, targets, measure)
+        run = _Step(self, inputs, targets, measure, scaler)
         run.execute()
         return run.loss
 
@@ -238,12 +240,15 @@ class _Step:
     """The state of one step while its actions run: each stage's inputs and outputs by
     micro-batch, the transfers in flight, the deferred weight gradients, the clock."""
 
-    def __init__(self, pipe, inputs, targets, measure):
+    def __init__(self, pipe, inputs, targets, measure, scaler):
         self.pipe, self.schedule = pipe, pipe.schedule
+        self.scaler = scaler
         self.training = engine.is_grad_enabled()
         self.measure = measure
         m = self.schedule.microbatches
-        self.rows = numpy.array_split(numpy.arange(inputs.shape[0]), m)
+        starts = numpy.cumsum([0] + [len(r) for r in numpy.array_split(
+            numpy.arange(inputs.shape[0]), m)])
+        self.rows = [slice(a, b) for a, b in zip(starts[:-1], starts[1:])]
         self.inputs, self.targets = inputs, targets
         self.weights = _loss_weights(targets, self.rows, pipe._parts.ignore_index)
         signature = (tuple(inputs.shape), str(inputs.dtype), tuple(targets.shape),
@@ -253,6 +258,7 @@ class _Step:
         self.shapes = pipe._shapes[signature]
         self.x, self.out, self.grads, self.deferred = {}, {}, {}, {}
         self.receiving = {}           # transfer (kind, stage, micro-batch) -> (Work, index)
+        self.arrived = {}             # transfer -> its array, waited for
         self.sending = []             # Works of sends in flight
         self.loss_local = None
         self.clock, self.busy, self.starts = 0, 0, []
@@ -289,6 +295,7 @@ class _Step:
         run = {schedules.FORWARD: self._forward, schedules.BACKWARD: self._backward,
                schedules.BACKWARD_INPUT: self._backward_input,
                schedules.BACKWARD_WEIGHT: self._backward_weight}[action.kind]
+        self._await_inputs(action)        # waiting for a peer is idle time, not the action's
         start = self._now()
         with _named_errors(action.stage, self.pipe.pp_rank, _NAMES[action.kind],
                            action.microbatch):
@@ -319,11 +326,17 @@ class _Step:
         out = stage(x)
         if stage.is_last:
             loss = self.pipe._parts.loss(out, self._laid_out(self.targets[self.rows[k]]))
-            out = loss * self.weights[k]
+            weight = self.weights[k]
+            if not isinstance(weight, float):      # counted on the device: no host sync
+                weight = DTensor._make(weight.astype(loss.dtype), loss.layout.with_placements(
+                    (Replicated(),) * loss.mesh.ndim))
+            out = loss * weight
             if self.loss_local is None:
                 self.loss_local = backend.xp.array(out.to_local(), copy=True)
             else:
                 self.loss_local += out.to_local()
+            if self.scaler is not None and self.training:
+                out = self.scaler.scale(out)
         if self.training:
             self.x[(s, k)], self.out[(s, k)] = x, out
         elif not stage.is_last:
@@ -407,9 +420,24 @@ class _Step:
         if self.measure == "ticks":
             self._exchange_ticks(batch)
 
+    def _await_inputs(self, action):
+        """Wait for the transfers `action` reads (a received input or output gradient)."""
+        s, k, rank_of = action.stage, action.microbatch, self.schedule.rank_of
+        if action.kind == schedules.FORWARD and s > 0 and rank_of(s - 1) != self.pipe.pp_rank:
+            self._await((schedules.SEND_F, s - 1, k))
+        elif action.kind in (schedules.BACKWARD, schedules.BACKWARD_INPUT) and \
+                s < self.schedule.stages - 1 and rank_of(s + 1) != self.pipe.pp_rank:
+            self._await((schedules.SEND_B, s + 1, k))
+
+    def _await(self, transfer):
+        if transfer in self.receiving:
+            work, index = self.receiving.pop(transfer)
+            self.arrived[transfer] = work.wait()[index]
+
     def _take(self, transfer):
-        work, index = self.receiving.pop(transfer)
-        return work.wait()[index]
+        """The array a transfer brought."""
+        self._await(transfer)
+        return self.arrived.pop(transfer)
 
     def _learn_shapes(self):
         """{(stage, micro-batch): (shape, placements, dtype) of its input} for the stages whose
@@ -563,9 +591,16 @@ _NAMES = {schedules.FORWARD: "the forward", schedules.BACKWARD: "the backward",
 
 
 def _loss_weights(targets, rows, ignore_index):
-    """Each micro-batch's share of the batch's counted targets (those != ignore_index)."""
-    counts = [float((targets[r] != ignore_index).sum()) for r in rows]
-    total = sum(counts) or 1.0
+    """Each micro-batch's share of the batch's counted targets (those != ignore_index): floats
+    for host targets, 0-d float64 device arrays for device targets (counted there, with no
+    host synchronization, so a captured CUDA graph counts each replay's)."""
+    if isinstance(targets, numpy.ndarray):
+        counts = [float((targets[r] != ignore_index).sum()) for r in rows]
+        total = sum(counts) or 1.0
+        return [c / total for c in counts]
+    xp = backend.xp
+    counts = [(targets[r] != ignore_index).sum(dtype=xp.float64) for r in rows]
+    total = xp.maximum(sum(counts), 1.0)
     return [c / total for c in counts]
 
 
