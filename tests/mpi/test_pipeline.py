@@ -215,7 +215,7 @@ def test_bad_arguments_are_one_clear_error(pp_mesh, world):
         pipeline(cupytp.nn.DLinear(4, 4), pp_mesh)
 
 
-# ---- 2-D meshes (4 ranks) -----------------------------------------------------------------------
+# ---- 2-D meshes (4 ranks) ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def four(world):
     if world.world_size != 4:
@@ -243,7 +243,7 @@ def test_pp_x_dp_trains_like_one_rank(four, data_parallel, schedule):
     assert_trains_like_one_rank(pipe, CONFIG)
 
 
-# ---- checkpoints ----------------------------------------------------------------------------------
+# ---- checkpoints ---------------------------------------------------------------------------------
 def test_checkpoint_saved_at_pp2_loads_at_pp1_and_pp4(world, shared_dir):
     """Saved by a pp=2 pipeline (pp x dp on 4 ranks), a checkpoint holds the unpipelined names
     and loads into a model without pipeline and into a pp=4 pipeline, which then take the same
@@ -278,3 +278,33 @@ def test_checkpoint_saved_at_pp2_loads_at_pp1_and_pp4(world, shared_dir):
         checkpoint.load(shared_dir, four_stages, adam4)
         numpy.testing.assert_allclose(train(four_stages, 2, adam=adam4)[0], later,
                                       **TOLERANCE)
+
+
+# ---- GPUs ----------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not cupytp.backend.on_gpu, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_captured_pipeline_steps_equal_eager_ones(pp_mesh, schedule):
+    """A whole step (the schedule's transfers on NCCL, clipping over pp, AdamW) captured as a
+    CUDA graph and replayed gives the eager steps' losses and parameters (device inputs: the
+    loss weights are counted on the device)."""
+    xp = cupytp.backend.xp
+
+    def run(captured):
+        pipe = pipeline(gpt2(UNTIED), pp_mesh, schedule=schedule, microbatches=2)
+        adam = optimizer(pipe.named_parameters())
+
+        def step(x, y):
+            loss = pipe.step(x, y)
+            clip_grad_norm_(pipe.parameters(), 0.5, pp_group=pipe.pp_group)
+            adam.step()
+            adam.zero_grad()
+            return loss
+        fn = cupytp.cuda_graph(step, warmup=2) if captured else step
+        losses = [full(fn(xp.asarray(IDS[:, :-1]), xp.asarray(IDS[:, 1:]))) for _ in range(6)]
+        return numpy.array(losses), gathered(pipe)
+    eager, captured = run(False), run(True)
+    numpy.testing.assert_allclose(captured[0], eager[0], rtol=1e-10)
+    for name, value in eager[1].items():
+        numpy.testing.assert_allclose(captured[1][name], value, rtol=1e-10, err_msg=name)
+    assert eager[0][-1] < eager[0][0]

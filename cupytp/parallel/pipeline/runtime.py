@@ -25,7 +25,7 @@ import numpy
 
 from cupytp import backend
 from cupytp.autograd import engine
-from cupytp.distributed.process_group import CollectiveTimeoutError
+from cupytp.distributed.process_group import CollectiveTimeoutError, split_sizes
 from cupytp.nn.module import Module
 from cupytp.parallel.fully_shard import fully_shard
 from cupytp.parallel.pipeline import schedules
@@ -170,12 +170,6 @@ class Pipeline(Module):
         run.execute()
         return run.loss
 
-    def bubble(self):
-        """(measured bubble of the last step run with `measure`, or None; the schedule's
-        theoretical one)."""
-        measured = None if self.stats is None else self.stats.bubble
-        return measured, self.schedule.theoretical_bubble()
-
 
 # ---- construction helpers ---------------------------------------------------------------------
 def _parts_of(model):
@@ -189,13 +183,20 @@ def _parts_of(model):
 def _bounds(model, parts, stages, layers):
     """(start, stop) of every stage's blocks, after checking that every parameter of the model
     belongs to some stage."""
+    def params(names):
+        return {id(p): p for name in names for p in resolve(model, name).parameters()}
+
     blocks = resolve(model, parts.layers)
-    count = lambda names: sum(p.size for name in names  # noqa: E731
-                              for p in resolve(model, name).parameters())
-    tied = sum(resolve(model, name).size for name in parts.tied)
+    tied = {id(t): t for t in (resolve(model, name) for name in parts.tied)}
+    head = params(parts.head_modules)
+    if set(tied) & set(head) or not set(tied) <= set(params(parts.embed_modules)):
+        raise ValueError(f"pipeline: the tied parameters {list(parts.tied)} must belong to the "
+                         "embedding modules and be reached by the head only through them")
     bounds = split_layers([sum(p.size for p in b.parameters()) for b in blocks], stages,
-                          count(parts.embed_modules), count(parts.head_modules) + tied, layers)
-    held = {id(resolve(model, name)) for name in parts.tied}
+                          sum(p.size for p in params(parts.embed_modules).values()),
+                          sum(p.size for p in list(head.values()) + list(tied.values())),
+                          layers)
+    held = set(tied)
     for s, (start, stop) in enumerate(bounds):
         for name in stage_module_names(parts, s, stages, start, stop):
             held.update(id(p) for p in resolve(model, name).parameters())
@@ -245,9 +246,7 @@ class _Step:
         self.scaler = scaler
         self.training = engine.is_grad_enabled()
         self.measure = measure
-        m = self.schedule.microbatches
-        starts = numpy.cumsum([0] + [len(r) for r in numpy.array_split(
-            numpy.arange(inputs.shape[0]), m)])
+        starts = numpy.cumsum([0] + split_sizes(inputs.shape[0], self.schedule.microbatches))
         self.rows = [slice(a, b) for a, b in zip(starts[:-1], starts[1:])]
         self.inputs, self.targets = inputs, targets
         self.weights = _loss_weights(targets, self.rows, pipe._parts.ignore_index)
@@ -256,12 +255,12 @@ class _Step:
         if signature not in pipe._shapes:
             pipe._shapes[signature] = self._learn_shapes()
         self.shapes = pipe._shapes[signature]
-        self.x, self.out, self.grads, self.deferred = {}, {}, {}, {}
+        self.x, self.out, self.deferred = {}, {}, {}
         self.receiving = {}           # transfer (kind, stage, micro-batch) -> (Work, index)
         self.arrived = {}             # transfer -> its array, waited for
         self.sending = []             # Works of sends in flight
         self.loss_local = None
-        self.clock, self.busy, self.starts = 0, 0, []
+        self.clock, self.busy, self.starts, self.t0 = 0, 0, [], time.perf_counter()
 
     # -- the loop ----------------------------------------------------------------------------
     def execute(self):
@@ -345,11 +344,15 @@ class _Step:
     def _backward(self, s, k):
         out = self.out.pop((s, k))
         engine.backward(out, self._output_grad(s, k, out))
+        if s == 0:
+            del self.x[(s, k)]            # token ids: no gradient to send
 
     def _backward_input(self, s, k):
+        """The input's gradient now (the first stage has none: all of it waits for W)."""
         out = self.out.pop((s, k))
-        x = self.x[(s, k)]
-        inputs = [x] if s > 0 else []
+        if s == 0:
+            del self.x[(s, k)]
+        inputs = [self.x[(s, k)]] if s > 0 else []
         self.deferred[(s, k)] = engine.backward(out, self._output_grad(s, k, out), inputs)
 
     def _backward_weight(self, s, k):
@@ -395,7 +398,7 @@ class _Step:
             return
         group, sends, recvs, keys = self.pipe.pp_group, [], [], []
         for a in batch:
-            peer = schedules._peer(a, self.schedule.pp)
+            peer = schedules.peer_of(a, self.schedule.pp)
             if a.kind == schedules.SEND_F:
                 out = self.out[(a.stage, a.microbatch)]
                 sends.append((out.to_local(), peer))
@@ -486,7 +489,7 @@ class _Step:
         comm, requests, received = self.pipe.pp_group.host_comm, [], []
         stamp = numpy.array([self.clock], dtype=numpy.int64)
         for a in batch:
-            peer = schedules._peer(a, self.schedule.pp)
+            peer = schedules.peer_of(a, self.schedule.pp)
             if a.kind in (schedules.SEND_F, schedules.SEND_B):
                 requests.append(comm.Isend(stamp, dest=peer, tag=_TICK_TAG))
             else:

@@ -12,10 +12,14 @@ An `Action` is (kind, stage, micro-batch), printed like torch.distributed.pipeli
 Stages are numbered 0..S-1 along the model; with v virtual stages per rank (interleaved
 schedules) stage s runs on rank s % pp, so each rank holds v chunks of layers, pp stages apart.
 A generator decides only the order of the compute actions on each rank; `lower` inserts the
-communication: each send right after the action that produced its tensor, each receive no
-later than the action that needs it and in the order the sender sends (the transfers between
-two ranks are matched first-in first-out, as MPI and NCCL match them). The communication
-actions between two compute actions form one batch (`batch_isend_irecv`: one NCCL group).
+communication. Each transfer is keyed by the tick at which its tensor is made in the ideal
+timeline (a forward one tick, a backward two, transfers free), and every rank runs its compute
+actions and transfers in the order of those ticks, transfers first at a tie: a send right
+after the action that made its tensor, a receive no later than the action that needs it, and
+the transfers of all ranks in one global order, so those between two ranks are matched
+first-in first-out (as MPI and NCCL match them) and no table waits for itself (docs/design.md).
+The communication actions between two compute actions form one batch (`batch_isend_irecv`:
+one NCCL group).
 
 `simulate` runs a table with a cost per compute action (ticks): sends never wait, a receive
 waits for its send. With `blocking=True` a batch also waits until the peer has posted the other
@@ -23,12 +27,10 @@ side of each of its transfers, as NCCL's grouped sends and receives do; a table 
 finish that way would deadlock on GPUs, and `Schedule` refuses it when made.
 """
 import dataclasses
-import math
 
 FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT = "F", "B", "I", "W"
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
 COMPUTE = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
-COMMUNICATION = (SEND_F, RECV_F, SEND_B, RECV_B)
 COSTS = {FORWARD: 1, BACKWARD: 2, BACKWARD_INPUT: 1, BACKWARD_WEIGHT: 1}   # ticks
 
 
@@ -140,7 +142,7 @@ class Schedule:
         _check_fifo(self)
 
 
-# ---- communication --------------------------------------------------------------------------------
+# ---- communication -------------------------------------------------------------------------------
 def _message(action, stages):
     """(kind of transfer, producing stage, consuming stage) of a compute action's output that
     leaves it, or None: a forward sends to the next stage, a backward's input gradient to the
@@ -196,13 +198,10 @@ def _send_of(receive):
     return SEND_B, receive.stage + 1, receive.microbatch
 
 
-def _peer(action, pp):
-    """The rank on the other side of a send or receive."""
-    if action.kind == SEND_F:
-        return (action.stage + 1) % pp
-    if action.kind == SEND_B:
-        return (action.stage - 1) % pp
-    return (action.stage - 1) % pp if action.kind == RECV_F else (action.stage + 1) % pp
+def peer_of(action, pp):
+    """The rank on the other side of a send or receive: the next stage's for a forward's send
+    and a backward's receive, the previous stage's for the others."""
+    return (action.stage + (1 if action.kind in (SEND_F, RECV_B) else -1)) % pp
 
 
 def _check_fifo(schedule):
@@ -211,17 +210,17 @@ def _check_fifo(schedule):
     for rank, actions in enumerate(schedule.actions):
         for a in actions:
             if a.kind in (SEND_F, SEND_B):
-                sent.setdefault((rank, _peer(a, schedule.pp)), []).append(
+                sent.setdefault((rank, peer_of(a, schedule.pp)), []).append(
                     (a.kind, a.stage, a.microbatch))
             elif a.kind in (RECV_F, RECV_B):
-                received.setdefault((_peer(a, schedule.pp), rank), []).append(_send_of(a))
+                received.setdefault((peer_of(a, schedule.pp), rank), []).append(_send_of(a))
     for pair in set(sent) | set(received):
         if sent.get(pair, []) != received.get(pair, []):
             raise ScheduleError(f"{schedule.name}: rank {pair[1]} receives from rank {pair[0]} "
                                 "in another order than it sends")
 
 
-# ---- simulation -----------------------------------------------------------------------------------
+# ---- simulation ----------------------------------------------------------------------------------
 def simulate(schedule, costs=COSTS, blocking=False):
     """Run `schedule` on ticks (compute actions cost `costs[kind]`, communication nothing) and
     return its Timeline. `blocking`: a batch of sends and receives also waits until every
@@ -293,10 +292,10 @@ def _other_side(action, pp):
     kind, stage, microbatch = _send_of(action) if action.kind in (RECV_F, RECV_B) else \
         ({SEND_F: RECV_F, SEND_B: RECV_B}[action.kind],
          action.stage + 1 if action.kind == SEND_F else action.stage - 1, action.microbatch)
-    return _peer(action, pp), Action(kind, stage, microbatch)
+    return peer_of(action, pp), Action(kind, stage, microbatch)
 
 
-# ---- generators -----------------------------------------------------------------------------------
+# ---- generators ----------------------------------------------------------------------------------
 def gpipe(pp, microbatches):
     """GPipe: every forward, then every backward (all-forward-all-backward)."""
     return [[Action(kind, r, k) for kind in (FORWARD, BACKWARD) for k in range(microbatches)]
@@ -416,7 +415,7 @@ def theoretical_bubble(name, pp, microbatches, virtual_stages=1):
     raise ScheduleError(f"no theory for schedule {name!r}")
 
 
-# ---- printing -------------------------------------------------------------------------------------
+# ---- printing ------------------------------------------------------------------------------------
 def format_schedule(schedule, timeline=None, width=None):
     """The schedule as a grid: one row per rank, one column per tick, each cell the compute
     action that rank runs then (`.` idle; an action of several ticks repeats), after a line
