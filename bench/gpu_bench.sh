@@ -3,10 +3,12 @@
 # from the shared anchors folder into .carry/anchors, named in the device tool's carry), in the
 # same call; the anchors do not clip gradients, so neither do these runs.
 # Usage: bench/gpu_bench.sh [check] [comm] [train1] [train2] [train] [host] [fsdp] [profile]
-# [profile2] [profile3] (default: train host; train = train1 train2, the 1-GPU and the TP=2 pairs; fsdp:
+# [profile2] [profile3] [pipeline] (default: train host; train = train1 train2, the 1-GPU and the TP=2 pairs; fsdp:
 # fully_shard beside PyTorch FSDP2 with bf16 parameters and fp32 reduction, untied models;
 # profile, profile2, profile3: device time per kind of kernel at 124M on one GPU, at 24x2048 at TP=2,
-# of the 1.4B fully_shard step beside FSDP2's). A
+# of the 1.4B fully_shard step beside FSDP2's; pipeline: bench/pipeline.py, every pipeline
+# schedule at pp=2 beside tp=2 and fully_shard over 2 GPUs on a 24 x 2048 GPT, with the
+# schedules' measured and theoretical bubbles). A
 # cuDNN frontend wheel carried in .carry/wheels is installed first (the machines have no
 # internet), so that attention can run through cuDNN. Logs under $OUT; the last thing printed is
 # the table of bench/compare.py.
@@ -86,6 +88,10 @@ for part in $what; do
       run memory_ours_fsdp mpiexec -n 2 python3 $fsdp --profile --steps 3 --warmup 2
       for side in ours_fsdp torch_fsdp; do grep -A22 "ms of kernels" "$out/profile_$side.log"; done
       tail -30 "$out/memory_ours_fsdp.log" ;;
+    pipeline)
+      timeout 900 mpiexec -n 2 python3 bench/pipeline.py > "$out/pipeline.log" 2>&1 ||
+        echo "pipeline exited $?" >&2
+      grep RESULT "$out/pipeline.log" ;;
     host)   # the eager tiny step in HOST_ROUNDS rounds (default 5), ours and PyTorch's taking
             # turns, so that both meet the machine's spells of host noise; the median round counts
       ours=(); theirs=()

@@ -77,7 +77,7 @@ def measure(run, config, ids, args, info):
         def step(x, y, measure=None):
             with ops.autocast(autocast):
                 loss = pipe.step(x, y, measure=measure)
-            clip_grad_norm_(params, 1.0, pp_group=pipe.pp_group)
+            clip_grad_norm_(params, 1.0, pp_mesh=pipe.pp_mesh)
             optimizer.step()
             optimizer.zero_grad()
             return loss

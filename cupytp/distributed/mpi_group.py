@@ -4,14 +4,11 @@ Every transfer is a non-blocking MPI call polled against the group's timeout, so
 never joins turns into a CollectiveTimeoutError instead of a hang. MPI has no bfloat16 or float16
 reduction and no average: those reduce in float32 (sum, then divide).
 """
-import time
-
 import numpy
 from mpi4py import MPI
 
 from cupytp import backend
-from cupytp.distributed.process_group import (
-    CollectiveTimeoutError, Pending, ProcessGroup)
+from cupytp.distributed.process_group import Pending, ProcessGroup, poll
 
 _MPI_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
 _NO_MPI_TYPE = (backend.dtype("bf16"), backend.dtype("fp16"))
@@ -30,21 +27,10 @@ def pending(requests, group, op, buffers=()):
     timeout and raises CollectiveTimeoutError past it. `buffers` (the arrays the requests read
     and write) stay referenced until then: mpi4py does not keep them alive, and a buffer freed
     while a request is in flight is read after its memory has been reused."""
-    deadline = time.monotonic() + group.timeout
-
     held = list(buffers)
 
     def wait():
-        spins = 0
-        while not MPI.Request.Testall(requests):
-            spins += 1
-            if spins > 64:  # let other ranks on the same cores run
-                time.sleep(1e-5 if spins < 4096 else 1e-3)
-            if time.monotonic() > deadline:
-                raise CollectiveTimeoutError(
-                    f"{group.describe(op)} did not complete within {group.timeout:g} s "
-                    "(CUPYTP_TIMEOUT): a rank skipped it, called another collective, or is "
-                    "stuck")
+        poll(lambda: MPI.Request.Testall(requests), group, op)
         held.clear()
     return Pending(wait, lambda: MPI.Request.Testall(requests))
 

@@ -22,6 +22,7 @@ registered, a call costs one list test.
 import functools
 import inspect
 import os
+import time
 
 import numpy
 
@@ -497,6 +498,22 @@ class ProcessGroup:
         """Every rank's small picklable object, in group order (host, over MPI)."""
         return self.host_comm.allgather(obj) if self.size > 1 else [obj]
 
+    def send_object(self, obj, dst):
+        """Send a small picklable object to rank `dst` (host, over MPI, not waiting for it to
+        arrive); returns a Work to wait for before the end of the program."""
+        self._check_other("send_object", dst, "send to")
+        request = self.host_comm.isend(obj, dest=dst, tag=_OBJECT_TAG)
+        return Work(_object_pending(request, self, f"send_object to rank {dst}"), lambda: None)
+
+    def recv_object(self, src):
+        """A Work whose wait() gives the next object rank `src` sends with send_object (host,
+        over MPI; under the group's timeout, like the collectives)."""
+        self._check_other("recv_object", src, "receive from")
+        request = self.host_comm.irecv(source=src, tag=_OBJECT_TAG)
+        received = []
+        return Work(_object_pending(request, self, f"recv_object from rank {src}", received),
+                    lambda: received[0])
+
     # ---- shared helpers -----------------------------------------------------------------------
     def _gather_sizes(self, op, array, dim, sizes):
         if sizes is None:
@@ -555,6 +572,34 @@ class ProcessGroup:
         """Post `sends` [(array, dst)] and receives into `recvs` [(array, src)] together; `op`
         names them in a timeout's message."""
         raise NotImplementedError
+
+
+_OBJECT_TAG = 7501         # host messages of send_object / recv_object
+
+
+def poll(test, group, op):
+    """Call `test()` until it returns True, yielding the core between tries (other ranks may
+    share it); past the group's timeout, a CollectiveTimeoutError naming `op`."""
+    deadline = time.monotonic() + group.timeout
+    spins = 0
+    while not test():
+        spins += 1
+        if spins > 64:  # let other ranks on the same cores run
+            time.sleep(1e-5 if spins < 4096 else 1e-3)
+        if time.monotonic() > deadline:
+            raise CollectiveTimeoutError(
+                f"{group.describe(op)} did not complete within {group.timeout:g} s "
+                "(CUPYTP_TIMEOUT): a rank skipped it, called another collective, or is stuck")
+
+
+def _object_pending(request, group, op, received=None):
+    """The Pending of an mpi4py object request (what it receives appended to `received`)."""
+    def test():
+        done, value = request.test()
+        if done and received is not None:
+            received.append(value)
+        return done
+    return Pending(lambda: poll(test, group, op))
 
 
 def _average(total, count, dtype):

@@ -13,7 +13,7 @@ from cupytp.tensor import Partial, Replicated, from_local
 NORM_OPS = {2.0: "sum", math.inf: "max"}
 
 
-def clip_grad_norm_(parameters, max_norm, norm_type=2.0, pp_group=None):
+def clip_grad_norm_(parameters, max_norm, norm_type=2.0, pp_mesh=None):
     """Scale every gradient in place by min(1, max_norm / (norm + 1e-6)) and return `norm`, the
     2-norm (or, with norm_type=inf, the max-norm) of all the gradients as global tensors, as a
     0-d device array that nothing here waits for.
@@ -24,9 +24,10 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, pp_group=None):
     which the group is Replicated (its ranks there hold the same values); then the groups are
     added (maxed). Parameters without a gradient are left out.
 
-    `pp_group`: the ProcessGroup of a pipeline's stages (`Pipeline.pp_group`), whose ranks hold
-    different parameters: the total is summed (maxed) over it too, so every stage clips by the
-    norm of the whole model. Every rank of it must call this, with or without gradients.
+    `pp_mesh`: the 1-D mesh of a pipeline's stages (`Pipeline.pp_mesh`), whose ranks hold
+    different parameters: the total is Partial over it too and reduced there (in float64), so
+    every stage clips by the norm of the whole model. Every rank of it must call this, with or
+    without gradients.
     """
     norm_type = float(norm_type)
     if norm_type not in NORM_OPS:
@@ -48,10 +49,10 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, pp_group=None):
         total = from_local(_local_total(by_dtype, op), mesh, partial, shape=(), run_check=False)
         totals.append(total.redistribute((Replicated(),) * mesh.ndim).to_local())
     total = _combine(totals, op) if totals else xp.zeros((), dtype=numpy.float32)
-    if pp_group is not None and pp_group.size > 1:
-        # reduced in float64 on every stage, whatever its gradients' dtype
-        total = pp_group.all_reduce(total.astype(numpy.float64).reshape(1), op=op) \
-            .reshape(()).astype(total.dtype)
+    if pp_mesh is not None:         # float64 on every stage, whatever its gradients' dtype
+        stages = from_local(total.astype(numpy.float64), pp_mesh, (Partial(op),), shape=(),
+                            run_check=False)
+        total = stages.redistribute((Replicated(),)).to_local().astype(total.dtype)
     norm = xp.asarray(xp.sqrt(total) if op == "sum" else total)
     factor = xp.minimum(max_norm / (norm + 1e-6), 1.0)
     for by_dtype in groups.values():

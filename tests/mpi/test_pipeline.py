@@ -68,7 +68,7 @@ def train(pipe, steps=STEPS, measure=None, adam=None):
     losses = []
     for _ in range(steps):
         loss = pipe.step(IDS[:, :-1], IDS[:, 1:], measure=measure)
-        clip_grad_norm_(pipe.parameters(), 0.5, pp_group=pipe.pp_group)
+        clip_grad_norm_(pipe.parameters(), 0.5, pp_mesh=pipe.pp_mesh)
         adam.step()
         adam.zero_grad()
         losses.append(full(loss))
@@ -129,6 +129,19 @@ def test_names_and_stages(pp_mesh, world):
     assert pipe.stages[0].is_first == (pipe.pp_rank == 0)
 
 
+def test_a_cast_pipeline_trains_like_a_cast_model(pp_mesh):
+    """`to()` casts the last stage's copy of the tied embedding too (float64 built, then
+    float32: the losses of one rank's float32 model)."""
+    mesh = local_mesh()
+    with cupytp.no_grad():
+        _, expected = gpt2(CONFIG).to("fp32")(*(lay_out(a, mesh, (Replicated(),))
+                                                for a in (IDS[:, :-1], IDS[:, 1:])))
+        pipe = pipeline(gpt2(CONFIG), pp_mesh, microbatches=2).to("fp32")
+        loss = pipe.step(IDS[:, :-1], IDS[:, 1:])
+    assert loss.dtype == numpy.float32
+    numpy.testing.assert_allclose(full(loss), full(expected), rtol=1e-6)
+
+
 def test_forward_only_step_gives_the_loss(pp_mesh):
     """Inside no_grad() a step runs only forwards, and gives the unpipelined loss."""
     model = gpt2(CONFIG)
@@ -150,7 +163,7 @@ def test_loss_scaling_scales_every_stage_and_skips_everywhere(pp_mesh):
     plain = pipeline(gpt2(CONFIG), pp_mesh, microbatches=2)
     plain.step(IDS[:, :-1], IDS[:, 1:])
     pipe = pipeline(gpt2(CONFIG), pp_mesh, microbatches=2)
-    scaler = GradScaler(init_scale=8.0, pp_group=pipe.pp_group)
+    scaler = GradScaler(init_scale=8.0, pp_mesh=pipe.pp_mesh)
     adam = optimizer(pipe.named_parameters())
     before = {n: full(p) for n, p in pipe.named_parameters()}
     loss = pipe.step(IDS[:, :-1], IDS[:, 1:], scaler=scaler)
@@ -184,7 +197,7 @@ def test_comm_tracer_counts_the_point_to_point_traffic(pp_mesh, world):
     tied = CONFIG.padded_vocab(4) * CONFIG.n_embd * 8     # weight forward, gradient back
     boundaries = world.world_size - 1
     assert sum(counts) == 2 * (2 * boundaries * m * activation) + 2 * 2 * tied
-    assert {r["group"] for r in rows} == {"pp"}
+    assert {r["group"] for r in rows} == {pipe.pp_group.name}
 
 
 def test_a_stage_error_is_named():
@@ -225,10 +238,11 @@ def four(world):
 @pytest.mark.parametrize("schedule,microbatches", [("1f1b", 4), ("zb_h1", 2),
                                                    ("interleaved_1f1b", 2)])
 def test_pp_x_tp_trains_like_one_rank(four, schedule, microbatches):
-    mesh = cupytp.DeviceMesh((2, 2), ("pp", "tp"))
-    pipe = pipeline(gpt2(CONFIG, mesh["tp"]), mesh, schedule=schedule,
+    """A 3-D (pp, dp, tp) mesh of 2 x 1 x 2: tensor parallelism inside each stage."""
+    mesh = cupytp.DeviceMesh((2, 1, 2), ("pp", "dp", "tp"))
+    pipe = pipeline(gpt2(CONFIG, mesh["dp", "tp"]), mesh, schedule=schedule,
                     microbatches=microbatches)
-    assert pipe.parameters()[0].mesh == mesh["tp"]
+    assert pipe.parameters()[0].mesh == mesh["dp", "tp"]
     assert_trains_like_one_rank(pipe, CONFIG)
 
 
@@ -296,7 +310,7 @@ def test_captured_pipeline_steps_equal_eager_ones(pp_mesh, schedule):
 
         def step(x, y):
             loss = pipe.step(x, y)
-            clip_grad_norm_(pipe.parameters(), 0.5, pp_group=pipe.pp_group)
+            clip_grad_norm_(pipe.parameters(), 0.5, pp_mesh=pipe.pp_mesh)
             adam.step()
             adam.zero_grad()
             return loss

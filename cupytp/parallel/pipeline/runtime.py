@@ -32,12 +32,12 @@ from cupytp.parallel.pipeline import schedules
 from cupytp.parallel.pipeline.stages import (
     PipelineStage, prune, resolve, skeleton, split_layers, stage_module_names)
 from cupytp.parallel.tensor_parallel import relayout
-from cupytp.tensor import DTensor, Replicated, Shard, default_generator, local_mesh
+from cupytp.tensor import (
+    DTensor, Partial, Replicated, Shard, default_generator, from_local, local_mesh)
 from cupytp.tensor.layout import Layout
 from cupytp.tensor.redistribute import grad_placements, redistribute_local
 
 DATA_PARALLEL = ("replicate", "fully_shard")
-_META_TAG, _TICK_TAG = 7401, 7402           # host messages: shapes a stage receives, ticks
 
 
 class PipelineError(RuntimeError):
@@ -90,7 +90,8 @@ class Pipeline(Module):
     trains and saves). `step(inputs, targets)` runs the schedule: forward and backward of every
     micro-batch, gradients accumulated into the parameters, the batch's mean loss returned on
     every rank. `schedule` is the Schedule table, `stages` this rank's PipelineStages,
-    `pp_group` the ProcessGroup along the pipeline (for clip_grad_norm_'s pp_group)."""
+    `pp_mesh` the 1-D mesh along the pipeline (for clip_grad_norm_ and GradScaler) and
+    `pp_group` its ProcessGroup."""
 
     def __init__(self, model, mesh, dim, schedule, microbatches, virtual_stages, layers,
                  data_parallel, parts):
@@ -115,6 +116,7 @@ class Pipeline(Module):
         set_(self, "mesh", mesh)
         set_(self, "stage_mesh", mesh[others] if others else local_mesh())
         set_(self, "pp_group", mesh.get_process_group(dim))
+        set_(self, "pp_mesh", mesh[dim])
         set_(self, "pp_rank", mesh.get_local_rank(dim))
         set_(self, "schedule", schedule)
         set_(self, "stats", None)
@@ -141,6 +143,16 @@ class Pipeline(Module):
     def forward(self, *args, **kwargs):
         raise TypeError("a Pipeline runs whole steps: call step(inputs, targets), not the model")
 
+    def to(self, dtype):
+        """Cast every floating parameter and buffer to `dtype`, in place, and the last stage's
+        copy of the tied parameters with them."""
+        super().to(dtype)
+        own = {id(p) for p in self.parameters()}
+        for tensor, _ in self._tied:
+            if id(tensor) not in own and tensor.dtype != backend.dtype(dtype):
+                tensor._local = tensor._local.astype(backend.dtype(dtype))
+        return self
+
     def __repr__(self):
         return (f"Pipeline({self.schedule.name}, pp={self.schedule.pp}, rank {self.pp_rank}: "
                 f"{', '.join(map(repr, self.stages))})")
@@ -153,7 +165,7 @@ class Pipeline(Module):
         parameter's gradient is accumulated (zero them between steps, as usual); inside
         `no_grad()` only the forwards run. `measure`: "ticks" or "time" records the step's
         bubble in `stats` (a PipelineStats). `scaler`: a GradScaler (made with this pipeline's
-        pp_group) whose scale the last stage's losses are multiplied by before their backward
+        pp_mesh) whose scale the last stage's losses are multiplied by before their backward
         (the loss returned is not)."""
         if measure not in (None, "ticks", "time"):
             raise ValueError(f"measure={measure!r} is not None, 'ticks' or 'time'")
@@ -446,7 +458,7 @@ class _Step:
         """{(stage, micro-batch): (shape, placements, dtype) of its input} for the stages whose
         input comes from another rank, and the loss's dtype under "loss" (module docstring)."""
         pipe, schedule = self.pipe, self.schedule
-        comm, shapes, told = pipe.pp_group.host_comm, {}, []
+        group, shapes, told = pipe.pp_group, {}, []
         state = default_generator.get_state()
         try:
             with engine.no_grad():
@@ -457,9 +469,7 @@ class _Step:
                             x = self._laid_out(self.inputs[rows])
                         else:
                             if before != pipe.pp_rank:
-                                shapes[(s, k)] = _HostWork(
-                                    comm.irecv(source=before, tag=_META_TAG), pipe.pp_group,
-                                    f"the shape of stage {s}'s input").wait()
+                                shapes[(s, k)] = group.recv_object(before).wait()
                             shape, placements, dtype = shapes[(s, k)]
                             layout = Layout(pipe.stage_mesh, shape, placements)
                             x = DTensor._make(backend.xp.zeros(layout.local_shape, dtype), layout)
@@ -471,10 +481,8 @@ class _Step:
                                 continue
                         shapes[(s + 1, k)] = (out.shape, out.placements, str(out.dtype))
                         if schedule.rank_of(s + 1) != pipe.pp_rank:
-                            told.append(_HostWork(comm.isend(shapes[(s + 1, k)],
-                                                             dest=schedule.rank_of(s + 1),
-                                                             tag=_META_TAG),
-                                                  pipe.pp_group, "the shape of an activation"))
+                            told.append(group.send_object(shapes[(s + 1, k)],
+                                                          schedule.rank_of(s + 1)))
         finally:
             default_generator.set_state(state)
         for work in told:
@@ -486,19 +494,14 @@ class _Step:
     def _exchange_ticks(self, batch):
         """The Lamport clock: each send carries this rank's tick; a receive moves the clock to
         the sender's tick when that is later."""
-        comm, requests, received = self.pipe.pp_group.host_comm, [], []
-        stamp = numpy.array([self.clock], dtype=numpy.int64)
+        group, stamps = self.pipe.pp_group, []
         for a in batch:
             peer = schedules.peer_of(a, self.schedule.pp)
             if a.kind in (schedules.SEND_F, schedules.SEND_B):
-                requests.append(comm.Isend(stamp, dest=peer, tag=_TICK_TAG))
+                self.sending.append(group.send_object(self.clock, peer))
             else:
-                received.append(numpy.zeros(1, dtype=numpy.int64))
-                requests.append(comm.Irecv(received[-1], source=peer, tag=_TICK_TAG))
-        from cupytp.distributed.mpi_group import pending
-        pending(requests, self.pipe.pp_group, "the ticks of a pipeline transfer",
-                [stamp] + received).wait()
-        self.clock = max([self.clock] + [int(r[0]) for r in received])
+                stamps.append(group.recv_object(peer))
+        self.clock = max([self.clock] + [stamp.wait() for stamp in stamps])
 
     # -- tied parameters (embeddings shared by the first and last stage) -------------------------
     def _sync_tied_weights(self):
@@ -542,12 +545,13 @@ class _Step:
 
     # -- the loss and the statistics -----------------------------------------------------------
     def _finish_loss(self):
-        """The batch's loss from the last stage, broadcast along the pipeline."""
-        pipe, group = self.pipe, self.pipe.pp_group
-        last = self.schedule.rank_of(self.schedule.stages - 1)
-        local = self.loss_local if pipe.pp_rank == last else \
-            backend.xp.empty((), dtype=self.shapes["loss"])
-        local = group.broadcast(local, src=last)
+        """The batch's loss from the last stage, on every rank: Partial along the pipeline (the
+        other stages' terms zeros), all-reduced."""
+        pipe = self.pipe
+        local = self.loss_local if self.loss_local is not None else \
+            backend.xp.zeros((), dtype=self.shapes["loss"])
+        loss = from_local(local, pipe.pp_mesh, (Partial(),), shape=(), run_check=False)
+        local = loss.redistribute((Replicated(),)).to_local()
         self.loss = DTensor._make(local, Layout(pipe.stage_mesh, (), (Replicated(),) *
                                                 pipe.stage_mesh.ndim))
 
@@ -605,23 +609,3 @@ def _loss_weights(targets, rows, ignore_index):
     counts = [(targets[r] != ignore_index).sum(dtype=xp.float64) for r in rows]
     total = xp.maximum(sum(counts), 1.0)
     return [c / total for c in counts]
-
-
-class _HostWork:
-    """A pickled host message (mpi4py's isend/irecv) waited for against the group's timeout."""
-
-    def __init__(self, request, group, what):
-        self.request, self.group, self.what = request, group, what
-
-    def wait(self):
-        deadline = time.monotonic() + self.group.timeout
-        while True:
-            done, value = self.request.test()
-            if done:
-                return value
-            if time.monotonic() > deadline:
-                raise CollectiveTimeoutError(
-                    f"{self.group.describe(self.what)} did not arrive within "
-                    f"{self.group.timeout:g} s (CUPYTP_TIMEOUT): a pipeline rank skipped it "
-                    "or is stuck")
-            time.sleep(1e-4)
