@@ -506,10 +506,14 @@ class _Step:
     # -- tied parameters (embeddings shared by the first and last stage) -------------------------
     def _sync_tied_weights(self):
         """The first stage sends the tied parameters to the last stage's copies."""
-        self._move_tied(lambda t, placements: t.to_local() if placements == t.placements else
-                        redistribute_local(t.to_local(), t.layout, placements)[0],
-                        lambda t, local: t.to_local().__setitem__(Ellipsis, local),
-                        from_first=True)
+        def give(t, placements):    # gathered over "dp" when the first stage is fully sharded
+            if placements == t.placements:
+                return t.to_local()
+            return redistribute_local(t.to_local(), t.layout, placements)[0]
+
+        def take(t, local):
+            t.to_local()[...] = local
+        self._move_tied(give, take, from_first=True)
 
     def _reduce_tied_grads(self):
         """The last stage's gradients of its tied copies go to the first stage's parameters."""
