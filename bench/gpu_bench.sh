@@ -88,10 +88,12 @@ for part in $what; do
       run memory_ours_fsdp mpiexec -n 2 python3 $fsdp --profile --steps 3 --warmup 2
       for side in ours_fsdp torch_fsdp; do grep -A22 "ms of kernels" "$out/profile_$side.log"; done
       tail -30 "$out/memory_ours_fsdp.log" ;;
-    pipeline)
+    pipeline)   # every run fused, then 1F1B and ZB-H1 with the blocks as chains of ops
       timeout 900 mpiexec -n 2 python3 bench/pipeline.py > "$out/pipeline.log" 2>&1 ||
         echo "pipeline exited $?" >&2
-      grep RESULT "$out/pipeline.log" ;;
+      timeout 600 mpiexec -n 2 python3 bench/pipeline.py --runs pp:1f1b pp:zb_h1 --no-fusion \
+        > "$out/pipeline_chains.log" 2>&1 || echo "pipeline --no-fusion exited $?" >&2
+      grep -h RESULT "$out/pipeline.log" "$out/pipeline_chains.log" ;;
     host)   # the eager tiny step in HOST_ROUNDS rounds (default 5), ours and PyTorch's taking
             # turns, so that both meet the machine's spells of host noise; the median round counts
       ours=(); theirs=()

@@ -8,9 +8,11 @@ one of gpipe, 1f1b, interleaved_1f1b, zb_h1), "tp" (tensor parallel over the ran
 (fully sharded over them). Each trains on the same global batch (--B sequences of --T random
 tokens; a pipeline splits it into --microbatches), with bf16 autocast over fp32 masters, gradient
 clipping and AdamW, every step eager. Prints one RESULT line per run: tokens/s, ms per step, the
-pool's peak memory, and for a pipeline the bubble measured on one more step (CUDA events around
-each action, so that step is synchronized and slower; not timed) beside the schedule's simulated
-and theoretical bubbles.
+pool's peak memory, and for a pipeline the bubble measured on one more step (the device
+synchronized around each action, so that step is slower; not timed) beside the schedule's
+simulated and theoretical bubbles. The fused sublayers compute their weights' gradients with
+their inputs', so ZB-H1's W actions hold little of a fused block's backward: `--no-fusion` runs
+the blocks as chains of ops, whose weight products wait for W.
 """
 import argparse
 import gc
@@ -45,6 +47,7 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
+    p.add_argument("--no-fusion", action="store_true", help="blocks as chains of ops")
     args = p.parse_args()
     info = cupytp.init()
     config = GPT2Config(n_layer=args.layers, n_embd=args.embd, n_head=args.heads,
@@ -52,7 +55,8 @@ def main():
     rng = numpy.random.default_rng(0)
     ids = [rng.integers(0, config.vocab_size, size=(args.B, args.T + 1)) for _ in range(2)]
     for run in args.runs:
-        result = measure(run, config, ids, args, info)
+        with ops.fusion(not args.no_fusion):
+            result = measure(run, config, ids, args, info)
         if info.rank == 0:
             print(result, flush=True)
         gc.collect()
@@ -122,7 +126,8 @@ def measure(run, config, ids, args, info):
     mfu = config.flops_per_token(args.T) * tokens / n / BF16_PEAK_FLOPS
     return (f"RESULT pipeline-bench run={run} ranks={n} L={config.n_layer} C={config.n_embd} "
             f"B={args.B} T={args.T} dtype={args.dtype} tok/s={tokens:.0f} "
-            f"step_ms={1e3 * elapsed:.1f} peak_alloc_GiB={peak:.2f} mfu={100 * mfu:.1f}% "
+            f"fused={int(not args.no_fusion)} step_ms={1e3 * elapsed:.1f} "
+            f"peak_alloc_GiB={peak:.2f} mfu={100 * mfu:.1f}% "
             f"loss={loss.item():.3f}{bubble}")
 
 
