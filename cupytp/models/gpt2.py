@@ -18,7 +18,7 @@ import numpy
 import cupytp
 from cupytp import backend, nn, ops
 from cupytp.autograd import no_grad
-from cupytp.parallel import apply_tensor_parallel
+from cupytp.parallel import DecoderParts, apply_tensor_parallel
 from cupytp.tensor import Replicated, local_mesh
 from cupytp.tensor.layout import Layout
 
@@ -165,7 +165,6 @@ class GPT2(nn.Module):
         """The pieces `cupytp.parallel.pipeline` cuts into stages: the embeddings, the blocks
         `transformer.h`, the final norm and LM head (its weight tied to the token embedding
         unless `tie_word_embeddings=False`), and the loss."""
-        from cupytp.parallel.pipeline import DecoderParts
         t, tied = self.transformer, self.config.tie_word_embeddings
         return DecoderParts(
             embed=t.embed, embed_modules=("transformer.wte", "transformer.wpe", "transformer.drop"),
