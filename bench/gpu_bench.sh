@@ -3,8 +3,8 @@
 # from the shared anchors folder into .carry/anchors, named in the device tool's carry), in the
 # same call; the anchors do not clip gradients, so neither do these runs.
 # Usage: bench/gpu_bench.sh [check] [comm] [train1] [train2] [train] [host] [fsdp] [ddp] [build]
-# [small] [eval] [dropout] [targets] [profile] [profile2] [profile3] (default: train host; train = train1
-# train2, the 1-GPU and the TP=2 pairs; fsdp: fully_shard beside PyTorch FSDP2 with bf16
+# [small] [eval] [dropout] [targets] [profile] [profile2] [profile3] [pipeline] (default: train
+# host; train = train1 train2, the 1-GPU and the TP=2 pairs; fsdp: fully_shard beside PyTorch FSDP2 with bf16
 # parameters and fp32 reduction, untied models; ddp: replicated data parallelism of 124M
 # (scaling over one GPU, share of the all-reduce hidden) beside PyTorch DDP; build: the
 # construction peak of the 1.4B FSDP model; small: the small GPT of small-data users (6 x 384,
@@ -13,7 +13,9 @@
 # training step; dropout: 124M, 774M and 1558M with dropout 0.1 beside torch.compile with fused
 # AdamW; targets: the one-GPU targets (small GPT, 124M, Llama 1.5B) beside torch.compile;
 # profile, profile2, profile3: device time per kind of kernel at 124M on one GPU, at 24x2048 at TP=2,
-# of the 1.4B fully_shard step beside FSDP2's). A
+# of the 1.4B fully_shard step beside FSDP2's; pipeline: bench/pipeline.py, every pipeline
+# schedule at pp=2 beside tp=2 and fully_shard over 2 GPUs on a 24 x 2048 GPT, with the
+# schedules' measured and theoretical bubbles). A
 # cuDNN frontend wheel carried in .carry/wheels is installed first (the machines have no
 # internet), so that attention can run through cuDNN. Logs under $OUT; the last thing printed is
 # the table of bench/compare.py.
@@ -152,6 +154,12 @@ for part in $what; do
       run memory_ours_fsdp mpiexec -n 2 python3 $fsdp --profile --steps 3 --warmup 2
       for side in ours_fsdp torch_fsdp; do grep -A22 "ms of kernels" "$out/profile_$side.log"; done
       tail -30 "$out/memory_ours_fsdp.log" ;;
+    pipeline)   # every run fused, then 1F1B and ZB-H1 with the blocks as chains of ops
+      timeout 900 mpiexec -n 2 python3 bench/pipeline.py > "$out/pipeline.log" 2>&1 ||
+        echo "pipeline exited $?" >&2
+      timeout 600 mpiexec -n 2 python3 bench/pipeline.py --runs pp:1f1b pp:zb_h1 --no-fusion \
+        > "$out/pipeline_chains.log" 2>&1 || echo "pipeline --no-fusion exited $?" >&2
+      grep -h RESULT "$out/pipeline.log" "$out/pipeline_chains.log" ;;
     host)   # the eager tiny step in HOST_ROUNDS rounds (default 5), ours and PyTorch's taking
             # turns, so that both meet the machine's spells of host noise; the median round counts
       ours=(); theirs=()

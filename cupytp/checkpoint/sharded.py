@@ -1,8 +1,12 @@
 """save() and load(): every rank writes only its own blocks, and any mesh reads them back.
 
 Saving, each tensor is written once: by the ranks at coordinate 0 on every mesh dimension along
-which it is Replicated, each its own block (offsets from `Layout.local_block()`). Rank 0 writes
-the index once every rank's file is on disk, then commits the directory (`storage.commit`).
+which it is Replicated, each its own block (offsets from `Layout.local_block()`); where ranks of
+different meshes hold the same block (pipeline stages on meshes of their own, a tensor on one
+rank of a larger job), the lowest of them writes it, and the blocks written must cover every
+tensor. Ranks may hold different tensors (a pipeline's stages): the index lists every rank's.
+Rank 0 writes the index once every rank's file is on disk, then commits the directory
+(`storage.commit`).
 Loading, each rank reads for each target tensor, from every saved shard that overlaps its block,
 exactly the overlapping bytes (`safe_open(...).get_slice(key)[index]`): a checkpoint saved on any
 mesh and placements loads on any other. Both are collective (every rank calls them); an error on
@@ -38,12 +42,19 @@ def save(directory, step, model=None, optimizer=None, extra=None, keep_last=None
 
     def prepare():
         _check_save_arguments(step, extra, keep_last)
-        groups = state.saved_param_groups(optimizer) if optimizer is not None else None
-        tensors = state.saved_tensors(model, optimizer)
+        keys = state.optimizer_keys(model, optimizer) if optimizer is not None else None
+        groups = state.saved_param_groups(optimizer, keys) if optimizer is not None else None
+        tensors = state.saved_tensors(model, optimizer, keys)
         blocks = {key: _own_block(key, t) for key, t in tensors.items()}
         blocks = {key: block for key, block in blocks.items() if block is not None}
         return tensors, blocks, groups, state.to_json(extra or {}, "extra")
     tensors, blocks, groups, saved_extra = _on_every_rank(prepare)
+    views = _on_every_rank(lambda: (_entries(tensors), {k: (list(o), list(a.shape))
+                                                        for k, (o, a) in blocks.items()},
+                                    groups), gather=True)
+    entries, writers, groups = _on_every_rank(lambda: _merged(views))
+    blocks = {key: block for key, block in blocks.items()
+              if writers[(key, tuple(block[0]))] == rank}
     temp = _on_every_rank(lambda: storage.new_temp_dir(directory, step) if rank == 0 else None,
                           gather=True)[0]
     try:
@@ -52,7 +63,7 @@ def save(directory, step, model=None, optimizer=None, extra=None, keep_last=None
         def commit():
             if rank != 0:
                 return None
-            index = _index(step, tensors, records, groups, saved_extra)
+            index = _index(step, entries, records, groups, saved_extra)
             storage.write_json(os.path.join(temp, storage.INDEX), index)
             storage.fault("index", rank)
             final = storage.commit(directory, temp, step)
@@ -91,14 +102,17 @@ def load(directory, model=None, optimizer=None):
     files = sorted(index["files"].items())
     _on_every_rank(lambda: [storage.verify(path, name, record)
                             for name, record in files[rank::world]])
-    values = _on_every_rank(lambda: _read(path, index, model, optimizer))
+    owned = _on_every_rank(lambda: sorted(state.model_targets(model)) if model is not None
+                           else [], gather=True)
+    values = _on_every_rank(lambda: _read(path, index, model, optimizer, owned))
 
     def assign():
         if optimizer is not None:
             saved = {k: v for k, v in values.items() if k.startswith(state.OPTIMIZER)}
+            keys = state.optimizer_keys(model if index["version"] >= 2 else None, optimizer)
             try:
                 optimizer.load_state_dict(state.optimizer_state_dict(
-                    optimizer, index["param_groups"], saved))
+                    optimizer, keys, index["param_groups"], saved))
             except (ValueError, KeyError) as err:
                 raise CheckpointError(f"{path}: the optimizer does not fit the checkpoint: "
                                       f"{err}") from None
@@ -123,15 +137,10 @@ def _check_save_arguments(step, extra, keep_last):
 
 
 def _own_block(key, tensor):
-    """(offsets, host array) of the block of `tensor` this rank writes, or None."""
+    """(offsets, host array) of the block of `tensor` this rank would write, or None."""
     if any(p.is_partial() for p in tensor.placements):
         raise CheckpointError(f"{key} is {describe(tensor.placements)}: a Partial value is not "
                               "saved; redistribute it to Replicated or Shard first")
-    world = rt.get_world_size()
-    if tensor.mesh.size() != world:
-        raise CheckpointError(f"{key} lives on a mesh of {tensor.mesh.size()} ranks but the job "
-                              f"has {world}: every rank writes a checkpoint, so save tensors laid "
-                              "out on a mesh of the whole job")
     coordinate = tensor.mesh.get_coordinate()
     if any(p.is_replicated() and c != 0 for p, c in zip(tensor.placements, coordinate)):
         return None                 # another rank of this replica set writes it
@@ -139,6 +148,50 @@ def _own_block(key, tensor):
     if math.prod(shape) == 0:
         return None
     return offsets, numpy.asarray(backend.asnumpy(tensor.to_local()), order="C")
+
+
+def _entries(tensors):
+    """{key: what the index says of the tensor}: global shape, dtype, mesh and placements."""
+    return {key: {"shape": list(t.shape), "dtype": str(t.dtype),
+                  "mesh": {"shape": list(t.mesh.shape), "dims": list(t.mesh.dim_names)},
+                  "placements": [str(p) for p in t.placements]}
+            for key, t in tensors.items()}
+
+
+def _merged(views):
+    """From every rank's (entries, blocks it would write, optimizer groups): every tensor's
+    entry, the rank that writes each block ({(key, offsets): rank}: the lowest that holds it),
+    and the optimizer's groups. A tensor whose shape or dtype differ between ranks, or whose
+    blocks do not cover it exactly once, is an error."""
+    entries, writers, extents = {}, {}, {}
+    for rank, (theirs, blocks, _) in enumerate(views):
+        for key, entry in theirs.items():
+            known = entries.setdefault(key, entry)
+            if (known["shape"], known["dtype"]) != (entry["shape"], entry["dtype"]):
+                raise CheckpointError(f"{key} is {entry['shape']} {entry['dtype']} on rank "
+                                      f"{rank} but {known['shape']} {known['dtype']} on a "
+                                      "lower rank")
+        for key, (offsets, shape) in blocks.items():
+            if (key, tuple(offsets)) not in writers:
+                writers[(key, tuple(offsets))] = rank
+                extents.setdefault(key, []).append((offsets, shape))
+    for key, entry in entries.items():
+        _check_cover(key, entry["shape"], extents.get(key, []))
+    return entries, writers, state.merged_param_groups([groups for _, _, groups in views])
+
+
+def _check_cover(key, shape, blocks):
+    """The blocks (offsets, shape) of a tensor of `shape` cover it, none overlapping."""
+    for i, (a, na) in enumerate(blocks):
+        for b, nb in blocks[:i]:
+            if all(x < y + m and y < x + n for x, n, y, m in zip(a, na, b, nb)):
+                raise CheckpointError(f"{key}: ranks hold overlapping blocks at {a} and {b} "
+                                      "with other extents: its layouts differ between ranks")
+    held = sum(math.prod(n) for _, n in blocks)
+    if held != math.prod(shape):
+        raise CheckpointError(f"{key}: the ranks hold {held} of its {math.prod(shape)} "
+                              "elements: a tensor must be laid out over ranks that together "
+                              "hold all of it")
 
 
 def _write_shards(temp, rank, blocks):
@@ -155,12 +208,9 @@ def _write_shards(temp, rank, blocks):
     return record
 
 
-def _index(step, tensors, records, param_groups, extra):
+def _index(step, entries, records, param_groups, extra):
     """The index: each tensor's global shape, dtype, mesh, placements and shards."""
-    entries = {key: {"shape": list(t.shape), "dtype": str(t.dtype),
-                     "mesh": {"shape": list(t.mesh.shape), "dims": list(t.mesh.dim_names)},
-                     "placements": [str(p) for p in t.placements], "shards": []}
-               for key, t in tensors.items()}
+    entries = {key: dict(entry, shards=[]) for key, entry in entries.items()}
     files = {}
     for record in filter(None, records):
         files[record["file"]] = {"sha256": record["sha256"], "bytes": record["bytes"]}
@@ -172,10 +222,11 @@ def _index(step, tensors, records, param_groups, extra):
 
 
 # ---- loading ------------------------------------------------------------------------------------
-def _read(path, index, model, optimizer):
+def _read(path, index, model, optimizer, owned):
     """{key: DTensor laid out like its target} for everything `model` and `optimizer` take,
-    read into host memory (device arrays on GPU) without touching them."""
-    targets = _targets(path, index, model, optimizer)
+    read into host memory (device arrays on GPU) without touching them. `owned`: every rank's
+    model keys."""
+    targets = _targets(path, index, model, optimizer, owned)
     with contextlib.ExitStack() as stack:
         handles = {}
 
@@ -191,14 +242,16 @@ def _read(path, index, model, optimizer):
                 for key, target in targets.items()}
 
 
-def _targets(path, index, model, optimizer):
-    """{key: tensor whose layout, shape and dtype the loaded value takes}."""
+def _targets(path, index, model, optimizer, owned):
+    """{key: tensor whose layout, shape and dtype the loaded value takes}. `owned`: every
+    rank's model keys: a saved tensor that no rank's model holds is another model's."""
     saved = index["tensors"]
     targets = {}
     if model is not None:
         own = state.model_targets(model)
+        anyone = {key for keys in owned for key in keys}
         missing = [key for key in own if key not in saved]
-        unexpected = [key for key in saved if key.startswith(state.MODEL) and key not in own]
+        unexpected = [key for key in saved if key.startswith(state.MODEL) and key not in anyone]
         if missing or unexpected:
             parts = ([f"it lacks this model's {_few(missing)}"] if missing else []) + \
                 ([f"it holds {_few(unexpected)}, which this model lacks"] if unexpected else [])
@@ -208,8 +261,15 @@ def _targets(path, index, model, optimizer):
         if index["param_groups"] is None:
             raise CheckpointError(f"{path} holds no optimizer state (it was saved without "
                                   "optimizer=): load it with optimizer=None")
+        named = index["version"] >= 2 and any(
+            not key.isdigit() for group in index["param_groups"] for key in map(str,
+                                                                                 group["params"]))
+        if named and model is None:
+            raise CheckpointError(f"{path} keeps the optimizer's states by parameter name: "
+                                  "load it with model= as well")
+        keys = state.optimizer_keys(model if index["version"] >= 2 else None, optimizer)
         targets.update(state.optimizer_targets(
-            optimizer, [key for key in saved if key.startswith(state.OPTIMIZER)]))
+            optimizer, keys, [key for key in saved if key.startswith(state.OPTIMIZER)]))
     return targets
 
 

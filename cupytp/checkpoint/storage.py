@@ -26,7 +26,8 @@ from cupytp import env
 INDEX = "index.json"
 LATEST = "latest"
 FORMAT = "cupytp-checkpoint"
-VERSION = 1
+VERSION = 2            # 2: optimizer states by parameter name; 1 (by index) still loads
+READS = (1, 2)
 FAULT_VARIABLE = "CUPYTP_CHECKPOINT_FAULT"
 _STEP_DIR = re.compile(r"step-(\d+)$")
 _LEFTOVER = re.compile(r"\.(tmp|old)-step-\d+-")
@@ -152,9 +153,9 @@ def read_index(directory):
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a cupytp checkpoint index (no format "
                               f"{FORMAT!r})")
-    if index.get("version") != VERSION:
+    if index.get("version") not in READS:
         raise CheckpointError(f"{path} has format version {index.get('version')}; this cupytp "
-                              f"reads version {VERSION}")
+                              f"reads versions {', '.join(map(str, READS))}")
     return index
 
 

@@ -6,8 +6,13 @@ A fingerprint is the op with the arguments every rank must share, the global sha
 and the call site: the first frame outside the cupytp package, compared by line (by function
 for broadcast, scatter and gather, whose source rank's code naturally differs); the framework's
 own frame is shown too, not compared. The ranks exchange them with one small host all-gather
-over the group's MPI communicator, polled against the group's timeout. Point-to-point sends and
-receives (send, recv, sendrecv) are not compared (only two ranks take part in each).
+over the group's MPI communicator, polled against the group's timeout.
+
+Point-to-point transfers are compared pairwise: for each send, the two ranks exchange a
+fingerprint (shape, dtype, call site) over host messages tagged by direction, so a rank's k-th
+send to a peer meets that peer's k-th receive from it, as the data will. A receive of another
+shape or dtype is an error on both ranks naming both calls; a receive that no send meets is a
+timeout naming the check.
 """
 import os
 import sys
@@ -27,6 +32,7 @@ class CollectiveMismatchError(RuntimeError):
 
 
 _ROOTED = ("broadcast", "scatter", "gather")
+_TAGS = {"send": 7301, "recv": 7302}     # host messages of the point-to-point check, by sender
 
 
 def _site(frame):
@@ -54,8 +60,8 @@ class FingerprintCheck:
     """The observer that `init()` registers under CUPYTP_DEBUG=1."""
 
     def before(self, call):
-        if call.op in ("send", "recv", "sendrecv"):
-            return
+        if call.peers is not None:
+            return _check_point_to_point(call)
         (path, line, function), inner = call_sites()
         rooted = call.op in _ROOTED
         shape = "" if call.shape is None else f" of {call.shape}"
@@ -63,10 +69,8 @@ class FingerprintCheck:
         notes = ([f"line {line}"] if rooted else []) + \
             ([f"in {inner[0]}:{inner[1]} ({inner[2]})"] if inner[0] != path else [])
         text = f"{call.op}({call.detail}){shape} {call.dtype} at {where}\0"
-        text = (text + (f" [{'; '.join(notes)}]" if notes else "")).encode()[:_SIZE]
+        send = _encoded(text + (f" [{'; '.join(notes)}]" if notes else ""))
         group = call.group
-        send = numpy.zeros(_SIZE, dtype=numpy.uint8)
-        send[:len(text)] = numpy.frombuffer(text, dtype=numpy.uint8)
         received = numpy.empty((group.size, _SIZE), dtype=numpy.uint8)
         request = group.host_comm.Iallgather(send, received)
         pending([request], group, f"the CUPYTP_DEBUG check before {call.op}").wait()
@@ -86,3 +90,42 @@ class FingerprintCheck:
 
     def after(self, call):
         pass
+
+
+def _encoded(text):
+    buffer = numpy.zeros(_SIZE, dtype=numpy.uint8)
+    data = text.encode()[:_SIZE]
+    buffer[:len(data)] = numpy.frombuffer(data, dtype=numpy.uint8)
+    return buffer
+
+
+def _check_point_to_point(call):
+    """Exchange a fingerprint with the peer of each transfer of `call` and compare: each of
+    this rank's sends against the peer's receive it meets, and each receive against the send."""
+    (path, line, function), _ = call_sites()
+    group = call.group
+    requests, exchanged = [], []
+    for kind, peer, shape, dtype in call.peers:
+        mine = _encoded(f"{shape} {dtype}\0{path}:{line} ({function})")
+        theirs = numpy.empty(_SIZE, dtype=numpy.uint8)
+        other = "recv" if kind == "send" else "send"
+        requests.append(group.host_comm.Isend(mine, dest=peer, tag=_TAGS[kind]))
+        requests.append(group.host_comm.Irecv(theirs, source=peer, tag=_TAGS[other]))
+        exchanged.append((kind, peer, f"{shape} {dtype}", mine, theirs))
+    buffers = [b for *_, mine, theirs in exchanged for b in (mine, theirs)]
+    pending(requests, group, f"the CUPYTP_DEBUG check before {call.op} ({call.detail})",
+            buffers).wait()
+    for kind, peer, key, mine, theirs in exchanged:
+        their_key, their_site = bytes(theirs).rstrip(b"\0").decode(errors="replace").split(
+            "\0")
+        if their_key != key:
+            me, them = group.ranks[group.rank], group.ranks[peer]
+            sender, receiver = ((me, f"{path}:{line} ({function})", key),
+                                (them, their_site, their_key))
+            if kind == "recv":
+                sender, receiver = receiver, sender
+            raise CollectiveMismatchError(
+                f"point-to-point mismatch on group {group.name!r}: global rank {sender[0]} "
+                f"sends {sender[2]} at {sender[1]}, which global rank {receiver[0]} receives as "
+                f"{receiver[2]} at {receiver[1]}. A send must meet a receive of the same shape "
+                "and dtype (checked because CUPYTP_DEBUG=1)")

@@ -4,17 +4,15 @@ Every transfer is a non-blocking MPI call polled against the group's timeout, so
 never joins turns into a CollectiveTimeoutError instead of a hang. MPI has no bfloat16 or float16
 reduction and no average: those reduce in float32 (sum, then divide).
 """
-import time
-
 import numpy
 from mpi4py import MPI
 
 from cupytp import backend
-from cupytp.distributed.process_group import (
-    CollectiveTimeoutError, Pending, ProcessGroup)
+from cupytp.distributed.process_group import Pending, ProcessGroup, poll
 
 _MPI_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
 _NO_MPI_TYPE = (backend.dtype("bf16"), backend.dtype("fp16"))
+_DATA_TAG = 0
 
 
 def _buffer(array):
@@ -29,21 +27,10 @@ def pending(requests, group, op, buffers=()):
     timeout and raises CollectiveTimeoutError past it. `buffers` (the arrays the requests read
     and write) stay referenced until then: mpi4py does not keep them alive, and a buffer freed
     while a request is in flight is read after its memory has been reused."""
-    deadline = time.monotonic() + group.timeout
-
     held = list(buffers)
 
     def wait():
-        spins = 0
-        while not MPI.Request.Testall(requests):
-            spins += 1
-            if spins > 64:  # let other ranks on the same cores run
-                time.sleep(1e-5 if spins < 4096 else 1e-3)
-            if time.monotonic() > deadline:
-                raise CollectiveTimeoutError(
-                    f"{group.describe(op)} did not complete within {group.timeout:g} s "
-                    "(CUPYTP_TIMEOUT): a rank skipped it, called another collective, or is "
-                    "stuck")
+        poll(lambda: MPI.Request.Testall(requests), group, op)
         held.clear()
     return Pending(wait, lambda: MPI.Request.Testall(requests))
 
@@ -78,7 +65,11 @@ class ProcessGroupMPI(ProcessGroup):
         request = self.host_comm.Ibcast(_buffer(buffer), root=src)
         return self._pending([request], "broadcast", (buffer,))
 
-    def _exchange(self, sends, recvs, async_op):
-        requests = [self.host_comm.Irecv(_buffer(buf), source=peer) for buf, peer in recvs]
-        requests += [self.host_comm.Isend(_buffer(buf), dest=peer) for buf, peer in sends]
-        return self._pending(requests, "send/recv", [buf for buf, _ in sends + recvs])
+    def _exchange(self, sends, recvs, async_op, op="send/recv"):
+        # tag 0 on both sides: a receive must not take the host messages other code sends
+        # over the same communicator with tags of their own (CUPYTP_DEBUG's checks)
+        requests = [self.host_comm.Irecv(_buffer(buf), source=peer, tag=_DATA_TAG)
+                    for buf, peer in recvs]
+        requests += [self.host_comm.Isend(_buffer(buf), dest=peer, tag=_DATA_TAG)
+                     for buf, peer in sends]
+        return self._pending(requests, op, [buf for buf, _ in sends + recvs])

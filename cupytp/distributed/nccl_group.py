@@ -175,7 +175,7 @@ class ProcessGroupNCCL(ProcessGroup):
         return self._launch("broadcast", [buffer], async_op, lambda s: self.comm.bcast(
             buffer.data.ptr, buffer.size, _NCCL_TYPES[buffer.dtype], src, s))
 
-    def _exchange(self, sends, recvs, async_op):
+    def _exchange(self, sends, recvs, async_op, op="send/recv"):
         def call(stream_ptr):
             self._nccl.groupStart()
             try:
@@ -188,4 +188,4 @@ class ProcessGroupNCCL(ProcessGroup):
             finally:
                 self._nccl.groupEnd()
         buffers = [buf for buf, _ in sends] + [buf for buf, _ in recvs]
-        return self._launch("send/recv", buffers, async_op, call)
+        return self._launch(op, buffers, async_op, call)

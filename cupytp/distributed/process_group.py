@@ -7,6 +7,11 @@ supplies only flat, equal-count primitives: `_all_reduce`, `_all_gather`, `_redu
 `_broadcast` and `_exchange` (a batch of point-to-point sends and receives), each taking the
 caller's `async_op` and returning a `Pending` that completes the transfer.
 
+Point-to-point: `send`, `recv` and `batch_isend_irecv` (sends and receives with several peers
+posted together, as one NCCL group: two ranks that send to each other do not wait on each
+other). They run under the same timeout as the collectives; a receive whose send never comes is
+a CollectiveTimeoutError naming both ranks.
+
 Results are new arrays; they may be the input itself on a group of one rank, and on the source
 rank of a broadcast.
 
@@ -16,6 +21,7 @@ registered, a call costs one list test.
 """
 import functools
 import inspect
+import time
 
 import numpy
 
@@ -107,12 +113,15 @@ def remove_observer(observer):
 class Call:
     """One collective as observers see it: the group, the op name, `detail` (its arguments
     that every rank must share), the global `shape` and `dtype` it moves, and this rank's
-    `nbytes`. `state` is free for observers to use."""
-    __slots__ = ("group", "op", "detail", "shape", "dtype", "nbytes", "state")
+    `nbytes`. A point-to-point call has `peers` instead: one ("send" or "recv", group rank of
+    the peer, shape, dtype name) per transfer, and `nbytes` counts what it sends and receives.
+    `state` is free for observers to use."""
+    __slots__ = ("group", "op", "detail", "shape", "dtype", "nbytes", "peers", "state")
 
-    def __init__(self, group, op, detail, shape, dtype, nbytes):
+    def __init__(self, group, op, detail, shape, dtype, nbytes, peers=None):
         self.group, self.op, self.detail = group, op, detail
         self.shape, self.dtype, self.nbytes = shape, dtype, nbytes
+        self.peers = peers
         self.state = {}
 
 
@@ -189,18 +198,34 @@ def _describe_all_to_all(group, inputs, out_shapes=None, async_op=False):
     return f"{len(inputs)} parts", None, str(inputs[0].dtype) if inputs else None, nbytes
 
 
-def _describe_send(group, array, dst):
-    return f"dst={dst}", tuple(array.shape), str(array.dtype), array.nbytes
+def _describe_p2p(sends, recvs):
+    """(detail, shape, dtype, nbytes, peers) of point-to-point transfers: `sends` as (array,
+    dst), `recvs` as (shape, dtype, src)."""
+    peers = [("send", dst, tuple(a.shape), str(a.dtype)) for a, dst in sends] + \
+        [("recv", src, tuple(shape), str(backend.dtype(dtype))) for shape, dtype, src in recvs]
+    nbytes = sum(a.nbytes for a, _ in sends) + sum(
+        int(numpy.prod(tuple(shape), dtype=numpy.int64)) * backend.dtype(dtype).itemsize
+        for shape, dtype, _ in recvs)
+    detail = ", ".join(f"{kind} {shape} {'to' if kind == 'send' else 'from'} {peer}"
+                       for kind, peer, shape, _ in peers)
+    return detail, None, peers[0][3] if peers else None, nbytes, peers
+
+
+def _describe_send(group, array, dst, async_op=False):
+    return _describe_p2p([(array, dst)], [])
+
+
+def _describe_recv(group, shape, dtype, src, async_op=False):
+    return _describe_p2p([], [(shape, dtype, src)])
+
+
+def _describe_batch(group, sends=(), recvs=()):
+    return _describe_p2p(list(sends), list(recvs))
 
 
 def _describe_sendrecv(group, array, dst, src, shape=None, async_op=False):
-    return f"dst={dst}, src={src}", tuple(array.shape), str(array.dtype), array.nbytes
-
-
-def _describe_recv(group, shape, dtype, src):
-    dtype = backend.dtype(dtype)
-    return (f"src={src}", tuple(shape), str(dtype),
-            int(numpy.prod(tuple(shape), dtype=numpy.int64)) * dtype.itemsize)
+    return _describe_p2p([(array, dst)], [(array.shape if shape is None else shape,
+                                           array.dtype, src)])
 
 
 class ProcessGroup:
@@ -245,6 +270,11 @@ class ProcessGroup:
         if not 0 <= peer < self.size or not isinstance(peer, int):
             raise ValueError(f"{op}: rank {peer} is not in group {self.name!r} of size "
                              f"{self.size}")
+
+    def _check_other(self, op, peer, verb):
+        self._check_peer(op, peer)
+        if peer == self.rank:
+            raise ValueError(f"{op}: rank {peer} cannot {verb} itself on group {self.name!r}")
 
     @staticmethod
     def _run(pending, finish, async_op):
@@ -406,20 +436,52 @@ class ProcessGroup:
         pending = self._exchange(sends, recvs, async_op) if self.size > 1 else Pending()
         return self._run(pending, lambda: outputs, async_op)
 
+    # ---- point to point -------------------------------------------------------------------------
     @_observed(_describe_send)
-    def send(self, array, dst):
-        """Send `array` to rank `dst` of this group (blocks until it is handed over)."""
-        self._check("send", array, None)
-        self._check_peer("send", dst)
-        self._exchange([(backend.xp.ascontiguousarray(array), dst)], [], False).wait()
+    def send(self, array, dst, async_op=False):
+        """Send `array` to rank `dst` of this group; with `async_op=True` returns a Work (the
+        array must not change until it is waited for)."""
+        pending, _ = self._p2p("send", [(array, dst)], [], async_op)
+        return self._run(pending, lambda: None, async_op)
 
     @_observed(_describe_recv)
-    def recv(self, shape, dtype, src):
-        """Receive an array of `shape` and `dtype` from rank `src` of this group."""
-        self._check_peer("recv", src)
-        out = backend.xp.empty(tuple(shape), dtype=backend.dtype(dtype))
-        self._exchange([], [(out, src)], False).wait()
-        return out
+    def recv(self, shape, dtype, src, async_op=False):
+        """Receive an array of `shape` and `dtype` from rank `src` of this group (a Work giving
+        it with `async_op=True`)."""
+        pending, outs = self._p2p("recv", [], [(shape, dtype, src)], async_op)
+        return self._run(pending, lambda: outs[0], async_op)
+
+    @_observed(_describe_batch)
+    def batch_isend_irecv(self, sends=(), recvs=()):
+        """Post sends and receives with any peers together (one NCCL group; non-blocking MPI
+        calls) and return a Work whose wait() gives the received arrays, in the order of
+        `recvs`. `sends`: (array, dst) pairs; `recvs`: (shape, dtype, src) triples. Ranks that
+        send to each other in one batch never wait on each other. On NCCL the transfers run on
+        the communication stream and wait() orders the current stream after them (no host
+        synchronization, so a CUDA graph can capture them); the arrays sent must not change
+        until then."""
+        pending, outs = self._p2p("batch_isend_irecv", list(sends), list(recvs), True)
+        return self._run(pending, lambda: outs, True)
+
+    def _p2p(self, op, sends, recvs, async_op):
+        """Check, then post `sends` [(array, dst)] and `recvs` [(shape, dtype, src)]: the
+        Pending of the transfers and the arrays they receive into."""
+        xp = backend.xp
+        for array, dst in sends:
+            self._check(op, array, None)
+            self._check_other(op, dst, "send to")
+        outs = []
+        for shape, dtype, src in recvs:
+            self._check_other(op, src, "receive from")
+            outs.append(xp.empty(tuple(shape), dtype=backend.dtype(dtype)))
+            self._check(op, outs[-1], None)
+        if not sends and not recvs:
+            return Pending(), outs
+        label = "; ".join([f"send to global rank {self.ranks[dst]}" for _, dst in sends] +
+                          [f"recv from global rank {self.ranks[src]}" for _, _, src in recvs])
+        moved = [(xp.ascontiguousarray(array), dst) for array, dst in sends]
+        received = [(out, src) for out, (_, _, src) in zip(outs, recvs)]
+        return self._exchange(moved, received, async_op, label), outs
 
     @_observed(_describe_sendrecv)
     def sendrecv(self, array, dst, src, shape=None, async_op=False):
@@ -427,20 +489,15 @@ class ProcessGroup:
         array's dtype from rank `src`, in one batch: a ring's step, every rank sending to its
         successor and receiving from its predecessor at once. Returns the array received (on a
         group of one rank: `array` itself); with `async_op=True` a Work whose wait() gives it."""
-        self._check("sendrecv", array, None)
-        self._check_peer("sendrecv", dst)
-        self._check_peer("sendrecv", src)
         shape = tuple(array.shape) if shape is None else tuple(int(n) for n in shape)
         if self.size == 1:
             if shape != array.shape:
                 raise ValueError(f"sendrecv: on a group of one rank the array received is the "
                                  f"one sent, of shape {array.shape}, not {shape}")
             return _done(array) if async_op else array
-        xp = backend.xp
-        out = xp.empty(shape, dtype=array.dtype)
-        send = array if array.flags.c_contiguous else xp.ascontiguousarray(array)
-        pending = self._exchange([(send, dst)], [(out, src)], async_op)
-        return self._run(pending, lambda: out, async_op)
+        pending, outs = self._p2p("sendrecv", [(array, dst)], [(shape, array.dtype, src)],
+                                  async_op)
+        return self._run(pending, lambda: outs[0], async_op)
 
     def barrier(self):
         """Return once every rank of the group has called barrier."""
@@ -456,6 +513,22 @@ class ProcessGroup:
     def all_gather_object(self, obj):
         """Every rank's small picklable object, in group order (host, over MPI)."""
         return self.host_comm.allgather(obj) if self.size > 1 else [obj]
+
+    def send_object(self, obj, dst):
+        """Send a small picklable object to rank `dst` (host, over MPI, not waiting for it to
+        arrive); returns a Work to wait for before the end of the program."""
+        self._check_other("send_object", dst, "send to")
+        request = self.host_comm.isend(obj, dest=dst, tag=_OBJECT_TAG)
+        return Work(_object_pending(request, self, f"send_object to rank {dst}"), lambda: None)
+
+    def recv_object(self, src):
+        """A Work whose wait() gives the next object rank `src` sends with send_object (host,
+        over MPI; under the group's timeout, like the collectives)."""
+        self._check_other("recv_object", src, "receive from")
+        request = self.host_comm.irecv(source=src, tag=_OBJECT_TAG)
+        received = []
+        return Work(_object_pending(request, self, f"recv_object from rank {src}", received),
+                    lambda: received[0])
 
     # ---- shared helpers -----------------------------------------------------------------------
     def _gather_sizes(self, op, array, dim, sizes):
@@ -511,8 +584,38 @@ class ProcessGroup:
     def _broadcast(self, buffer, src, async_op):
         raise NotImplementedError
 
-    def _exchange(self, sends, recvs, async_op):
+    def _exchange(self, sends, recvs, async_op, op="send/recv"):
+        """Post `sends` [(array, dst)] and receives into `recvs` [(array, src)] together; `op`
+        names them in a timeout's message."""
         raise NotImplementedError
+
+
+_OBJECT_TAG = 7501         # host messages of send_object / recv_object
+
+
+def poll(test, group, op):
+    """Call `test()` until it returns True, yielding the core between tries (other ranks may
+    share it); past the group's timeout, a CollectiveTimeoutError naming `op`."""
+    deadline = time.monotonic() + group.timeout
+    spins = 0
+    while not test():
+        spins += 1
+        if spins > 64:  # let other ranks on the same cores run
+            time.sleep(1e-5 if spins < 4096 else 1e-3)
+        if time.monotonic() > deadline:
+            raise CollectiveTimeoutError(
+                f"{group.describe(op)} did not complete within {group.timeout:g} s "
+                "(CUPYTP_TIMEOUT): a rank skipped it, called another collective, or is stuck")
+
+
+def _object_pending(request, group, op, received=None):
+    """The Pending of an mpi4py object request (what it receives appended to `received`)."""
+    def test():
+        done, value = request.test()
+        if done and received is not None:
+            received.append(value)
+        return done
+    return Pending(lambda: poll(test, group, op))
 
 
 def _average(total, count, dtype):

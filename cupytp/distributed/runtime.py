@@ -7,11 +7,14 @@ makes the NCCL unique id and broadcasts it over the group's MPI communicator.
 """
 import os
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 
 from cupytp import backend, memory
 from cupytp.distributed.process_group import add_observer, debug_enabled, default_timeout
+
+ABORT_GRACE = 1.0       # seconds between printing an uncaught error and aborting the job
 
 
 class NotInitializedError(RuntimeError):
@@ -162,5 +165,6 @@ def _abort_on_uncaught(kind, value, tb):
     """An uncaught error on one rank ends every rank (instead of leaving them in a collective)."""
     traceback.print_exception(kind, value, tb)
     sys.stderr.flush()
+    time.sleep(ABORT_GRACE)     # the launcher forwards what was printed before it kills the job
     from mpi4py import MPI
     MPI.COMM_WORLD.Abort(1)

@@ -26,7 +26,7 @@ import numpy
 import cupytp
 from cupytp import backend, nn, ops
 from cupytp.models import generation
-from cupytp.parallel import apply_tensor_parallel
+from cupytp.parallel import DecoderParts, apply_tensor_parallel
 from cupytp.tensor import Replicated, deferred, deferred_init, is_deferring
 from cupytp.tensor.layout import Layout
 
@@ -93,25 +93,29 @@ class GPT2Transformer(nn.Module):
         self._position_ids = {}                # (T, mesh) -> 0, 1, ..., T-1, made once
 
     def forward(self, ids, positions=None, cache=None):
-        """The final norm's output (B, T, C) for token `ids` (B, T) at `positions` (T,), by
-        default start, ..., start+T-1 (start: the tokens an `nn.KVCache` holds already); ids
-        whose sequence is split across ranks (context parallelism) need their positions given
-        (`ContextParallel.positions`)."""
-        b, t = ids.shape
-        start = 0 if cache is None else cache.length
+        """The final norm's output (B, T, C) for token `ids` (B, T) (see `embed`); with an
+        `nn.KVCache` each block attends over the keys and values it holds too."""
+        x = self.embed(ids, positions, 0 if cache is None else cache.length)     # (B, T, C)
+        for i, block in enumerate(self.h):
+            x = block(x, cache.layer(i)) if cache is not None else self.run_block(block, x)
+        return self.ln_f(x)
+
+    def embed(self, ids, positions=None, start=0):
+        """Token plus position embeddings of `ids` (B, T) at `positions` (T,), after dropout:
+        (B, T, C). Positions default to start, ..., start+T-1 (start: the tokens a KV cache
+        holds already); ids whose sequence is split across ranks (context parallelism) need
+        theirs given (`ContextParallel.positions`)."""
         if positions is None:
             if any(p.is_shard(1) and n > 1 for p, n in zip(ids.placements, ids.mesh.shape)):
                 raise ValueError("ids sharded on the sequence need their positions: pass "
                                  "positions= (cupytp.parallel.ContextParallel.positions(T) for "
                                  "ids from its shard())")
-            positions = self.positions(t, ids.mesh, start)
-        x = self.drop(self.wte(ids) + self.wpe(positions))                      # (B, T, C)
-        for i, block in enumerate(self.h):
-            if cache is not None:
-                x = block(x, cache.layer(i))
-            else:
-                x = nn.recompute(block, x) if self.recompute else block(x)
-        return self.ln_f(x)
+            positions = self.positions(ids.shape[1], ids.mesh, start)
+        return self.drop(self.wte(ids) + self.wpe(positions))
+
+    def run_block(self, block, x):
+        """`block(x)`, recomputed in backward with `recompute`."""
+        return nn.recompute(block, x) if self.recompute else block(x)
 
     def positions(self, t, mesh, start=0):
         """The position ids start, ..., start + t - 1 (Replicated on `mesh`); those from 0 built
@@ -188,6 +192,19 @@ class GPT2(nn.Module):
     def context_length(self):
         """The longest window the model takes (its learned positions)."""
         return self.config.block_size
+
+    def pipeline_parts(self):
+        """The pieces `cupytp.parallel.pipeline` cuts into stages: the embeddings, the blocks
+        `transformer.h`, the final norm and LM head (its weight tied to the token embedding
+        unless `tie_word_embeddings=False`), and the loss."""
+        t, tied = self.transformer, self.config.tie_word_embeddings
+        return DecoderParts(
+            embed=t.embed, embed_modules=("transformer.wte", "transformer.wpe", "transformer.drop"),
+            layers="transformer.h", run_layer=t.run_block,
+            head=lambda x: self.lm_head(t.ln_f(x)),
+            head_modules=("transformer.ln_f", "lm_head") + (() if tied else ("lm_head_embedding",)),
+            loss=lambda logits, y: ops.cross_entropy(logits, y, vocab_size=self.config.vocab_size),
+            tied=("transformer.wte.weight",) if tied else ())
 
     def generate(self, ids, max_new_tokens, temperature=1.0, top_k=None, seed=0):
         """Append `max_new_tokens` sampled tokens to `ids` (NumPy (B, T)), with a KV cache

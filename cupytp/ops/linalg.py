@@ -276,19 +276,19 @@ def einsum(spec, a, b, out_dtype=None, reduce_input_grad=False):
     a_grad_placements = None if not reduce_input_grad else \
         gathered or grad_placements(input_a.placements)
 
-    def backward(g):
+    def backward(g, needs=None):
         g = astype(g, dtype)
         grad_a = grad_b = reducing = None
-        if input_a.requires_grad:
+        if input_a.requires_grad if needs is None else needs[0]:
             grad_a = einsum(f"{out},{sb}->{sa}", g, b, a_dtype)
             if a_grad_placements is not None and grad_a.placements != a_grad_placements:
                 reducing = redistribute(grad_a, a_grad_placements, async_op=True)
-        if input_b.requires_grad:
+        if input_b.requires_grad if needs is None else needs[1]:
             grad_b = einsum(f"{sa},{out}->{sb}", a, g, b_dtype)
         if reducing is not None:
             grad_a = reducing.wait()
         return grad_a, grad_b
-    return engine.record(result, (input_a, input_b), backward, "einsum")
+    return engine.record(result, (input_a, input_b), backward, "einsum", splits=True)
 
 
 @functools.lru_cache(maxsize=4096)

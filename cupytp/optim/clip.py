@@ -13,7 +13,7 @@ from cupytp.tensor import Partial, Replicated, from_local
 NORM_OPS = {2.0: "sum", math.inf: "max"}
 
 
-def clip_grad_norm_(parameters, max_norm, norm_type=2.0):
+def clip_grad_norm_(parameters, max_norm, norm_type=2.0, pp_mesh=None):
     """Scale every gradient in place by min(1, max_norm / (norm + 1e-6)) and return `norm`, the
     2-norm (or, with norm_type=inf, the max-norm) of all the gradients as global tensors, as a
     0-d device array that nothing here waits for.
@@ -23,6 +23,11 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0):
     mesh dims and redistributed to Replicated (an all-reduce over each), not over the dims along
     which the group is Replicated (its ranks there hold the same values); then the groups are
     added (maxed). Parameters without a gradient are left out.
+
+    `pp_mesh`: the 1-D mesh of a pipeline's stages (`Pipeline.pp_mesh`), whose ranks hold
+    different parameters: the total is Partial over it too and reduced there (in float64), so
+    every stage clips by the norm of the whole model. Every rank of it must call this, with or
+    without gradients.
     """
     norm_type = float(norm_type)
     if norm_type not in NORM_OPS:
@@ -38,14 +43,16 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0):
         by_dtype = groups.setdefault((layout.mesh, _sharded_dims(layout.placements)), {})
         by_dtype.setdefault(grad._local.dtype, []).append(contiguous_grad(p))
     xp = backend.xp
-    if not groups:
-        return xp.zeros((), dtype=numpy.float32)
     totals = []
     for (mesh, dims), by_dtype in groups.items():
         partial = tuple(Partial(op) if d in dims else Replicated() for d in range(mesh.ndim))
         total = from_local(_local_total(by_dtype, op), mesh, partial, shape=(), run_check=False)
         totals.append(total.redistribute((Replicated(),) * mesh.ndim).to_local())
-    total = _combine(totals, op)
+    total = _combine(totals, op) if totals else xp.zeros((), dtype=numpy.float32)
+    if pp_mesh is not None:         # float64 on every stage, whatever its gradients' dtype
+        stages = from_local(total.astype(numpy.float64), pp_mesh, (Partial(op),), shape=(),
+                            run_check=False)
+        total = stages.redistribute((Replicated(),)).to_local().astype(total.dtype)
     norm = xp.asarray(xp.sqrt(total) if op == "sum" else total)
     factor = xp.minimum(max_norm / (norm + 1e-6), 1.0)
     for by_dtype in groups.values():

@@ -32,11 +32,12 @@ class GradScaler:
     `init_scale`, `growth_factor` (> 1), `backoff_factor` (in (0, 1)) and `growth_interval`
     (>= 1 steps) as in torch.amp.GradScaler; `enabled=False` makes every method pass through.
     Each rank holds the same scale: the non-finite check is all-reduced (max) over the meshes of
-    the optimizer's parameters, so every rank skips the same steps.
+    the optimizer's parameters, and over `pp_mesh` (a pipeline's, `Pipeline.pp_mesh`: its
+    stages hold different parameters), so every rank skips the same steps.
     """
 
     def __init__(self, init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5,
-                 growth_interval=2000, enabled=True):
+                 growth_interval=2000, enabled=True, pp_mesh=None):
         if not init_scale > 0:
             raise ValueError(f"init_scale must be > 0, got {init_scale}")
         if not growth_factor > 1:
@@ -48,6 +49,7 @@ class GradScaler:
         self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
         self.growth_interval = int(growth_interval)
         self.enabled = bool(enabled)
+        self.pp_mesh = pp_mesh
         xp = backend.xp
         self._scale = xp.full((1,), init_scale, dtype=numpy.float32)
         self._tracker = xp.zeros((1,), dtype=numpy.int32)
@@ -89,7 +91,8 @@ class GradScaler:
         for by_dtype in by_mesh.values():
             for grads in by_dtype.values():
                 unscale_check_(grads, self._inv_scale, self._found_inf)
-        for mesh in by_mesh:        # any rank's non-finite gradient skips the step everywhere
+        meshes = list(by_mesh) + ([self.pp_mesh] if self.pp_mesh is not None else [])
+        for mesh in meshes:         # any rank's non-finite gradient skips the step everywhere
             if mesh.size() > 1:
                 flag = from_local(self._found_inf, mesh, (Partial("max"),) * mesh.ndim,
                                   shape=(1,), run_check=False)

@@ -152,6 +152,38 @@ def test_send_recv_ring(group):
     exact(got, rank_input(left, (5,), "fp64"))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batch_isend_irecv_both_ways_at_once(group, dtype):
+    """Every rank sends to both neighbours and receives from both in one batch (on 2 ranks:
+    two transfers each way between the same pair, matched in order)."""
+    if group.size == 1:
+        pytest.skip("needs two ranks")
+    right, left = (group.rank + 1) % group.size, (group.rank - 1) % group.size
+
+    def block(src, dst):
+        return rank_input(10 * src + dst, (3, src + 1), dtype)
+    work = group.batch_isend_irecv(
+        [(on_device(block(group.rank, right)), right), (on_device(block(group.rank, left)), left)],
+        [((3, left + 1), dtype, left), ((3, right + 1), dtype, right)])
+    from_left, from_right = work.wait()
+    exact(from_left, block(left, group.rank))
+    exact(from_right, block(right, group.rank))
+
+
+def test_async_send_and_recv(group):
+    if group.size == 1:
+        pytest.skip("needs two ranks")
+    right, left = (group.rank + 1) % group.size, (group.rank - 1) % group.size
+    receiving = group.recv((4,), "fp32", left, async_op=True)
+    sending = group.send(on_device(rank_input(group.rank, (4,), "fp32")), right, async_op=True)
+    exact(receiving.wait(), rank_input(left, (4,), "fp32"))
+    assert sending.wait() is None
+    with pytest.raises(ValueError, match="cannot send to itself"):
+        group.send(on_device(numpy.zeros(2, numpy.float32)), group.rank)
+    with pytest.raises(ValueError, match="not in group"):
+        group.batch_isend_irecv(recvs=[((2,), "fp32", group.size)])
+
+
 def test_async_work(group):
     inputs = [rank_input(r, (64, 3), "fp32") for r in range(group.size)]
     works = [group.all_reduce(on_device(inputs[group.rank]), async_op=True),

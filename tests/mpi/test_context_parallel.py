@@ -140,7 +140,8 @@ def test_context_parallel_with_fully_sharded_data_parallel(world):
 
 def test_ring_messages_per_layer(world):
     """Per attention layer and step: cp − 1 key/value blocks forward; backward cp − 1 blocks
-    again and cp of their gradients (the last one home); each the size of its rank's block."""
+    again and cp of their gradients (the last one home); each the size of its rank's block, the
+    bytes of each call counted both ways (sent and received)."""
     needs(world, 2)
     mesh = cp_mesh(world)
     cp = ContextParallel(mesh)
@@ -156,8 +157,11 @@ def test_ring_messages_per_layer(world):
     n, r, t = cp.size, cp.rank, ids.shape[1]
     block = [sum(BATCH.shape[0] * (e - a) for a, e in cp.segments(t, j)) * 2 * CONFIG.n_embd * 8
              for j in range(n)]                        # (B, T_j, 2, H, D) float64
-    sent_forward = sum(block[(r - s) % n] for s in range(n - 1))
-    sent_backward = sent_forward + sum(block[(r - s) % n] for s in range(n))
+    def sent(rank):                                    # forward; backward adds the gradients
+        forward = sum(block[(rank - s) % n] for s in range(n - 1))
+        return forward, forward + sum(block[(rank - s) % n] for s in range(n))
+    # a rank's sendrecv moves what it sends and what it receives, its predecessor's sends
+    sent_forward, sent_backward = (a + b for a, b in zip(sent(r), sent((r - 1) % n)))
     forward, backward = (rows[(phase, attention)]
                          for phase in ("forward", "backward"))
     assert (forward["calls"], backward["calls"]) == (CONFIG.n_layer * (n - 1),

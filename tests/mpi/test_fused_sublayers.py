@@ -28,9 +28,9 @@ def run(block, x, w, mesh, placements, fused, dtype="bf16"):
     names = []
     record = engine.record
 
-    def spy(output, inputs, backward, name, sums_first=False):
+    def spy(output, inputs, backward, name, **options):
         names.append(name)
-        return record(output, inputs, backward, name, sums_first)
+        return record(output, inputs, backward, name, **options)
     engine.record = spy
     cupytp.manual_seed(SEED)
     try:
@@ -140,8 +140,8 @@ def test_layouts_it_does_not_take_run_the_chain(world):
     y = mlp(lay_out(x, mesh, replicated), residual=lay_out(x, mesh, replicated))
     nodes = []
     record = engine.record
-    engine.record = lambda out, inputs, backward, name, sums_first=False: (
-        nodes.append(name) or record(out, inputs, backward, name, sums_first))
+    engine.record = lambda out, inputs, backward, name, **options: (
+        nodes.append(name) or record(out, inputs, backward, name, **options))
     try:
         sharded = mlp(lay_out(x, mesh, replicated, requires_grad=True),
                       residual=lay_out(x, mesh, (Shard(2),), requires_grad=True))
