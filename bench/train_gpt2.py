@@ -36,6 +36,7 @@ from cupytp.models.gpt2 import GPT2, preset  # noqa: E402
 from cupytp.optim import AdamW, GradScaler, clip_grad_norm_, decay_groups  # noqa: E402
 from cupytp.parallel import DataParallelModule, fully_shard, replicate  # noqa: E402
 from cupytp.tensor import Replicated, Shard, from_local  # noqa: E402
+from step_timing import BF16_PEAK_FLOPS, device_time_ms, time_steps  # noqa: E402
 
 
 class Profile:
@@ -66,6 +67,12 @@ class Profile:
             stats = memory.memory_stats()
             self.memory[name].append((stats["allocated_bytes_peak"], stats["allocated_bytes"]))
         return out
+
+    def start(self):
+        """After the warm-up: forget its times and time every module call from now on."""
+        if self.enabled:
+            self.totals.clear()
+            self.watch_modules()
 
     def watch_modules(self):
         call = nn.Module.__call__
@@ -155,28 +162,8 @@ def main():
     eager = args.no_cuda_graph or args.profile
     step = train_step if eager else cupytp.cuda_graph(train_step)
     batches = [batch() for _ in range(4)]
-    init_peak = memory.memory_stats()["allocated_bytes_peak"]  # building and sharding the model
-    memory.reset_peak_memory_stats()        # the peak below is the steps' (warm-up included)
-    for i in range(args.warmup):
-        step(*batches[i % len(batches)])
-    if args.profile:
-        profile.totals.clear()
-        profile.watch_modules()
-    profiler = sys.modules.get("kernel_profile")   # bench/kernel_profile.py runs this script
-    if profiler is not None:
-        profiler.mark()                             # count the steps below, not the warm-up
-    backend.synchronize()
-    cupytp.distributed.barrier()
-    host = 0.0
-    start = time.perf_counter()
-    for i in range(args.steps):
-        issued = time.perf_counter()
-        loss = step(*batches[i % len(batches)])
-        host += time.perf_counter() - issued
-    backend.synchronize()
-    elapsed = time.perf_counter() - start
-    device_ms = device_time_ms(step, batches[0])
-    stats = memory.memory_stats()
+    timing = time_steps(step, batches, args.warmup, args.steps, profile.start)
+    loss, stats = timing.loss, timing.stats
     evaluation = time_evaluation(model, args, eager, batches) if args.eval else None
     if info.rank != 0:
         return
@@ -193,24 +180,20 @@ def main():
         if backend.on_gpu:
             print_resident(model, optimizer, stats["allocated_bytes"])
         return
-    tokens_per_s = args.B * dp * args.T * args.steps / elapsed
+    tokens_per_s = args.B * dp * args.T / timing.step_s
     mfu = config.flops_per_token(args.T) * tokens_per_s / info.world_size / BF16_PEAK_FLOPS
     print(f"RESULT cupytp {args.label or args.model} graph={int(not eager)} dtype={args.dtype} "
           f"tp={tp} dp={dp} fsdp={int(args.fsdp)} params={model.num_parameters() / 1e6:.0f}M "
           f"L={config.n_layer} C={config.n_embd} B={args.B} T={args.T} "
-          f"tok/s={tokens_per_s:.0f} step_ms={1e3 * elapsed / args.steps:.2f} "
-          f"device_ms={device_ms:.2f} host_ms={1e3 * host / args.steps:.2f} "
-          f"peak_alloc_GiB={stats['allocated_bytes_peak'] / 2 ** 30:.2f} "
-          f"peak_reserved_GiB={stats['reserved_bytes_peak'] / 2 ** 30:.2f} "
-          f"init_peak_GiB={init_peak / 2 ** 30:.2f} "
+          f"tok/s={tokens_per_s:.0f} {timing.fields()} "
           f"mfu={100 * mfu:.1f}% loss={loss.item():.3f}", flush=True)
     if evaluation is not None:
         eval_ms, eval_device_ms, eval_stats, eval_loss = evaluation
         print(f"EVAL cupytp {args.label or args.model} graph={int(not eager)} "
               f"dtype={args.dtype} tp={tp} dp={dp} B={args.B} T={args.T} "
               f"eval_ms={eval_ms:.2f} eval_device_ms={eval_device_ms:.2f} "
-              f"train_step_ms={1e3 * elapsed / args.steps:.2f} "
-              f"eval/step={eval_ms / (1e3 * elapsed / args.steps):.3f} "
+              f"train_step_ms={1e3 * timing.step_s:.2f} "
+              f"eval/step={eval_ms / (1e3 * timing.step_s):.3f} "
               f"peak_alloc_GiB={eval_stats['allocated_bytes_peak'] / 2 ** 30:.2f} "
               f"peak_reserved_GiB={eval_stats['reserved_bytes_peak'] / 2 ** 30:.2f} "
               f"loss={eval_loss:.3f}", flush=True)
@@ -251,28 +234,6 @@ def print_resident(model, optimizer, allocated):
           f"{(allocated - params - states) / 2 ** 30:.2f}; live blocks by origin:")
     for size, count, where in memory.live_by_origin():
         print(f"  {size / 2 ** 20:10.1f} MiB {count:5}x  {where}")
-
-
-BF16_PEAK_FLOPS = 989e12     # H100/H200 SXM dense bf16, the usual MFU denominator
-
-
-def device_time_ms(step, batch, repeats=5):
-    """Median device time of one step, from CUDA events around it with nothing else queued (the
-    step's own host gaps included when it runs eagerly); 0 on CPU."""
-    if not backend.on_gpu:
-        return 0.0
-    xp = backend.xp
-    times = []
-    for _ in range(repeats):
-        backend.synchronize()
-        cupytp.distributed.barrier()
-        begin, end = xp.cuda.Event(), xp.cuda.Event()
-        begin.record()
-        step(*batch)
-        end.record()
-        end.synchronize()
-        times.append(xp.cuda.get_elapsed_time(begin, end))
-    return float(numpy.median(times))
 
 
 if __name__ == "__main__":

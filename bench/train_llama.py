@@ -18,20 +18,20 @@ phase and prints where a step's time goes.
 import argparse
 import os
 import sys
-import time
 
 os.environ.setdefault("CUPY_TF32", "1")     # fp32 matmuls on tensor cores, as the anchor does
 
 import numpy  # noqa: E402
 
 import cupytp  # noqa: E402
-from cupytp import backend, memory, ops  # noqa: E402
+from cupytp import backend, ops  # noqa: E402
 from cupytp.launchers import cudnn_attention  # noqa: E402
 from cupytp.models.llama import Llama, preset  # noqa: E402
 from cupytp.optim import AdamW, clip_grad_norm_, decay_groups  # noqa: E402
 from cupytp.parallel import fully_shard  # noqa: E402
 from cupytp.tensor import Replicated, Shard, from_local  # noqa: E402
-from train_gpt2 import BF16_PEAK_FLOPS, Profile, device_time_ms  # noqa: E402
+from step_timing import BF16_PEAK_FLOPS, time_steps  # noqa: E402
+from train_gpt2 import Profile  # noqa: E402
 
 
 def main():
@@ -89,36 +89,14 @@ def main():
     eager = args.no_cuda_graph or args.profile
     step = train_step if eager else cupytp.cuda_graph(train_step)
     batches = [batch() for _ in range(2)]
-    init_peak = memory.memory_stats()["allocated_bytes_peak"]
-    memory.empty_cache()                # what building the model left cached is not the step's
-    memory.reset_peak_memory_stats()
-    for i in range(args.warmup):
-        step(*batches[i % len(batches)])
-    if args.profile:
-        profile.totals.clear()
-        profile.watch_modules()
-    profiler = sys.modules.get("kernel_profile")   # bench/kernel_profile.py runs this script
-    if profiler is not None:
-        profiler.mark()                             # count the steps below, not the warm-up
-    backend.synchronize()
-    cupytp.distributed.barrier()
-    host = 0.0
-    start = time.perf_counter()
-    for i in range(args.steps):
-        issued = time.perf_counter()
-        loss = step(*batches[i % len(batches)])
-        host += time.perf_counter() - issued
-    backend.synchronize()
-    elapsed = time.perf_counter() - start
-    device_ms = device_time_ms(step, batches[0])
-    stats = memory.memory_stats()
+    timing = time_steps(step, batches, args.warmup, args.steps, profile.start)
     if info.rank != 0:
         return
     if args.profile:
         print(f"per step, tp={tp}, device synchronized around each entry (ms, inclusive):")
         for name, total in sorted(profile.totals.items(), key=lambda kv: -kv[1]):
             print(f"  {name:24} {1e3 * total / args.steps:8.1f}")
-    tokens_per_s = args.B * dp * args.T * args.steps / elapsed
+    tokens_per_s = args.B * dp * args.T / timing.step_s
     mfu = config.flops_per_token(args.T) * tokens_per_s / info.world_size / BF16_PEAK_FLOPS
     print(f"RESULT cupytp llama-{args.label or args.model} graph={int(not eager)} "
           f"dtype={args.dtype} tp={tp} dp={dp} fsdp={int(args.fsdp)} "
@@ -126,12 +104,7 @@ def main():
           f"D={config.hidden_size} H={config.num_attention_heads} "
           f"KV={config.num_key_value_heads} F={config.intermediate_size} "
           f"V={config.vocab_size} B={args.B} T={args.T} tok/s={tokens_per_s:.0f} "
-          f"step_ms={1e3 * elapsed / args.steps:.2f} device_ms={device_ms:.2f} "
-          f"host_ms={1e3 * host / args.steps:.2f} "
-          f"peak_alloc_GiB={stats['allocated_bytes_peak'] / 2 ** 30:.2f} "
-          f"peak_reserved_GiB={stats['reserved_bytes_peak'] / 2 ** 30:.2f} "
-          f"init_peak_GiB={init_peak / 2 ** 30:.2f} mfu={100 * mfu:.1f}% "
-          f"loss={loss.item():.3f}", flush=True)
+          f"{timing.fields()} mfu={100 * mfu:.1f}% loss={timing.loss.item():.3f}", flush=True)
 
 
 if __name__ == "__main__":
