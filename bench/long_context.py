@@ -33,7 +33,7 @@ from cupytp import backend, memory, ops
 from cupytp.launchers import cudnn_attention
 from cupytp.models.gpt2 import GPT2, preset
 from cupytp.optim import AdamW
-from cupytp.parallel import ContextParallel, apply_tensor_parallel
+from cupytp.parallel import ContextParallel, apply_tensor_parallel, replicate
 from cupytp.tensor import Replicated, Shard, from_local
 
 GIB = 2 ** 30
@@ -75,11 +75,14 @@ def measure(args, mesh, length):
     with cupytp.deferred_init():            # each rank allocates only its blocks
         model = GPT2(config, recompute=args.recompute)
     apply_tensor_parallel(model, mesh, sequence_parallel=args.sequence_parallel)
-    cupytp.materialize(model)
     context = None
     if args.cp > 1:
         context = ContextParallel(mesh, load_balance=not args.no_load_balance)
         context.apply(model)
+    summed = tuple(d for d in ("dp", "cp") if mesh.size(d) > 1)    # gradients summed there
+    if summed:
+        replicate(model, mesh, dim=summed)
+    cupytp.materialize(model)
     optimizer = AdamW(model.parameters(), lr=1e-4)
     rng = numpy.random.default_rng(mesh.get_local_rank("dp"))
     dp = mesh.size("dp")
