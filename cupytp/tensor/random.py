@@ -74,6 +74,7 @@ class Generator(graph.GraphState):
         batch, as one pass over the whole batch would draw them (see `Microbatches`).
         Micro-batch 0 begins the batch at the offset now; the others continue the batch it
         began. Enter every micro-batch's forward pass (its backward may run inside too)."""
+        self._outside_microbatches(index)
         if index == 0:
             self._batch = Microbatches(self, microbatches)
         elif self._batch is None or self._batch.microbatches != _split(microbatches):
@@ -81,6 +82,11 @@ class Generator(graph.GraphState):
                              "0 of them: micro-batch 0 marks where the batch's draws begin; "
                              "enter it first (or give a Microbatches its start)")
         return self._batch.microbatch(index)
+
+    def _outside_microbatches(self, index):
+        if self._microbatch is not None:
+            raise RuntimeError(f"micro-batch {index} entered inside micro-batch "
+                               f"{self._microbatch.index}: micro-batches do not nest")
 
     def philox_args(self, shape):
         """Reserve the counters of one draw over the global `shape`: (seed, base, add), element
@@ -184,9 +190,7 @@ class Microbatches:
         if not 0 <= index < self.count:
             raise ValueError(f"micro-batch {index} is not one of the batch's {self.count}")
         generator = self.generator
-        if generator._microbatch is not None:
-            raise RuntimeError(f"micro-batch {index} entered inside micro-batch "
-                               f"{generator._microbatch.index}: micro-batches do not nest")
+        generator._outside_microbatches(index)
         generator._join()            # a capture counts from the offset before the rewind
         generator._microbatch = _InEffect(self, index, graph.is_capturing())
         generator.offset = self.start

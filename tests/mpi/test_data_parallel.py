@@ -2,9 +2,10 @@
 replicated parameters with bucketed all-reduces (buckets of one parameter, of several, of the
 whole model; gradient accumulation under no_sync; dropout on), on a dp × tp mesh, HSDP as
 2 × 2; every split of one global batch over dp, fsdp, tp and micro-batches gives the losses of
-one rank, and with dropout too (2, 4 and 5 micro-batches, replicated and fully sharded). Tied weights are reduced once (CommTracer counts the collectives), buckets are
-launched while backward is still running, and without an engine a gradient stays Partial: the
-tensor layer moves no bytes for it, and the optimizer says what to do."""
+one rank, and with dropout too (2, 4 and 5 micro-batches, replicated and fully sharded). Tied
+weights are reduced once (CommTracer counts the collectives), buckets are launched while
+backward is still running, and without an engine a gradient stays Partial: the tensor layer
+moves no bytes for it, and the optimizer says what to do."""
 import contextlib
 import dataclasses
 
