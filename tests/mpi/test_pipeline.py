@@ -335,6 +335,7 @@ def test_captured_pipeline_steps_equal_eager_ones(pp_mesh, schedule):
         return numpy.array(losses), gathered(pipe)
     eager, captured = run(False), run(True)
     numpy.testing.assert_allclose(captured[0], eager[0], rtol=1e-10)
-    for name, value in eager[1].items():
-        numpy.testing.assert_allclose(captured[1][name], value, rtol=1e-10, err_msg=name)
+    for name, value in eager[1].items():    # atol: the key bias, rounding noise (its gradient
+        numpy.testing.assert_allclose(captured[1][name], value, rtol=1e-10, atol=1e-14,
+                                      err_msg=name)           # is 0, summed in another order)
     assert eager[0][-1] < eager[0][0]
