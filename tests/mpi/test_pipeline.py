@@ -227,6 +227,20 @@ def test_a_stage_error_is_named():
         pipe.step(IDS[:, :-1], IDS[:, 1:])
 
 
+def test_dropout_switched_off_after_the_shapes_were_learned_is_named(world):
+    """The stages' draws are learned with the shapes: a dropout switched off by hand before a
+    later step of the same batch shape is an error naming the stage (on every rank a one-stage
+    pipeline of its own)."""
+    pipe = pipeline(gpt2(CONFIG), local_mesh(), dim="self", microbatches=2)
+    pipe.step(IDS[:, :-1], IDS[:, 1:])
+    for module in pipe.modules():
+        if isinstance(module, cupytp.nn.Dropout):
+            module.p = 0.0
+    with pytest.raises(PipelineError, match="stage 0 .* micro-batch 0: .* drew 0 random "
+                                            "counters .* where [0-9]+ were learned"):
+        pipe.step(IDS[:, :-1], IDS[:, 1:])
+
+
 def test_bad_arguments_are_one_clear_error(pp_mesh, world):
     with pytest.raises(ValueError, match="no dimension 'stages'"):
         pipeline(gpt2(CONFIG), pp_mesh, dim="stages")

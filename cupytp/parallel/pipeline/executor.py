@@ -158,8 +158,14 @@ class StepRun:
             x = self._laid_out(self.inputs[self.rows[k]])
         else:
             x = self._received_input(s, k)
-        with self.draws[s].microbatch(k):
+        with self.draws[s].microbatch(k) as drawing:
             out = stage(x)
+        drawn, learned = default_generator.offset - drawing.start, self.shapes["draws"][s]
+        if drawn != learned:
+            raise RuntimeError(f"its forward drew {drawn} random counters over the whole batch "
+                               f"where {learned} were learned with this batch shape: its "
+                               "dropout was switched on or off since; switch it before the "
+                               "first step of a batch shape, or make a new pipeline")
         if stage.is_last:
             loss = self.pipe._parts.loss(out, self._laid_out(self.targets[self.rows[k]]))
             weight = self.weights[k]
