@@ -36,7 +36,8 @@ class Generator(graph.GraphState):
 
     def __init__(self, seed=0):
         self._bases = None           # device uint64 (2,): [0] = 0, the base of eager draws;
-        self._microbatch = None      # [1] the base of captured draws, set before each replay
+        #                              [1] the base of captured draws, set before each replay
+        self._microbatch = None      # the micro-batch drawn for (_InEffect), or None
         self._batch = None           # the Microbatches that `microbatch(0, m)` began
         self.manual_seed(seed)
 
@@ -97,9 +98,9 @@ class Generator(graph.GraphState):
         reserved."""
         shape = tuple(int(n) for n in shape)
         if self._microbatch is None:
-            count, rows_before = math.prod(shape), 0
+            count, skipped = math.prod(shape), 0
         else:
-            count, rows_before = self._microbatch.place(shape, self.offset)
+            count, skipped = self._microbatch.place(shape, self.offset)
         record = self._join()
         if record is not None:
             if self._microbatch is not None and not self._microbatch.captured:
@@ -111,7 +112,7 @@ class Generator(graph.GraphState):
         else:
             base, add = self._bases[0], self.offset
         self.offset += count
-        return self.seed, base, add + rows_before
+        return self.seed, base, add + skipped
 
     # ---- CUDA-graph state (cupytp.graph.GraphState) ---------------------------------------------
     def _join(self):
