@@ -22,7 +22,7 @@ from cupytp.ops import (  # noqa: E402
     log_softmax, matmul, softmax, split, stack)
 from cupytp.tensor import (  # noqa: E402
     DTensor, Layout, Partial, Replicated, Shard, arange, deferred_init, distribute, from_local,
-    full, local_mesh, manual_seed, ones, rand, randn, zeros)
+    full, local_mesh, manual_seed, microbatch, ones, rand, randn, zeros)
 from cupytp.nn import materialize  # noqa: E402
 from cupytp import parallel  # noqa: E402    data parallelism; gives Module.as_distributed
 
@@ -40,8 +40,8 @@ __all__ = [
     "concat", "cross_entropy", "dropout", "einsum", "embedding", "gelu", "layer_norm",
     "log_softmax", "matmul", "softmax", "split", "stack", "DTensor", "Layout", "Partial",
     "Replicated", "Shard", "arange", "deferred_init", "materialize", "distribute", "from_local",
-    "full", "local_mesh", "manual_seed", "ones", "rand", "randn", "zeros", "debug", "env",
-    "parallel",
+    "full", "local_mesh", "manual_seed", "microbatch", "ones", "rand", "randn", "zeros",
+    "debug", "env", "parallel",
 ]
 
 

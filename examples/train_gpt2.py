@@ -536,7 +536,8 @@ def make_train_step(model, optimizer, scaler, args):
         for i, (x, y) in enumerate(batches):
             last = i == len(batches) - 1
             with contextlib.nullcontext() if last or not parallel else model.no_sync():
-                with autocast(None if args.dtype == "fp32" else args.dtype):
+                with autocast(None if args.dtype == "fp32" else args.dtype), \
+                        cupytp.microbatch(i, len(batches)):     # dropout: the whole batch's
                     _, loss = model(x, y)
                 loss = loss * (1.0 / len(batches))
                 scaler.scale(loss).backward()

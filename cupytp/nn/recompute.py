@@ -3,8 +3,9 @@ and run it again in the backward pass to get its gradients.
 
 `recompute(fn, *inputs)` returns `fn(*inputs)` (one DTensor) computed without recording; one
 node keeps only the inputs. Its backward reruns `fn` on detached copies of the inputs with
-gradients on, from the random generator's state of the first run (so dropout draws the same
-masks), and walks that small graph at once: parameters get their gradients there, the inputs'
+gradients on, from the random generator's state of the first run (`Generator.replaying`: its
+offset and the micro-batch it drew for, so dropout draws the same masks, wherever the backward
+runs), and walks that small graph at once: parameters get their gradients there, the inputs'
 are handed on. The memory of a transformer block's activations becomes that of its input,
 for about one more forward pass of compute. Collectives inside `fn` run again in the
 recomputation, in the same order on every rank. The rerun is in the autocast region of the first
@@ -22,7 +23,7 @@ def recompute(fn, *inputs, generator=None):
     if not engine.is_grad_enabled() or not any(x.requires_grad for x in tensors):
         return fn(*inputs)
     generator = generator or default_generator
-    state, dtype = generator.get_state(), autocast_dtype()
+    state, dtype = generator.snapshot(), autocast_dtype()
     with engine.no_grad():
         out = fn(*inputs)
     if not isinstance(out, DTensor):
@@ -31,13 +32,8 @@ def recompute(fn, *inputs, generator=None):
 
     def backward(g):
         detached = [_detached(x) for x in inputs]
-        now = generator.get_state()
-        generator.set_state(state)
-        try:
-            with engine.enable_grad(), autocast(dtype):
-                again = fn(*detached)
-        finally:
-            generator.set_state(now)
+        with generator.replaying(state), engine.enable_grad(), autocast(dtype):
+            again = fn(*detached)
         engine.backward_within(again, g)
         return tuple(x.grad if isinstance(x, DTensor) and x.requires_grad else None
                      for x in detached if isinstance(x, DTensor))

@@ -566,11 +566,10 @@ def attention_setup(q, k, dropout_p, generator, shape, offsets, groups=None):
     by `groups` (HeadGroups, None: as many as q's): cuDNN's kernels where they apply, else the
     RawKernel's; the dropout draws counters of the global problem."""
     from cupytp.launchers import cudnn_attention, flash_attention
-    b, h, t, s = shape
     drop = None
-    if dropout_p > 0:
-        seed, base, add = (generator or default_generator).philox_args(b * h * t * s)
-        drop = flash_attention.AttentionDropout(dropout_p, seed, base, add, h, *offsets)
+    if dropout_p > 0:       # inside a micro-batch, add skips the batch's rows before it
+        seed, base, add = (generator or default_generator).philox_args(shape)
+        drop = flash_attention.AttentionDropout(dropout_p, seed, base, add, shape[1], *offsets)
     kernels = cudnn_attention if cudnn_attention.applies(q, k, dropout_p, groups) else \
         flash_attention
     return kernels, 1.0 / math.sqrt(q.shape[-1]), drop

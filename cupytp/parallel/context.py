@@ -330,14 +330,15 @@ class _Ring:
         self.positions = [backend.asarray(positions_of(ranges[j])) for j in range(n)]
         self.dropout = None
         if dropout_p > 0:
-            seed, base, add = (generator or default_generator).philox_args(b * h * t * t)
+            seed, base, add = (generator or default_generator).philox_args((b, h, t, t))
             offsets = qkv.layout.offsets
             self.dropout = (dropout_p, seed, base, add, (b, h, t), offsets[0], offsets[3])
 
     def keep(self, rows, source, cols):
         """The dropout's (B, H, rows, cols) scale of this rank's queries `rows` against the keys
         `cols` of cp rank `source`: drawn by the global (b, h, t, s) index of the probability,
-        as the attention of the whole sequence draws it."""
+        as the attention of the whole sequence draws it (inside a micro-batch, `add` skips the
+        batch's rows before it)."""
         if self.dropout is None:
             return None
         xp = backend.xp

@@ -100,18 +100,14 @@ def from_fill(shape, fill, generator=None):
     empty block advances the generator as a full draw would) and drawn from when a block is
     made."""
     shape = tuple(shape)
-    state = None if generator is None else generator.get_state()
+    state = None if generator is None else generator.snapshot()
     dtype = fill(shape, (0,) * len(shape), (0,) * len(shape)).dtype
 
     def make(offsets, local_shape):
         if generator is None:
             return fill(shape, offsets, local_shape)
-        now = generator.get_state()
-        generator.set_state(state)
-        try:
+        with generator.replaying(state):
             return fill(shape, offsets, local_shape)
-        finally:
-            generator.set_state(now)
     return Recipe(shape, dtype, make)
 
 

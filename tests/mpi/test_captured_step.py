@@ -1,7 +1,8 @@
 """A training step captured as a CUDA graph against the same step run eagerly (GPU only): a small
 GPT-2 on the mesh with dropout (replicated over dp on a 2-D mesh: bucketed all-reduces on the
 communication stream inside the graph), a cosine schedule with warm-up, clipping that triggers
-and gradient accumulation (under no_sync) gives bit for bit the same losses, norms and
+and gradient accumulation (under no_sync, the dropout of each micro-batch drawn as the whole
+batch's: the micro-batch loop captured whole) gives bit for bit the same losses, norms and
 parameters for 20 steps, with the gradients kept between steps or dropped at the end of each
 (made inside the graph), and in fp16 with dynamic loss scaling whose skips and growth happen
 inside the replays; replays allocate nothing; the capture refuses a host synchronization and
@@ -58,7 +59,7 @@ def train(mesh, captured, dtype=None, set_to_none=False):
         for i, (x, y) in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             with contextlib.nullcontext() if last or mesh.ndim == 1 else model.no_sync():
-                with cupytp.autocast(dtype):
+                with cupytp.autocast(dtype), cupytp.microbatch(i, len(micro_batches)):
                     _, loss = model(x, y)
                 scaler.scale(loss * (1.0 / len(micro_batches))).backward()
         scaler.unscale_(optimizer)

@@ -1,9 +1,11 @@
 """Context parallelism (the sequence split along a "cp" mesh dimension, attention as a ring):
 `ProcessGroup.sendrecv` around a ring; ring attention equal to attention over the whole
 sequence (causal or not, zigzag or contiguous, uneven chunks, heads split over tp, dropout),
-in float64 and on the flash kernels' NumPy twin; a GPT-2 with dropout trains exactly like one
+in float64 and on the flash kernels' NumPy twin, and over a batch in micro-batches (dropout
+drawn as the whole batch's); a GPT-2 with dropout trains exactly like one
 rank for cp = 2 and 4, with recomputation, with tensor (and sequence) parallelism beside it and
 with fully sharded data parallelism; the ring's messages per layer; clear errors."""
+import contextlib
 import json
 
 import numpy
@@ -79,6 +81,44 @@ def test_ring_attention_is_attention_over_the_whole_sequence(world, tp, causal, 
     assert ring_qkv.grad.placements == ring_qkv.placements
     numpy.testing.assert_allclose(full(ring_qkv.grad), full(qkv.grad)[:, order], rtol=1e-11,
                                   atol=1e-13)
+
+
+@pytest.mark.parametrize("split", [2, (1, 2)], ids=["equal", "uneven"])
+def test_ring_attention_in_microbatches_draws_the_whole_batch(world, split):
+    """Two attentions with dropout 0.3 over the batch (4 rows in 2 micro-batches, or 3 in
+    1 + 2) through the ring micro-batch by micro-batch, each inside `cupytp.microbatch`: the
+    outputs and q|k|v's gradients of one rank's over the whole batch, masks included (the
+    ring's draws skip the rows before the micro-batch); outside the contexts they differ."""
+    needs(world, 2)
+    mesh = cp_mesh(world)
+    cp = ContextParallel(mesh)
+    sizes = [2, 2] if split == 2 else list(split)
+    b, t, h, d = sum(sizes), 13, 4, 3
+    value, weight = rng_array((b, t, 3, h, d), 1), rng_array((b, t, h, d), 2)
+
+    def run(attend, mesh, placements, rows, order):
+        qkv = lay_out(value[rows][:, order], mesh, placements, requires_grad=True)
+        out = attend(qkv, True, 0.3) + 0.5 * attend(qkv, True, 0.3)       # two draws
+        (out * lay_out(weight[rows][:, order], mesh, placements)).sum().backward()
+        return full(out), full(qkv.grad)
+
+    cupytp.manual_seed(4)
+    everything = slice(None)
+    whole = run(ops.packed_attention, local_mesh(), (Replicated(),), everything, everything)
+    order, starts = cp.order(t), numpy.cumsum([0] + sizes)
+    for inside in (True, False):
+        cupytp.manual_seed(4)
+        parts = []
+        for k, (a, z) in enumerate(zip(starts[:-1], starts[1:])):
+            with cupytp.microbatch(k, split) if inside else contextlib.nullcontext():
+                parts.append(run(cp.attention, mesh, (Shard(1), Replicated()), slice(a, z),
+                                 order))
+        got = [numpy.concatenate(p) for p in zip(*parts)]
+        if not inside:
+            assert not numpy.allclose(got[0], whole[0][:, order])
+            continue
+        numpy.testing.assert_allclose(got[0], whole[0][:, order], rtol=1e-12, atol=1e-14)
+        numpy.testing.assert_allclose(got[1], whole[1][:, order], rtol=1e-11, atol=1e-13)
 
 
 def test_ring_attention_on_the_flash_kernels(world):

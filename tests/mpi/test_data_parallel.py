@@ -2,9 +2,10 @@
 replicated parameters with bucketed all-reduces (buckets of one parameter, of several, of the
 whole model; gradient accumulation under no_sync; dropout on), on a dp × tp mesh, HSDP as
 2 × 2; every split of one global batch over dp, fsdp, tp and micro-batches gives the losses of
-one rank. Tied weights are reduced once (CommTracer counts the collectives), buckets are
-launched while backward is still running, and without an engine a gradient stays Partial: the
-tensor layer moves no bytes for it, and the optimizer says what to do."""
+one rank, and with dropout too (2, 4 and 5 micro-batches, replicated and fully sharded). Tied
+weights are reduced once (CommTracer counts the collectives), buckets are launched while
+backward is still running, and without an engine a gradient stays Partial: the tensor layer
+moves no bytes for it, and the optimizer says what to do."""
 import contextlib
 import dataclasses
 
@@ -36,20 +37,25 @@ def gpt2(config=CONFIG, mesh=None):
 
 def train(model, mesh, rows, accum=1, steps=STEPS):
     """`steps` clipped AdamW steps on IDS split into `accum` micro-batches (all but the last
-    under no_sync when the model is data-parallel); (the loss of each step, the parameters
-    after, full, by name)."""
+    under no_sync when the model is data-parallel; each drawing its dropout as its rows of the
+    whole batch, `cupytp.microbatch`: by their number when their rows are equal, else by the
+    rows of each); (the loss of each step, the parameters after, full, by name)."""
     optimizer = AdamW(decay_groups(model.named_parameters(), 0.1), lr=3e-3)
+    bounds = [k * len(IDS) // accum for k in range(accum + 1)]
+    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    split = accum if len(set(sizes)) == 1 else sizes
     losses = []
     for _ in range(steps):
         total = 0.0
-        for k in range(accum):
-            part = IDS[k * len(IDS) // accum:(k + 1) * len(IDS) // accum]
-            x, y = (lay_out(a, mesh, rows) for a in (part[:, :-1], part[:, 1:]))
+        for k, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            x, y = (lay_out(t, mesh, rows) for t in (IDS[a:b, :-1], IDS[a:b, 1:]))
             sync = k == accum - 1 or not isinstance(model, DataParallelModule)
-            with contextlib.nullcontext() if sync else model.no_sync():
+            share = (b - a) / len(IDS)              # of the whole batch's tokens
+            with contextlib.nullcontext() if sync else model.no_sync(), \
+                    cupytp.microbatch(k, split):
                 _, loss = model(x, y)
-                (loss * (1.0 / accum)).backward()
-            total += float(full(loss)) / accum
+                (loss * share).backward()
+            total += float(full(loss)) * share
         clip_grad_norm_(model.parameters(), 0.5)
         optimizer.step()
         optimizer.zero_grad()
@@ -96,6 +102,19 @@ def test_replicated_training_with_dropout_equals_one_rank(world):
     mesh = dp_mesh(world)
     model = replicate(gpt2(dataclasses.replace(CONFIG, dropout=0.2)), mesh)
     assert_trains_like(train(model, mesh, (Shard(0),)), dense(dropout=0.2))
+
+
+@pytest.mark.parametrize("data_parallel", [replicate, fully_shard])
+@pytest.mark.parametrize("accum,recompute", [(2, False), (4, False), (5, False), (4, True)])
+def test_accumulation_with_dropout_equals_one_rank(world, data_parallel, accum, recompute):
+    """Gradient accumulation under no_sync with dropout 0.2: each micro-batch (12 rows in 2 or
+    4 equal ones, or 5 of 2 or 3 rows) draws its masks as its rows of the whole batch, so the
+    steps are one rank's on the whole batch; recomputed blocks draw theirs again alike."""
+    mesh = dp_mesh(world)
+    model = gpt2(dataclasses.replace(CONFIG, dropout=0.2))
+    model.transformer.recompute = recompute
+    data_parallel(model, mesh)
+    assert_trains_like(train(model, mesh, (Shard(0),), accum), dense(dropout=0.2))
 
 
 def test_replicated_with_recomputed_blocks_equals_one_rank(world):

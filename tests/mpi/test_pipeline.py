@@ -1,7 +1,8 @@
 """Pipeline parallelism on 1, 2 and 4 ranks: every schedule (GPipe, 1F1B, interleaved 1F1B,
-ZB-H1) with 1, 2, 4 and 8 micro-batches, tied and untied embeddings, trains a GPT-2 like one rank
-training the same global batch (losses and every parameter after 5 clipped AdamW steps, float64,
-1e-12); pp x tp and pp x dp (replicated and fully sharded) on 4 ranks; each schedule's bubble
+ZB-H1) with 1, 2, 4 and 8 micro-batches, tied and untied embeddings, dropout 0.1, trains a GPT-2
+like one rank training the same global batch (losses and every parameter after 5 clipped AdamW
+steps, float64, 1e-12), with uneven micro-batches and recomputed blocks too; pp x tp and pp x dp
+(replicated and fully sharded) on 4 ranks; each schedule's bubble
 measured in ticks is its table's and within 10% of its theory; CommTracer counts the
 point-to-point traffic; a checkpoint saved at pp=2 loads at pp=1 and pp=4."""
 import dataclasses
@@ -17,10 +18,10 @@ from cupytp.models.gpt2 import GPT2, GPT2Config
 from cupytp.optim import AdamW, GradScaler, clip_grad_norm_, decay_groups
 from cupytp.parallel import pipeline
 from cupytp.parallel.pipeline import PipelineError, format_schedule
-from cupytp.tensor import Replicated, local_mesh
+from cupytp.tensor import Replicated, default_generator, local_mesh
 from dense_reference import full, lay_out
 
-CONFIG = GPT2Config(vocab_size=37, block_size=8, n_layer=8, n_head=2, n_embd=16)
+CONFIG = GPT2Config(vocab_size=37, block_size=8, n_layer=8, n_head=2, n_embd=16, dropout=0.1)
 UNTIED = dataclasses.replace(CONFIG, tie_word_embeddings=False)
 IDS = numpy.random.default_rng(0).integers(0, CONFIG.vocab_size, size=(8, 9))
 STEPS = 5
@@ -112,6 +113,17 @@ def test_every_schedule_trains_like_one_rank(pp_mesh, schedule, config):
         assert abs(stats.bubble - stats.theoretical) <= 0.1 * stats.theoretical + 1e-12, stats
         assert stats.timeline.span == pipe.schedule.timeline.span
         assert format_schedule(pipe.schedule, stats.timeline) == str(pipe.schedule)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b", "zb_h1"])
+def test_uneven_microbatches_and_recomputed_blocks_train_like_one_rank(pp_mesh, schedule):
+    """The 8 rows in 3 micro-batches (3, 3, 2), the blocks recomputed in the backward (which
+    runs outside the micro-batch's forward): dropout draws each micro-batch's masks as its rows
+    of the whole batch's, the recomputation as its forward did."""
+    model = gpt2(CONFIG)
+    model.transformer.recompute = True
+    pipe = pipeline(model, pp_mesh, schedule=schedule, microbatches=3)
+    assert_trains_like_one_rank(pipe, CONFIG)
 
 
 def test_names_and_stages(pp_mesh, world):
@@ -215,6 +227,20 @@ def test_a_stage_error_is_named():
         pipe.step(IDS[:, :-1], IDS[:, 1:])
 
 
+def test_dropout_switched_off_after_the_shapes_were_learned_is_named(world):
+    """The stages' draws are learned with the shapes: a dropout switched off by hand before a
+    later step of the same batch shape is an error naming the stage (on every rank a one-stage
+    pipeline of its own)."""
+    pipe = pipeline(gpt2(CONFIG), local_mesh(), dim="self", microbatches=2)
+    pipe.step(IDS[:, :-1], IDS[:, 1:])
+    for module in pipe.modules():
+        if isinstance(module, cupytp.nn.Dropout):
+            module.p = 0.0
+    with pytest.raises(PipelineError, match="stage 0 .* micro-batch 0: .* drew 0 random "
+                                            "counters .* where [0-9]+ were learned"):
+        pipe.step(IDS[:, :-1], IDS[:, 1:])
+
+
 def test_bad_arguments_are_one_clear_error(pp_mesh, world):
     with pytest.raises(ValueError, match="no dimension 'stages'"):
         pipeline(gpt2(CONFIG), pp_mesh, dim="stages")
@@ -268,16 +294,19 @@ def test_checkpoint_saved_at_pp2_loads_at_pp1_and_pp4(world, shared_dir):
     pipe = pipeline(gpt2(CONFIG), mesh, schedule="1f1b", microbatches=2)
     _, adam = train(pipe, steps=2)
     checkpoint.save(shared_dir, 2, pipe, adam)
+    rng = default_generator.get_state()         # the dropout masks go on from here
     with open(f"{shared_dir}/step-00000002/index.json") as f:
         saved = json.load(f)["tensors"]
     assert sorted(k[len("model/"):] for k in saved if k.startswith("model/")) == \
         sorted(n for n, _ in gpt2(CONFIG).named_parameters())
+    default_generator.set_state(rng)
     later, _ = train(pipe, steps=2, adam=adam)
     # pp=1: the model without pipeline, whole on every rank
     model = gpt2(CONFIG)
     plain = optimizer(model.named_parameters())
     assert checkpoint.load(shared_dir, model, plain)["step"] == 2
     losses, mesh = [], local_mesh()
+    default_generator.set_state(rng)
     for _ in range(2):
         _, loss = model(*(lay_out(a, mesh, (Replicated(),)) for a in (IDS[:, :-1], IDS[:, 1:])))
         loss.backward()
@@ -290,6 +319,7 @@ def test_checkpoint_saved_at_pp2_loads_at_pp1_and_pp4(world, shared_dir):
         four_stages = pipeline(gpt2(CONFIG), cupytp.DeviceMesh((4,), ("pp",)), microbatches=2)
         adam4 = optimizer(four_stages.named_parameters())
         checkpoint.load(shared_dir, four_stages, adam4)
+        default_generator.set_state(rng)
         numpy.testing.assert_allclose(train(four_stages, 2, adam=adam4)[0], later,
                                       **TOLERANCE)
 
@@ -319,6 +349,7 @@ def test_captured_pipeline_steps_equal_eager_ones(pp_mesh, schedule):
         return numpy.array(losses), gathered(pipe)
     eager, captured = run(False), run(True)
     numpy.testing.assert_allclose(captured[0], eager[0], rtol=1e-10)
-    for name, value in eager[1].items():
-        numpy.testing.assert_allclose(captured[1][name], value, rtol=1e-10, err_msg=name)
+    for name, value in eager[1].items():    # atol: the key bias, rounding noise (its gradient
+        numpy.testing.assert_allclose(captured[1][name], value, rtol=1e-10, atol=1e-14,
+                                      err_msg=name)           # is 0, summed in another order)
     assert eager[0][-1] < eager[0][0]

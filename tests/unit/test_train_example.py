@@ -84,11 +84,11 @@ def val_losses(out):
 
 def test_splits_of_one_global_batch_train_alike(tmp_path):
     """A global batch of 8 sequences taken whole on one rank, in micro-batches (--grad-accum),
-    over data-parallel ranks (replicated, fully sharded) and over tensor-parallel ranks: the same
-    training and validation losses at every step (fp32: to its rounding).
+    over data-parallel ranks (replicated, fully sharded) and over tensor-parallel ranks, dropout
+    on: the same training and validation losses at every step (fp32: to its rounding).
     The logged loss is the whole batch's, and validation takes whole batches, however split."""
     common = ["--steps", "6", "--log-interval", "1", "--eval-interval", "3", "--model", "tiny",
-              "--seq-len", "32", "--sample-tokens", "0", "--eval-batches", "2"]
+              "--seq-len", "32", "--sample-tokens", "0", "--eval-batches", "2", "--dropout", "0.1"]
     splits = {"whole": (1, ["--batch-size", "8"]),
               "accum": (1, ["--batch-size", "4", "--grad-accum", "2"]),
               "dp": (2, ["--batch-size", "2", "--grad-accum", "2"]),

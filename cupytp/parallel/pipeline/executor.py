@@ -9,11 +9,19 @@ and are DTensors of the same layout on both sides; a received activation is a le
 a gradient, so the stage's backward stops there and its gradient is what goes back.
 
 Micro-batch k is rows k of an array_split of the batch, and its loss counts by its share of the
-batch's targets, so a step's loss and gradients are those of the batch without a pipeline. The
-shapes a stage receives are learned before the first step with a new batch shape: each stage in
-turn runs its forward on zeros of its input's shape (no gradients, the random generator left as
-it was) and tells the next stage's rank what it makes. The pass goes stage after stage, one way,
-so it cannot wait in a circle as the step's transfers could.
+batch's targets, so a step's loss and gradients are those of the batch without a pipeline.
+Random draws (dropout) are the batch's too: each stage's forwards run inside its micro-batch
+(`Microbatches` of the default generator, starting where the earlier stages' draws over the
+whole batch end), so stage s draws for micro-batch k what one pass of the whole model over the
+whole batch draws for those rows; a recomputation in the backward draws again as its forward
+did (`Generator.replaying`), and the backward draws nothing else (nor does ZB-H1's W). After
+the step the generator's offset is where that pass leaves it, on every rank.
+
+The shapes a stage receives are learned before the first step with a new batch shape (or train
+or eval mode): each stage in turn runs its forward on zeros of its input's shape (no gradients,
+the random generator left as it was) and tells the next stage's rank what it makes; every
+stage's count of counters drawn over the whole batch is then shared. The pass goes stage after
+stage, one way, so it cannot wait in a circle as the step's transfers could.
 """
 import contextlib
 import dataclasses
@@ -25,7 +33,8 @@ from cupytp import backend
 from cupytp.autograd import engine
 from cupytp.distributed.process_group import CollectiveTimeoutError, split_sizes
 from cupytp.parallel.pipeline import schedules
-from cupytp.tensor import DTensor, Partial, Replicated, Shard, default_generator, from_local
+from cupytp.tensor import (
+    DTensor, Microbatches, Partial, Replicated, Shard, default_generator, from_local)
 from cupytp.tensor.layout import Layout
 from cupytp.tensor.redistribute import grad_placements, redistribute_local
 
@@ -67,16 +76,18 @@ class StepRun:
         self.scaler = scaler
         self.training = engine.is_grad_enabled()
         self.measure = measure
-        starts = numpy.cumsum([0] + split_sizes(inputs.shape[0], self.schedule.microbatches))
+        self.sizes = split_sizes(inputs.shape[0], self.schedule.microbatches)
+        starts = numpy.cumsum([0] + self.sizes)
         self.rows = [slice(a, b) for a, b in zip(starts[:-1], starts[1:])]
         self.inputs, self.targets = inputs, targets
         self.weights = _loss_weights(targets, self.rows, pipe._parts.ignore_index)
         signature = (tuple(inputs.shape), str(inputs.dtype), tuple(targets.shape),
-                     str(targets.dtype))
+                     str(targets.dtype), pipe.training)
         if signature not in pipe._shapes:
             pipe._shapes[signature] = self._learn_shapes()
         self.shapes = pipe._shapes[signature]
         self.x, self.out, self.deferred = {}, {}, {}
+        self.draws = {}               # stage -> its Microbatches of the default generator
         self.receiving = {}           # transfer (kind, stage, micro-batch) -> (Work, index)
         self.arrived = {}             # transfer -> its array, waited for
         self.sending = []             # Works of sends in flight
@@ -94,6 +105,9 @@ class StepRun:
         if self.measure == "time":
             pipe.pp_group.barrier()
         self.t0 = time.perf_counter()
+        start, counts = default_generator.offset, self.shapes["draws"]
+        for s in self.schedule.stages_of(pipe.pp_rank):
+            self.draws[s] = Microbatches(default_generator, self.sizes, start + sum(counts[:s]))
         batch = []
         for action in actions:
             if action.is_compute:
@@ -103,6 +117,7 @@ class StepRun:
             else:
                 batch.append(action)
         self._post(batch)
+        default_generator.offset = start + sum(counts)      # where the whole batch's pass ends
         for work in self.sending:
             work.wait()
         if self.training:
@@ -143,7 +158,14 @@ class StepRun:
             x = self._laid_out(self.inputs[self.rows[k]])
         else:
             x = self._received_input(s, k)
-        out = stage(x)
+        with self.draws[s].microbatch(k) as drawing:
+            out = stage(x)
+        drawn, learned = default_generator.offset - drawing.start, self.shapes["draws"][s]
+        if drawn != learned:
+            raise RuntimeError(f"its forward drew {drawn} random counters over the whole batch "
+                               f"where {learned} were learned with this batch shape: its "
+                               "dropout was switched on or off since; switch it before the "
+                               "first step of a batch shape, or make a new pipeline")
         if stage.is_last:
             loss = self.pipe._parts.loss(out, self._laid_out(self.targets[self.rows[k]]))
             weight = self.weights[k]
@@ -265,14 +287,17 @@ class StepRun:
 
     def _learn_shapes(self):
         """{(stage, micro-batch): (shape, placements, dtype) of its input} for the stages whose
-        input comes from another rank, and the loss's dtype under "loss" (module docstring)."""
+        input comes from another rank, the loss's dtype under "loss", and under "draws" each
+        stage's count of the generator's counters its forward draws over the whole batch
+        (module docstring)."""
         pipe, schedule = self.pipe, self.schedule
-        group, shapes, told = pipe.pp_group, {}, []
+        group, shapes, told, draws = pipe.pp_group, {}, [], {}
         state = default_generator.get_state()
         try:
             with engine.no_grad():
                 for s in schedule.stages_of(pipe.pp_rank):
                     before = schedule.rank_of(s - 1) if s > 0 else None
+                    drawing = Microbatches(default_generator, self.sizes)
                     for k, rows in enumerate(self.rows):
                         if s == 0:
                             x = self._laid_out(self.inputs[rows])
@@ -282,7 +307,8 @@ class StepRun:
                             shape, placements, dtype = shapes[(s, k)]
                             layout = Layout(pipe.stage_mesh, shape, placements)
                             x = DTensor._make(backend.xp.zeros(layout.local_shape, dtype), layout)
-                        with _named_errors(s, pipe.pp_rank, "the forward (learning shapes)", k):
+                        with _named_errors(s, pipe.pp_rank, "the forward (learning shapes)", k), \
+                                drawing.microbatch(k):
                             out = pipe._stage[s](x)
                             if s == schedule.stages - 1:
                                 targets = self._laid_out(self.targets[rows])
@@ -292,12 +318,15 @@ class StepRun:
                         if schedule.rank_of(s + 1) != pipe.pp_rank:
                             told.append(group.send_object(shapes[(s + 1, k)],
                                                           schedule.rank_of(s + 1)))
+                    draws[s] = default_generator.offset - drawing.start
         finally:
             default_generator.set_state(state)
         for work in told:
             work.wait()
-        last = schedule.rank_of(schedule.stages - 1)
-        shapes["loss"] = pipe.pp_group.broadcast_object(shapes.get("loss"), src=last)
+        everyone = pipe.pp_group.all_gather_object((shapes.get("loss"), draws))
+        shapes["loss"] = everyone[schedule.rank_of(schedule.stages - 1)][0]
+        counts = {s: n for _, theirs in everyone for s, n in theirs.items()}
+        shapes["draws"] = tuple(counts[s] for s in range(schedule.stages))
         return shapes
 
     def _exchange_ticks(self, batch):
