@@ -45,14 +45,15 @@ from cupytp.launchers.rmsnorm import rms_norm_backward, rms_norm_forward
 from cupytp.launchers.swiglu import swiglu, swiglu_backward
 from cupytp.ops import fused
 from cupytp.ops.amp import autocast_local, autocast_operand, operand_dtype
-from cupytp.ops.conversion import Partial, Replicated, Shard, backend, cached, make, reduce_all
+from cupytp.ops.conversion import (
+    Partial, Replicated, Shard, backend, cached, is_tensor, make, reduce_all)
 from cupytp.ops.elementwise import bias_residual_local, silu_mul
 from cupytp.ops.functional import (
     attention_setup, rms_norm, scaled_dot_product_attention, unpacked)
 from cupytp.ops.fused import (
     _all_reduced, _bias_as, _grad_as, _input_backward, _input_info, _recorded, _reduces, _rows,
     _weight_grads)
-from cupytp.ops.linalg import einsum, local_einsum, matmul
+from cupytp.ops.linalg import column_input, einsum, local_einsum, matmul
 from cupytp.ops.rotary import rotary
 
 # the tensor-parallel placements the fused forms take, per parameter (in argument order)
@@ -62,39 +63,48 @@ MLP_SPLITS = ((Shard(2), Shard(1), Shard(0)),)
 
 
 def grouped_attention(x, q_weight, q_bias, kv_weight, kv_bias, o_weight, rope, num_heads,
-                      num_kv_heads, norm=None, residual=None, cache=None):
-    """Causal grouped-query self-attention with rotary positions (module docstring)."""
-    cos, sin, start = rope
+                      num_kv_heads, norm=None, residual=None, cache=None, attention=None):
+    """Causal grouped-query self-attention with rotary positions (module docstring).
+    `attention(q, k, v)`: how queries (B, T, H, D) attend over keys and values (B, T, Hk, D),
+    when not as `scaled_dot_product_attention` (a ring: `ContextParallel.grouped_attention`);
+    the chain of ops runs then."""
     params = (q_weight, q_bias, kv_weight, kv_bias, o_weight)
     d = q_weight.shape[-1] // num_heads
     flash = operand_dtype(x) in flash_attention.DTYPES and d in flash_attention.HEAD_DIMS
-    plan = None if residual is None or cache is not None or not flash else \
+    chain = residual is None or cache is not None or attention is not None or not flash or \
+        is_tensor(rope[2])
+    plan = None if chain else \
         _plan(ATTENTION_SPLITS, x, residual, params, norm, (num_heads, num_kv_heads))
     if plan is None:
         y = _attention_chain(x if norm is None else rms_norm(x, *norm), params, rope,
-                             num_heads, num_kv_heads, cache)
+                             num_heads, num_kv_heads, cache, attention)
         return reduce_all("grouped_attention", y) if residual is None else residual + y
-    return _fused_attention(x, residual, params, (cos, sin, start), num_heads, num_kv_heads,
-                            norm, plan)
+    return _fused_attention(x, residual, params, rope, num_heads, num_kv_heads, norm, plan)
 
 
-def _attention_chain(x, params, rope, num_heads, num_kv_heads, cache):
-    """The attention as a chain of ops; (B, T, C), Partial where o_weight is row-parallel."""
+def _attention_chain(x, params, rope, num_heads, num_kv_heads, cache, attention):
+    """The attention as a chain of ops; (B, T, C), Partial where o_weight is row-parallel. x
+    is gathered once for both products (`column_input`: one collective each way under sequence
+    parallelism)."""
     q_weight, q_bias, kv_weight, kv_bias, o_weight = params
-    cos, sin, start = rope
     b, t, _ = x.shape
     d = q_weight.shape[-1] // num_heads
-    q = matmul(x, q_weight, reduce_input_grad=True)
-    kv = einsum("btc,cjd->btjd", x, kv_weight, reduce_input_grad=True)
+    x = column_input("btc,cd->btd", x, q_weight)                           # (B, T, C)
+    q = matmul(x, q_weight)
+    kv = einsum("btc,cjd->btjd", x, kv_weight)
     q = q if q_bias is None else q + autocast_operand(q_bias)
     kv = kv if kv_bias is None else kv + autocast_operand(kv_bias)
-    q = rotary(q.reshape(b, t, num_heads, d), cos, sin, start)             # (B, T, H/tp, D)
+    q = rotary(q.reshape(b, t, num_heads, d), *rope)                       # (B, T, H/tp, D)
     kv = kv.reshape(b, t, 2, num_kv_heads, d)                              # (B, T, 2, Hk', D)
-    k, v = rotary(kv[:, :, 0], cos, sin, start), kv[:, :, 1]
+    k, v = rotary(kv[:, :, 0], *rope), kv[:, :, 1]
     if cache is not None:
         k, v = cache.append(k, v)                                          # (B, S, Hk', D)
-    y = scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-    return matmul(y.transpose(1, 2).reshape(b, t, num_heads * d), o_weight)
+    if attention is None:
+        y = scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                         v.transpose(1, 2)).transpose(1, 2)
+    else:
+        y = attention(q, k, v)                                             # (B, T, H/tp, D)
+    return matmul(y.reshape(b, t, num_heads * d), o_weight)
 
 
 def swiglu_mlp(x, gate_up_weight, gate_up_bias, down_weight, norm=None, residual=None):

@@ -15,7 +15,7 @@ from cupytp.debug import CommTracer
 from cupytp.parallel import ContextParallel
 from cupytp.tensor import Replicated, Shard, local_mesh
 from dense_reference import full, lay_out, rng_array
-from split_gpt2 import (
+from split_model import (
     BATCH, CONFIG, assert_trains_alike, batch, build, dense_run, train, with_config)
 
 
