@@ -70,13 +70,18 @@ def assert_matches(got, want, what):
                                       err_msg=f"gradient of {key} ({what})")
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, True])
 @pytest.mark.parametrize("name", NAMES)
-def test_from_pretrained_matches_reference(mesh, shared_dir, name):
+def test_from_pretrained_matches_reference(mesh, shared_dir, name, sequence_parallel):
     """Loaded on this mesh (two files for one config: the index), the model computes the
-    reference's logits, loss and gradients; k and v split by heads where tp divides them."""
+    reference's logits, loss and gradients, with and without sequence parallelism; k and v
+    split by heads where tp divides them."""
+    if sequence_parallel and tp_size(mesh) == 1:
+        pytest.skip("sequence parallelism needs 2 tensor-parallel ranks")
     config = CONFIGS[name]
     path, weights = checkpoint(shared_dir, name, files=2 if "tied" in name else 1)
-    model = Llama.from_pretrained(path, mesh, dtype="fp64")
+    model = Llama.from_pretrained(path, mesh, dtype="fp64", sequence_parallel=sequence_parallel)
+    assert model.model.embed_tokens.sequence_parallel == sequence_parallel
     reference = loss_and_grads(weights, config, IDS[:, :-1], IDS[:, 1:])
     assert_matches(run(model, mesh), reference, f"{name} on {mesh}")
     kv = model.model.layers[0].self_attn.kv_proj.weight
