@@ -7,20 +7,19 @@ but attention works token by token, so the layout rules carry them unchanged, an
 gradient, Partial along cp, is summed when it is accumulated, as along dp. Attention needs every
 earlier key: `ContextParallel.attention` (q|k|v packed, GPT-2's) and `grouped_attention` (q, k
 and v apart, fewer key/value heads than query heads: Llama's) pass the key/value blocks around
-the ring of cp ranks; grouped-query blocks carry only the Hk key/value heads.
-At step s rank r holds rank r−s's block, runs flash attention of its queries against it while
-the next block travels (`ProcessGroup.sendrecv`, asynchronous), and merges the partial outputs
-exactly by their log-sum-exp (`merge`). Backward walks the same ring: the key/value blocks
-again, each followed by its gradient, which every rank it visits adds to, and which reaches its
-owner after cp steps.
+the ring of cp ranks; grouped-query blocks carry only the Hk key/value heads. At step s rank r
+holds rank r−s's block, runs flash attention of its queries against it while the next block
+travels (`ProcessGroup.sendrecv`, asynchronous), and merges the partial outputs exactly by their
+log-sum-exp (`merge`). Backward walks the same ring: the key/value blocks again, each followed
+by its gradient, which every rank it visits adds to, and which reaches its owner after cp steps.
 
 Load balance: under a causal mask a contiguous split leaves the last rank the most work, so the
 sequence is cut into 2·cp chunks and rank r holds chunks r and 2·cp−1−r (zigzag): every rank
 does the same work. That permutes the tokens: `shard` puts a batch in the ring's order, and
 `positions` gives the position ids that follow the permuted tokens (a model's position
-embedding, or its rotary angles, read them); the loss, a mean over the
-tokens, does not depend on their order. Uneven lengths: rank r's share of T (numpy.array_split
-over cp) is cut in two, its first half chunk r and its second chunk 2·cp−1−r.
+embedding, or its rotary angles, read them); the loss, a mean over the tokens, does not depend
+on their order. Uneven lengths: rank r's share of T (numpy.array_split over cp) is cut in two,
+its first half chunk r and its second chunk 2·cp−1−r.
 
 Per step and rank, the blocks of work follow from the ranks' segments of the sequence: a rank
 with itself attends causally (its segments ascend, so the local order is the global one); with
