@@ -4,9 +4,9 @@ gradient of every step, the parameters after) in each parallel dimension GPT-2 h
 parallelism at tp = 2 (key/value heads split) and tp = 4 (replicated), on 1-D and (dp, tp)
 meshes; context parallelism at cp = 2 and 4 over an uneven sequence, zigzag and contiguous, and
 beside tensor (and sequence) parallelism; pipelines under every schedule, tied and untied, and
-beside tensor parallelism. The collectives of sequence parallelism are the design's (one
-all-gather per sublayer's input, not one per product), and the ring's blocks carry the key/value
-heads only."""
+beside tensor (and sequence) parallelism. The collectives of sequence parallelism are the
+design's (one all-gather per sublayer's input, not one per product), and the ring's blocks carry
+the key/value heads only."""
 import json
 
 import pytest
@@ -171,13 +171,16 @@ def test_pipeline_trains_like_one_rank(world):
         assert_trains_alike(train_pipeline(pipe), dense_run(config=config))
 
 
-@pytest.mark.parametrize("schedule,name", [("1f1b", "llama"), ("interleaved_1f1b", "qwen2")])
-def test_pipeline_times_tensor_parallel(world, schedule, name):
-    """A (pp, tp) = (2, 2) mesh: tensor parallelism inside each stage."""
+@pytest.mark.parametrize("schedule,name,sequence_parallel", [("1f1b", "llama", False),
+                                                            ("interleaved_1f1b", "qwen2", True)])
+def test_pipeline_times_tensor_parallel(world, schedule, name, sequence_parallel):
+    """A (pp, tp) = (2, 2) mesh: tensor parallelism inside each stage, with and without
+    sequence parallelism (the stages pass activations sharded on the sequence)."""
     if world.world_size != 4:
         pytest.skip("needs 4 ranks")
     mesh = cupytp.DeviceMesh((2, 2), ("pp", "tp"))
     config = CONFIGS[name]
-    pipe = pipeline(build(mesh["tp"], config=config), mesh, schedule=schedule, microbatches=2)
+    model = build(mesh["tp"], sequence_parallel=sequence_parallel, config=config)
+    pipe = pipeline(model, mesh, schedule=schedule, microbatches=2)
     assert pipe.parameters()[0].mesh == mesh["tp"]
     assert_trains_alike(train_pipeline(pipe), dense_run(config=config))
