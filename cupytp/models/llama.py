@@ -204,15 +204,7 @@ class Llama(nn.Module):
 
     def forward(self, ids, targets=None, positions=None, cache=None):
         start = 0 if cache is None else cache.length
-        self._check_length(start + ids.shape[1])
-        if positions is None and any(p.is_shard(1) and n > 1
-                                     for p, n in zip(ids.placements, ids.mesh.shape)):
-            raise ValueError("ids sharded on the sequence need their positions: pass positions= "
-                             "(cupytp.parallel.ContextParallel.positions(T) for ids from its "
-                             "shard())")
-        if positions is not None and cache is not None:
-            raise ValueError("a forward with a KV cache takes its positions from the cache: "
-                             "pass either positions= or cache=")
+        self._check(ids, positions, cache, start + ids.shape[1])
         logits = self.lm_head(self.model(ids, positions, start, cache))        # (B, T, V/tp)
         if cache is not None:
             cache.advance(ids.shape[1])
@@ -230,7 +222,21 @@ class Llama(nn.Module):
             head=lambda x: self.lm_head(self.model.norm(x)), head_modules=("model.norm", "lm_head"),
             loss=ops.cross_entropy, tied=("model.embed_tokens.weight",) if tied else ())
 
-    def _check_length(self, length):
+    def _check(self, ids, positions, cache, length):
+        """A forward's inputs, before any work: positions where the sequence is split (and one
+        per token), not beside a cache; at most the context's length."""
+        if positions is None and any(p.is_shard(1) and n > 1
+                                     for p, n in zip(ids.placements, ids.mesh.shape)):
+            raise ValueError("ids sharded on the sequence need their positions: pass positions= "
+                             "(cupytp.parallel.ContextParallel.positions(T) for ids from its "
+                             "shard())")
+        if positions is not None and cache is not None:
+            raise ValueError("a forward with a KV cache takes its positions from the cache: "
+                             "pass either positions= or cache=")
+        if positions is not None and tuple(positions.shape) != (ids.shape[1],):
+            raise ValueError(f"positions must hold one position per token: shape "
+                             f"({ids.shape[1]},) for ids {tuple(ids.shape)}, got "
+                             f"{tuple(positions.shape)}")
         limit = self.context_length
         if length > limit:
             why = "sliding window (not implemented: the attention here is full)" \

@@ -14,6 +14,7 @@ import pytest
 import cupytp
 from cupytp import nn
 from cupytp.debug import CommTracer
+from cupytp.models.llama import Llama
 from cupytp.parallel import ContextParallel, pipeline
 from cupytp.tensor import Replicated, Shard
 from split_model import (
@@ -145,8 +146,10 @@ def test_bad_input(world):
         model(ids, targets)
     with pytest.raises(ValueError, match="either positions= or cache="):
         model(ids, positions=positions, cache=nn.KVCache(16))
+    with pytest.raises(ValueError, match="one position per token"):
+        model(ids, targets, positions=cp.positions(ids.shape[1] - 1))
     with pytest.raises(ValueError, match="sequence_parallel needs a mesh"):
-        type(model)(LLAMA, sequence_parallel=True)
+        Llama(LLAMA, sequence_parallel=True)
 
 
 # ---- pipelines ---------------------------------------------------------------------------------
