@@ -27,8 +27,7 @@ import numpy
 from cupytp import backend, nn, ops
 from cupytp.distributed import broadcast_object, get_rank
 from cupytp.models import generation
-from cupytp.parallel import parallelize_module
-from cupytp.parallel.tensor_parallel import megatron_plan
+from cupytp.parallel import DecoderParts, apply_tensor_parallel
 from cupytp.tensor import Replicated, deferred_init, is_deferring, local_mesh
 from cupytp.tensor.layout import Layout
 
@@ -135,8 +134,11 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(c, mesh, config.rms_norm_eps)
         self.mlp = nn.SwiGLU(c, config.intermediate_size, mesh, init_std=std)
 
-    def forward(self, x, start=0, cache=None):
-        x = self.self_attn(x, residual=x, norm=self.input_layernorm, start=start, cache=cache)
+    def forward(self, x, positions=None, start=0, cache=None):
+        """The layer of x (B, T, C), its tokens at `positions` (see GroupedQueryAttention), or
+        from `start`."""
+        x = self.self_attn(x, residual=x, norm=self.input_layernorm, start=start, cache=cache,
+                           positions=positions)
         return self.mlp(x, residual=x, norm=self.post_attention_layernorm)
 
 
@@ -149,49 +151,92 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.recompute = recompute
         self.embed_tokens = nn.DEmbedding(config.vocab_size, config.hidden_size, mesh,
-                                          init_std=config.initializer_range)
+                                          init_std=config.initializer_range,
+                                          vocab_parallel=True)
         self.rotary_emb = nn.RotaryEmbedding(config.head_size, config.rope_theta,
                                              config.rope_scaling)
         self.layers = nn.ModuleList([LlamaDecoderLayer(config, self.rotary_emb, mesh, tp)
                                      for _ in range(config.num_hidden_layers)])
         self.norm = nn.RMSNorm(config.hidden_size, mesh, config.rms_norm_eps)
 
-    def forward(self, ids, start=0, cache=None):
-        x = self.embed_tokens(ids)                                  # (B, T, C), Partial if TP
-        x = x.redistribute(tuple(Replicated() if p.is_partial() else p for p in x.placements))
+    def forward(self, ids, positions=None, start=0, cache=None):
+        """The final norm's output (B, T, C) for token ids (B, T) at `positions` (a DTensor
+        (T,): a sequence split by context parallelism) or from `start` (the tokens an
+        `nn.KVCache` holds already, whose layers' caches each layer then uses)."""
+        x = self.embed(ids)                                         # (B, T, C)
         for i, layer in enumerate(self.layers):
             if cache is not None:
-                x = layer(x, start, cache.layer(i))
+                x = layer(x, start=start, cache=cache.layer(i))
             else:
-                x = nn.recompute(layer, x) if self.recompute else layer(x)
+                x = self.run_layer(layer, x, positions)
         return self.norm(x)
+
+    def embed(self, ids):
+        """The token embeddings of ids (B, T): (B, T, C), Replicated along tp, or sharded on
+        the sequence there with sequence parallelism (`DEmbedding.sequence_parallel`)."""
+        x = self.embed_tokens(ids)                                  # Partial if vocab-parallel
+        return x.redistribute(tuple(Replicated() if p.is_partial() else p for p in x.placements))
+
+    def run_layer(self, layer, x, positions=None):
+        """`layer(x)` (its tokens at `positions`), recomputed in backward with `recompute`."""
+        if not self.recompute:
+            return layer(x, positions)
+        return nn.recompute(lambda h: layer(h, positions), x)
 
 
 class Llama(nn.Module):
     """A Llama-family causal language model (Hugging Face's LlamaForCausalLM); `forward(ids,
-    targets=None, cache=None)` returns (logits, loss or None), the logits vocab-sharded
-    (Shard(-1)) when tensor-parallel. With an `nn.KVCache` the tokens follow those cached
-    (positions from cache.length), which the cache then holds too. `tp`: the tensor-parallel
-    size a model built dense (mesh None) is meant for (it decides whether key/value heads split),
-    by default the mesh's."""
+    targets=None, positions=None, cache=None)` returns (logits, loss or None), the logits
+    vocab-sharded (Shard(-1)) when tensor-parallel. `positions`: the position ids of ids whose
+    sequence is split across ranks (context parallelism: `ContextParallel.positions(T)`). With
+    an `nn.KVCache` the tokens follow those cached (positions from cache.length), which the
+    cache then holds too. `tp`: the tensor-parallel size a model built dense (mesh None) is meant
+    for (it decides whether key/value heads split), by default the mesh's. `sequence_parallel`:
+    on a mesh, the activations between the tensor-parallel regions are sharded on the sequence
+    along tp (`apply_tensor_parallel`'s)."""
 
-    def __init__(self, config, mesh=None, tp=None, recompute=False):
+    def __init__(self, config, mesh=None, tp=None, recompute=False, sequence_parallel=False):
         super().__init__()
         self.config = config
         if tp is None:
             tp = mesh.shape[nn.tp_dim(mesh)] if mesh is not None else 1
-        _build(self, config, mesh, tp, recompute)
+        _build(self, config, mesh, tp, recompute, sequence_parallel)
 
-    def forward(self, ids, targets=None, cache=None):
+    def forward(self, ids, targets=None, positions=None, cache=None):
         start = 0 if cache is None else cache.length
-        self._check_length(start + ids.shape[1])
-        logits = self.lm_head(self.model(ids, start, cache))        # (B, T, V/tp)
+        self._check(ids, positions, cache, start + ids.shape[1])
+        logits = self.lm_head(self.model(ids, positions, start, cache))        # (B, T, V/tp)
         if cache is not None:
             cache.advance(ids.shape[1])
         loss = None if targets is None else ops.cross_entropy(logits, targets)
         return logits, loss
 
-    def _check_length(self, length):
+    def pipeline_parts(self):
+        """The pieces `cupytp.parallel.pipeline` cuts into stages: the token embedding, the
+        layers `model.layers`, the final norm and LM head (its weight tied to the embedding
+        with `tie_word_embeddings`), and the loss."""
+        tied = self.config.tie_word_embeddings
+        return DecoderParts(
+            embed=self.model.embed, embed_modules=("model.embed_tokens",),
+            layers="model.layers", run_layer=self.model.run_layer,
+            head=lambda x: self.lm_head(self.model.norm(x)), head_modules=("model.norm", "lm_head"),
+            loss=ops.cross_entropy, tied=("model.embed_tokens.weight",) if tied else ())
+
+    def _check(self, ids, positions, cache, length):
+        """A forward's inputs, before any work: positions where the sequence is split (and one
+        per token), not beside a cache; at most the context's length."""
+        if positions is None and any(p.is_shard(1) and n > 1
+                                     for p, n in zip(ids.placements, ids.mesh.shape)):
+            raise ValueError("ids sharded on the sequence need their positions: pass positions= "
+                             "(cupytp.parallel.ContextParallel.positions(T) for ids from its "
+                             "shard())")
+        if positions is not None and cache is not None:
+            raise ValueError("a forward with a KV cache takes its positions from the cache: "
+                             "pass either positions= or cache=")
+        if positions is not None and tuple(positions.shape) != (ids.shape[1],):
+            raise ValueError(f"positions must hold one position per token: shape "
+                             f"({ids.shape[1]},) for ids {tuple(ids.shape)}, got "
+                             f"{tuple(positions.shape)}")
         limit = self.context_length
         if length > limit:
             why = "sliding window (not implemented: the attention here is full)" \
@@ -247,14 +292,16 @@ class Llama(nn.Module):
         _save(self, path, dtype, max_shard_bytes)
 
     @classmethod
-    def from_pretrained(cls, path, mesh=None, config=None, dtype=None, recompute=False):
+    def from_pretrained(cls, path, mesh=None, config=None, dtype=None, recompute=False,
+                        sequence_parallel=False):
         """A Llama from a local Hugging Face checkpoint directory (config.json and
         model.safetensors, or a sharded model.safetensors.index.json), laid out on `mesh`;
         each rank reads only its slices. `dtype`: the parameters' (float32 by default)."""
         config = config or config_from_hf(os.path.join(path, "config.json"))
         with _CheckpointReader(path) as read:
             with deferred_init():
-                model = cls(config, mesh, recompute=recompute)
+                model = cls(config, mesh, recompute=recompute,
+                            sequence_parallel=sequence_parallel)
             for name, tensor in model.sharded_state_dict().items():     # before any memory
                 for key, shape in hf_shapes(name, tensor.shape).items():
                     if read.shape(key) != shape:
@@ -267,18 +314,20 @@ class Llama(nn.Module):
         return model
 
 
-def _build(model, config, mesh, tp, recompute):
+def _build(model, config, mesh, tp, recompute, sequence_parallel):
     """The one place the model is constructed: its layers as recipes (`deferred_init`), laid
-    onto `mesh` by the Megatron plan with a vocab-parallel input embedding, then each rank's
+    onto `mesh` by the Megatron plan (the input embedding vocab-parallel), then each rank's
     blocks made (unless the caller defers too, to lay the model out further first)."""
+    if sequence_parallel and mesh is None:
+        raise ValueError("sequence_parallel needs a mesh: build the model on one, or call "
+                         "apply_tensor_parallel(model, mesh, sequence_parallel=True)")
     with deferred_init():
         model.model = LlamaModel(config, local_mesh(), tp, recompute)
         model.lm_head = nn.DLMHead(model.model.embed_tokens) if config.tie_word_embeddings \
             else nn.DLMHead(vocab_size=config.vocab_size, embedding_dim=config.hidden_size,
                             init_std=config.initializer_range)
         if mesh is not None:
-            parallelize_module(model, mesh,
-                               {**megatron_plan(model), "model.embed_tokens": "vocab"})
+            apply_tensor_parallel(model, mesh, sequence_parallel)
     if not is_deferring():
         nn.materialize(model)
 

@@ -20,9 +20,13 @@ class GroupedQueryAttention(Module):
     o_proj row-parallel (`[H·D/tp, C]`). H must divide by tp, and Hk by tp or tp by Hk. q and kv
     biases are optional (Qwen2's); o_proj has none.
 
-    `forward(x, residual=None, norm=None, start=0, cache=None)`: tokens at positions start, ...;
-    with a `LayerCache` the new keys and values are appended to it and the queries attend over
-    everything cached (`nn.KVCache`)."""
+    `forward(x, residual=None, norm=None, start=0, cache=None, positions=None)`: tokens at
+    positions start, ..., or at `positions` (a DTensor (T,) laid out as x's sequence: a
+    sequence split by context parallelism, `ContextParallel.positions`); with a `LayerCache`
+    the new keys and values are appended to it and the queries attend over everything cached
+    (`nn.KVCache`). `context_parallel` (a cupytp.parallel.ContextParallel, set by its `apply`):
+    the sequence is split across that mesh dimension's ranks, and the attention runs as its
+    ring, the key/value heads (Hk, fewer than the query heads) travelling."""
 
     def __init__(self, dim, num_heads, num_kv_heads, rotary, head_dim=None, mesh=None, tp=None,
                  qkv_bias=False, dtype="fp32", init_std=0.02, proj_init_std=None):
@@ -38,20 +42,25 @@ class GroupedQueryAttention(Module):
         self.o_proj = DLinear(num_heads * head_dim, dim, mesh, Shard(0), False, dtype=dtype,
                               init_std=proj_init_std or init_std)
         object.__setattr__(self, "_rotary", rotary)     # shared by the layers: not a child
+        self.context_parallel = None
 
     def kv_placement(self):
         """kv_proj's weight placement on the tensor-parallel dim: heads split where tp (> 1)
         divides them, else Replicated."""
         return Shard(2) if self.tp > 1 and self.num_kv_heads % self.tp == 0 else Replicated()
 
-    def forward(self, x, residual=None, norm=None, start=0, cache=None):
+    def forward(self, x, residual=None, norm=None, start=0, cache=None, positions=None):
         """Attention over x (over norm(x) with an RMSNorm module `norm`), plus `residual` when
         given (`ops.grouped_attention`: one fused op where it takes these layouts)."""
-        rope = (*self._rotary.tables(operand_dtype(x), start + x.shape[1]), start)
+        if positions is not None and (start or cache is not None):
+            raise ValueError("attention takes either positions or a start and a KV cache")
+        rope = self._rotary.rope(operand_dtype(x), x.shape[1],
+                                 start if positions is None else positions)
+        ring = None if self.context_parallel is None else self.context_parallel.grouped_attention
         return ops.grouped_attention(
             x, self.q_proj.weight, self.q_proj.bias, self.kv_proj.weight, self.kv_proj.bias,
             self.o_proj.weight, rope, self.num_heads, self.num_kv_heads, norm_arguments(norm),
-            residual, cache)
+            residual, cache, ring)
 
     def check_tp(self, size):
         """A plan laid out over `size` tensor-parallel ranks must be the one this attention was

@@ -123,18 +123,21 @@ class DEmbedding(Module):
 
     weight Shard(0) (vocab-parallel): `[vocab/tp, dim]`; ids out of this rank's range give zeros
     and the output is Partial, reduced by the next op that needs it. Replicated: plain lookup.
+    `vocab_parallel`: a token embedding, which the Megatron plan splits by vocabulary even when
+    no LM head shares its weight (an untied model's input embedding).
     `sequence_parallel` (set by the tensor-parallel plan): the output is sharded along tp on the
     ids' last dimension, the sequence (a Partial one reduce-scattered there): the residual
     stream of sequence parallelism starts here.
     """
 
     def __init__(self, num_embeddings, embedding_dim, mesh=None, weight=Replicated(),
-                 dtype="fp32", init_std=0.02):
+                 dtype="fp32", init_std=0.02, vocab_parallel=False):
         super().__init__()
         mesh = _mesh(mesh)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.weight = randn((num_embeddings, embedding_dim), mesh, tp_placements(mesh, weight),
                             dtype=dtype, std=init_std, requires_grad=True)
+        self.vocab_parallel = vocab_parallel
         self.sequence_parallel = False
 
     def forward(self, ids):

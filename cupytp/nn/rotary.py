@@ -13,6 +13,7 @@ import numpy
 from cupytp import backend, ops
 from cupytp.launchers import compute_dtype
 from cupytp.nn.module import Module
+from cupytp.tensor import DTensor
 
 ROPE_TYPES = ("default", "llama3", "linear")
 
@@ -50,10 +51,12 @@ def rope_frequencies(head_dim, theta=10000.0, scaling=None):
 
 class RotaryEmbedding(Module):
     """The rotary embedding of one head size: `forward(x, start=0)` rotates x (B, T, H, D), its
-    tokens at positions start, start + 1, ... (`ops.rotary`). The cosine and sine tables are
-    computed in float64 from the frequencies and kept per compute dtype (float32, or float64 for
-    float64 x), grown to the longest position seen; they are no parameters (nothing to learn or
-    save, as in Hugging Face's models). Several attention layers share one."""
+    tokens at positions start, start + 1, ..., or at the positions of a DTensor `start` (T,)
+    (each below T: a permutation of the sequence, as `ContextParallel.positions` gives; see
+    `ops.rotary`). The cosine and sine tables are computed in float64 from the frequencies and
+    kept per compute dtype (float32, or float64 for float64 x), grown to the longest position
+    seen; they are no parameters (nothing to learn or save, as in Hugging Face's models).
+    Several attention layers share one."""
 
     def __init__(self, head_dim, theta=10000.0, scaling=None):
         super().__init__()
@@ -74,7 +77,14 @@ class RotaryEmbedding(Module):
                 for f in (numpy.cos, numpy.sin))
         return tables
 
+    def rope(self, dtype, length, start=0):
+        """(cos, sin, start): what `ops.rotary` (and the fused attention) take to rotate
+        `length` tokens of `dtype` from position `start`, or at the positions of a DTensor
+        `start`."""
+        rows = length if isinstance(start, DTensor) else start + length
+        return (*self.tables(dtype, rows), start)
+
     def forward(self, x, start=0):
         if x.shape[-1] != self.head_dim:
             raise ValueError(f"rotary embedding of head size {self.head_dim} given {x.shape}")
-        return ops.rotary(x, *self.tables(x.dtype, start + x.shape[1]), start)
+        return ops.rotary(x, *self.rope(x.dtype, x.shape[1], start))

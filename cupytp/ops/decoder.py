@@ -2,7 +2,7 @@
 attention, SwiGLU MLP) as ops, each reading its input through an RMSNorm and adding a residual:
 
     grouped_attention(x, q_weight, q_bias, kv_weight, kv_bias, o_weight, rope, num_heads,
-                      num_kv_heads, norm=None, residual=None, cache=None)
+                      num_kv_heads, norm=None, residual=None, cache=None, attention=None)
         = residual + attention(rotary(norm(x) @ q_weight + q_bias),
                                rotary(k), v of norm(x) · kv_weight + kv_bias) @ o_weight
     swiglu_mlp(x, gate_up_weight, gate_up_bias, down_weight, norm=None, residual=None)
@@ -12,13 +12,18 @@ The output is Replicated where x is (a Partial projection is all-reduced, by the
 addition when there is one). Shapes: x and residual (B, T, C); q_weight (C, H·D), kv_weight
 (C, 2, Hk·D) (k and v side by side), o_weight (H·D, C); gate_up_weight (C, 2, F), down_weight
 (F, C); biases optional (None); `rope` = (cos, sin, start): the rotary tables
-(`nn.RotaryEmbedding.tables`) and the position of the first token; `norm` = (weight, eps) of an
-RMSNorm, or None; `cache` a `nn.LayerCache` (keys and values appended, queries attend over all
-of them).
+(`nn.RotaryEmbedding.rope`) and the position of the first token, or a DTensor of every token's
+position (`ops.rotary`); `norm` = (weight, eps) of an RMSNorm, or None; `cache` a
+`nn.LayerCache` (keys and values appended, queries attend over all of them); `attention(q, k,
+v)` how the queries attend when not on this rank alone (context parallelism's ring).
 
-With a residual, no cache and the layouts below, each is one op and one tape node (fused; for
-attention also bf16/fp16 with head dim 64 or 128, the flash kernels' domain), else the chain of
-ops. Fused, it keeps for backward only what cannot be remade cheaply: x itself (the residual
+With a residual, no cache, no `attention`, an int start and the layouts below, each is one op
+and one tape node (fused; for attention also bf16/fp16 with head dim 64 or 128, the flash
+kernels' domain), else the chain of ops. The chain's attention gathers x once for its two
+products (`ops.linalg.column_input`): under sequence parallelism one all-gather forward and one
+reduce-scatter backward per sublayer, as the MLP's single gate|up product does by itself.
+
+Fused, it keeps for backward only what cannot be remade cheaply: x itself (the residual
 stream, held anyway) and the norm's rstd, q, k and v after their rotation, attention's output and
 row log-sum-exp, or the gate|up product; the normalized input and the SiLU gate's output are
 recomputed in backward (one pass each over an activation, where keeping them would hold one per
@@ -32,8 +37,10 @@ Replicated (key/value heads split, or every rank computing them all: see
 `nn.GroupedQueryAttention`), o_weight Shard(0); gate_up_weight Shard(2), down_weight Shard(0);
 biases following their weights. The output is all-reduced in forward, x's gradient in backward
 (on the communication stream while the weight gradients are computed). Data-parallel or dense:
-every parameter Replicated, x and residual both Replicated or both Shard(0). The norm's weight is
-Replicated everywhere.
+every parameter Replicated, x and residual both Replicated or both Shard(0), or for the MLP, which
+works token by token, both Shard(1) too (a sequence split by context parallelism). The norm's
+weight is Replicated everywhere. A sequence sharded along tensor parallelism (sequence
+parallelism) runs the chain.
 """
 import functools
 
@@ -45,56 +52,69 @@ from cupytp.launchers.rmsnorm import rms_norm_backward, rms_norm_forward
 from cupytp.launchers.swiglu import swiglu, swiglu_backward
 from cupytp.ops import fused
 from cupytp.ops.amp import autocast_local, autocast_operand, operand_dtype
-from cupytp.ops.conversion import Partial, Replicated, Shard, backend, cached, make, reduce_all
+from cupytp.ops.conversion import (
+    Partial, Replicated, Shard, backend, cached, is_tensor, make, reduce_all)
 from cupytp.ops.elementwise import bias_residual_local, silu_mul
 from cupytp.ops.functional import (
     attention_setup, rms_norm, scaled_dot_product_attention, unpacked)
 from cupytp.ops.fused import (
     _all_reduced, _bias_as, _grad_as, _input_backward, _input_info, _recorded, _reduces, _rows,
     _weight_grads)
-from cupytp.ops.linalg import einsum, local_einsum, matmul
+from cupytp.ops.linalg import column_input, einsum, local_einsum, matmul
 from cupytp.ops.rotary import rotary
 
 # the tensor-parallel placements the fused forms take, per parameter (in argument order)
 ATTENTION_SPLITS = ((Shard(1), Shard(0), Shard(2), Shard(1), Shard(0)),
                     (Shard(1), Shard(0), Replicated(), Replicated(), Shard(0)))
 MLP_SPLITS = ((Shard(2), Shard(1), Shard(0)),)
+# the layouts of x along a data-parallel dimension the MLP takes: it works token by token, so
+# its tokens may be split by batch or by sequence (context parallelism's); attention by batch
+_TOKENWISE = (Replicated(), Shard(0), Shard(1))
 
 
 def grouped_attention(x, q_weight, q_bias, kv_weight, kv_bias, o_weight, rope, num_heads,
-                      num_kv_heads, norm=None, residual=None, cache=None):
-    """Causal grouped-query self-attention with rotary positions (module docstring)."""
-    cos, sin, start = rope
+                      num_kv_heads, norm=None, residual=None, cache=None, attention=None):
+    """Causal grouped-query self-attention with rotary positions (module docstring).
+    `attention(q, k, v)`: how queries (B, T, H, D) attend over keys and values (B, T, Hk, D),
+    when not as `scaled_dot_product_attention` (a ring: `ContextParallel.grouped_attention`);
+    the chain of ops runs then."""
     params = (q_weight, q_bias, kv_weight, kv_bias, o_weight)
     d = q_weight.shape[-1] // num_heads
     flash = operand_dtype(x) in flash_attention.DTYPES and d in flash_attention.HEAD_DIMS
-    plan = None if residual is None or cache is not None or not flash else \
+    chain = residual is None or cache is not None or attention is not None or not flash or \
+        is_tensor(rope[2])
+    plan = None if chain else \
         _plan(ATTENTION_SPLITS, x, residual, params, norm, (num_heads, num_kv_heads))
     if plan is None:
         y = _attention_chain(x if norm is None else rms_norm(x, *norm), params, rope,
-                             num_heads, num_kv_heads, cache)
+                             num_heads, num_kv_heads, cache, attention)
         return reduce_all("grouped_attention", y) if residual is None else residual + y
-    return _fused_attention(x, residual, params, (cos, sin, start), num_heads, num_kv_heads,
-                            norm, plan)
+    return _fused_attention(x, residual, params, rope, num_heads, num_kv_heads, norm, plan)
 
 
-def _attention_chain(x, params, rope, num_heads, num_kv_heads, cache):
-    """The attention as a chain of ops; (B, T, C), Partial where o_weight is row-parallel."""
+def _attention_chain(x, params, rope, num_heads, num_kv_heads, cache, attention):
+    """The attention as a chain of ops; (B, T, C), Partial where o_weight is row-parallel. x
+    is gathered once for both products (`column_input`: one collective each way under sequence
+    parallelism)."""
     q_weight, q_bias, kv_weight, kv_bias, o_weight = params
-    cos, sin, start = rope
     b, t, _ = x.shape
     d = q_weight.shape[-1] // num_heads
-    q = matmul(x, q_weight, reduce_input_grad=True)
-    kv = einsum("btc,cjd->btjd", x, kv_weight, reduce_input_grad=True)
+    x = column_input("btc,cd->btd", x, q_weight)                           # (B, T, C)
+    q = matmul(x, q_weight)
+    kv = einsum("btc,cjd->btjd", x, kv_weight)
     q = q if q_bias is None else q + autocast_operand(q_bias)
     kv = kv if kv_bias is None else kv + autocast_operand(kv_bias)
-    q = rotary(q.reshape(b, t, num_heads, d), cos, sin, start)             # (B, T, H/tp, D)
+    q = rotary(q.reshape(b, t, num_heads, d), *rope)                       # (B, T, H/tp, D)
     kv = kv.reshape(b, t, 2, num_kv_heads, d)                              # (B, T, 2, Hk', D)
-    k, v = rotary(kv[:, :, 0], cos, sin, start), kv[:, :, 1]
+    k, v = rotary(kv[:, :, 0], *rope), kv[:, :, 1]
     if cache is not None:
         k, v = cache.append(k, v)                                          # (B, S, Hk', D)
-    y = scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-    return matmul(y.transpose(1, 2).reshape(b, t, num_heads * d), o_weight)
+    if attention is None:
+        y = scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                         v.transpose(1, 2)).transpose(1, 2)
+    else:
+        y = attention(q, k, v)                                             # (B, T, H/tp, D)
+    return matmul(y.reshape(b, t, num_heads * d), o_weight)
 
 
 def swiglu_mlp(x, gate_up_weight, gate_up_bias, down_weight, norm=None, residual=None):
@@ -151,9 +171,9 @@ def _layouts(splits, x, residual, params, norm_weight, heads):
                 grad.append(Partial() if placement == Replicated() else placement)
             norm_grads.append(Replicated())  # x's gradient is all-reduced before the norm's
         elif all(o in (None, Replicated()) for o in own) and px == pr and \
-                px in (Replicated(), Shard(0)):
+                px in (_TOKENWISE if heads is None else (Replicated(), Shard(0))):
             for grad in grads + [norm_grads]:
-                grad.append(Partial() if px == Shard(0) else Replicated())
+                grad.append(Replicated() if px == Replicated() else Partial())
         else:
             return False
     if tp is not None and heads is not None and not _whole_heads(

@@ -305,6 +305,19 @@ def _sequence_gather(sa, sb, out, placements_a, placements_b):
     return tuple(gather) if gather != list(placements_a) else None
 
 
+def column_input(spec, a, b):
+    """`a` as the input of several column-parallel products `spec` with weights laid out like
+    `b` (q and k|v of one attention, say): all-gathered on its sequence where
+    `einsum(spec, a, b, reduce_input_grad=True)` would gather it (sequence parallelism), after
+    autocast's cast, in one recorded redistribution. The products then run without
+    `reduce_input_grad`: their Partial gradients are summed by the engine and reduced once, by
+    this redistribution's backward (a reduce-scatter back to a's layout, or an all-reduce),
+    instead of once per product."""
+    sa, sb, out, _ = _parse(spec, a, b)
+    gather = _sequence_gather(sa, sb, out, a.placements, b.placements)
+    return autocast_operand(a).redistribute(gather or grad_placements(a.placements))
+
+
 def matmul(a, b, reduce_input_grad=False):
     """`a @ b` for a of shape (..., m, k) and b of shape (k, n) or (..., k, n);
     `reduce_input_grad` as in `einsum`."""

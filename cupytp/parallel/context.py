@@ -5,19 +5,21 @@ torchtitan's context parallelism run it).
 Layout: activations (B, T, C) are Shard(1) along cp and parameters Replicated there. Every op
 but attention works token by token, so the layout rules carry them unchanged, and a parameter's
 gradient, Partial along cp, is summed when it is accumulated, as along dp. Attention needs every
-earlier key: `ContextParallel.attention` passes the key/value blocks around the ring of cp ranks.
-At step s rank r holds rank r−s's block, runs flash attention of its queries against it while
-the next block travels (`ProcessGroup.sendrecv`, asynchronous), and merges the partial outputs
-exactly by their log-sum-exp (`merge`). Backward walks the same ring: the key/value blocks
-again, each followed by its gradient, which every rank it visits adds to, and which reaches its
-owner after cp steps.
+earlier key: `ContextParallel.attention` (q|k|v packed, GPT-2's) and `grouped_attention` (q, k
+and v apart, fewer key/value heads than query heads: Llama's) pass the key/value blocks around
+the ring of cp ranks; grouped-query blocks carry only the Hk key/value heads. At step s rank r
+holds rank r−s's block, runs flash attention of its queries against it while the next block
+travels (`ProcessGroup.sendrecv`, asynchronous), and merges the partial outputs exactly by their
+log-sum-exp (`merge`). Backward walks the same ring: the key/value blocks again, each followed
+by its gradient, which every rank it visits adds to, and which reaches its owner after cp steps.
 
 Load balance: under a causal mask a contiguous split leaves the last rank the most work, so the
 sequence is cut into 2·cp chunks and rank r holds chunks r and 2·cp−1−r (zigzag): every rank
 does the same work. That permutes the tokens: `shard` puts a batch in the ring's order, and
-`positions` gives the position ids that follow the permuted tokens; the loss, a mean over the
-tokens, does not depend on their order. Uneven lengths: rank r's share of T (numpy.array_split
-over cp) is cut in two, its first half chunk r and its second chunk 2·cp−1−r.
+`positions` gives the position ids that follow the permuted tokens (a model's position
+embedding, or its rotary angles, read them); the loss, a mean over the tokens, does not depend
+on their order. Uneven lengths: rank r's share of T (numpy.array_split over cp) is cut in two,
+its first half chunk r and its second chunk 2·cp−1−r.
 
 Per step and rank, the blocks of work follow from the ranks' segments of the sequence: a rank
 with itself attends causally (its segments ascend, so the local order is the global one); with
@@ -31,14 +33,19 @@ import numpy
 
 from cupytp import backend
 from cupytp.launchers import compute_dtype, cudnn_attention, flash_attention
+from cupytp.launchers.flash_attention import HeadGroups
+from cupytp.nn.attention import GroupedQueryAttention
 from cupytp.nn.layers import DAttention, Dropout, sequence_sharded
-from cupytp.ops import packed_attention
+from cupytp.ops import packed_attention, scaled_dot_product_attention
 from cupytp.ops.amp import autocast_operand
-from cupytp.ops.conversion import Replicated, Shard, convert, engine, fail, linear_grad, make
+from cupytp.ops.conversion import (
+    Partial, Replicated, Shard, convert, engine, fail, linear_grad, make)
 from cupytp.ops.functional import unpacked
 from cupytp.launchers.philox import uniform_at
 from cupytp.tensor.random import default_generator
 from cupytp.distributed.process_group import split_sizes
+
+ATTENTIONS = (DAttention, GroupedQueryAttention)      # the attentions `apply` makes rings of
 
 
 # ---- the sequence's order -----------------------------------------------------------------------
@@ -113,10 +120,19 @@ def merge(o, lse, o_block, lse_block):
 class _Exact:
     """Block attention in `dtype` (the inputs' float dtype, float32 for 16-bit ones), the scores
     materialized: the dtypes and head sizes the flash kernels do not take (float64 tests), on
-    NumPy or CuPy. Dropout is a (B, H, T, S) array of 1/(1−p) where kept, 0 where dropped."""
+    NumPy or CuPy. Query head h reads key/value head (h + offset) // group of `groups` (a
+    HeadGroups; None: as many heads as q's). Dropout is a (B, H, T, S) array of 1/(1−p) where
+    kept, 0 where dropped."""
 
-    def __init__(self, dtype):
-        self.dtype = dtype
+    def __init__(self, dtype, groups=None):
+        self.dtype, self.groups = dtype, groups
+
+    def _heads(self, kv_heads, heads):
+        """The key/value head of each local query head, or None where they are the same."""
+        g = self.groups
+        if g is None or (g.group == 1 and g.offset == 0 and kv_heads == heads):
+            return None
+        return (backend.xp.arange(heads) + g.offset) // g.group
 
     def _probabilities(self, q, k, causal, scale, lse=None):
         xp = backend.xp
@@ -134,6 +150,9 @@ class _Exact:
 
     def forward(self, q, k, v, causal, scale, keep):
         q, k, v = (a.astype(self.dtype, copy=False) for a in (q, k, v))
+        index = self._heads(k.shape[1], q.shape[1])
+        if index is not None:
+            k, v = k[:, index], v[:, index]
         p, lse = self._probabilities(q, k, causal, scale)
         p = p if keep is None else p * keep
         return backend.xp.einsum("bhts,bhsd->bhtd", p, v), lse
@@ -141,6 +160,10 @@ class _Exact:
     def backward(self, q, k, v, o, lse, do, causal, scale, keep):
         xp = backend.xp
         q, k, v = (a.astype(self.dtype, copy=False) for a in (q, k, v))
+        kv_heads = k.shape[1]
+        index = self._heads(kv_heads, q.shape[1])
+        if index is not None:
+            k, v = k[:, index], v[:, index]
         p, _ = self._probabilities(q, k, causal, scale, lse)
         dp = xp.einsum("bhtd,bhsd->bhts", do, v)
         if keep is not None:
@@ -149,24 +172,33 @@ class _Exact:
         else:
             dv = xp.einsum("bhts,bhtd->bhsd", p, do)
         ds = p * (dp - (do * o).sum(axis=-1, keepdims=True))
-        return (xp.einsum("bhts,bhsd->bhtd", ds, k) * scale,
-                xp.einsum("bhts,bhtd->bhsd", ds, q) * scale, dv)
+        dq = xp.einsum("bhts,bhsd->bhtd", ds, k) * scale
+        dk = xp.einsum("bhts,bhtd->bhsd", ds, q) * scale
+        if index is not None:       # each key/value head sums the gradients of its group
+            onehot = (index[:, None] == xp.arange(kv_heads)[None, :]).astype(dk.dtype)
+            dk, dv = (xp.einsum("bhsd,hj->bjsd", a, onehot) for a in (dk, dv))
+        return dq, dk, dv
 
 
 class _Flash:
     """Block attention on the flash kernels (cuDNN's where they apply), 16-bit inputs with head
-    size 64 or 128; their NumPy twin on the CPU. No dropout."""
+    size 64 or 128, key/value heads read by `groups`; their NumPy twin on the CPU. No
+    dropout."""
+
+    def __init__(self, groups=None):
+        self.groups = groups
 
     def forward(self, q, k, v, causal, scale, keep):
-        return self._kernels(q, k).attention_forward(q, k, v, causal, scale)
+        return self._kernels(q, k).attention_forward(q, k, v, causal, scale,
+                                                     groups=self.groups)
 
     def backward(self, q, k, v, o, lse, do, causal, scale, keep):
         return self._kernels(q, k).attention_backward(
-            q, k, v, o, backend.xp.ascontiguousarray(lse), do, causal, scale)
+            q, k, v, o, backend.xp.ascontiguousarray(lse), do, causal, scale, groups=self.groups)
 
-    @staticmethod
-    def _kernels(q, k):
-        return cudnn_attention if cudnn_attention.applies(q, k, 0.0) else flash_attention
+    def _kernels(self, q, k):
+        return cudnn_attention if cudnn_attention.applies(q, k, 0.0, self.groups) else \
+            flash_attention
 
 
 # ---- the ring -----------------------------------------------------------------------------------
@@ -176,7 +208,7 @@ class ContextParallel:
 
     `shard(x)` lays a batch out (its sequence permuted and Shard(1) along cp), `positions(T)`
     gives their position ids, `apply(model)` makes every attention of a model run as the ring,
-    and `attention(qkv, ...)` is that ring."""
+    and `attention(qkv, ...)` and `grouped_attention(q, k, v, ...)` are that ring."""
 
     def __init__(self, mesh, dim="cp", load_balance=True):
         if dim not in mesh.dim_names:
@@ -243,8 +275,8 @@ class ContextParallel:
 
     # ---- models ---------------------------------------------------------------------------------
     def apply(self, model):
-        """Make every attention of `model` (a DAttention) run as this ring, and its dropout draw
-        by token position; returns the model.
+        """Make every attention of `model` (DAttention, GroupedQueryAttention) run as this
+        ring, and its dropout draw by token position; returns the model.
         Its parameters must live on this mesh, Replicated along cp (build it on the mesh:
         GPT2(config, mesh) shards over "tp"; or re-lay a dense one with
         parallelize_module(model, mesh, {}))."""
@@ -259,12 +291,12 @@ class ContextParallel:
                                  "dimension (a mesh without a 'tp' dimension gives its last "
                                  "dimension to tensor parallelism: name one 'tp', of size 1 if "
                                  "unused)")
-        attentions = [m for m in model.modules() if isinstance(m, DAttention)]
+        attentions = [m for m in model.modules() if isinstance(m, ATTENTIONS)]
         if not attentions:
-            raise ValueError(f"{type(model).__name__} has no attention (DAttention) to run as a "
-                             "ring")
+            raise ValueError(f"{type(model).__name__} has no attention (DAttention or "
+                             "GroupedQueryAttention) to run as a ring")
         for module in model.modules():
-            if isinstance(module, (DAttention, Dropout)):
+            if isinstance(module, ATTENTIONS + (Dropout,)):
                 module.context_parallel = self
         return model
 
@@ -275,10 +307,32 @@ class ContextParallel:
         whose sequence is whole on every cp rank is plain `packed_attention`."""
         if self.size == 1 or qkv.ndim != 5 or qkv.placements[self.mesh_dim] != Shard(1):
             return packed_attention(qkv, causal, dropout_p, generator)
-        if not 0 <= dropout_p < 1:
-            raise ValueError(f"attention dropout probability must be in [0, 1), got "
-                             f"{dropout_p}")
+        _check_dropout(dropout_p)
         return _ring_attention(self, autocast_operand(qkv), causal, dropout_p, generator)
+
+    def grouped_attention(self, q, k, v, causal=True, dropout_p=0.0, generator=None):
+        """Attention of queries q (B, T, H, D) over keys and values k, v (B, T, Hk, D), Hk
+        dividing H (query head h reads key/value head h // (H / Hk): grouped-query attention),
+        their sequences Shard(1) along cp (in this object's order), as a ring whose travelling
+        blocks hold the Hk key/value heads: output (B, T, H, D) laid out like q. Batch Shard(0)
+        and heads Shard(2) elsewhere need no communication (k's and v's heads split alike where
+        both head counts divide, else Replicated: each rank reads the heads its queries need).
+        Sequences whole on every cp rank: plain `scaled_dot_product_attention`."""
+        if self.size == 1 or q.ndim != 4 or q.placements[self.mesh_dim] != Shard(1):
+            return scaled_dot_product_attention(*(a.transpose(1, 2) for a in (q, k, v)), causal,
+                                                dropout_p, generator).transpose(1, 2)
+        _check_dropout(dropout_p)
+        if k.ndim != 4 or v.shape != k.shape or k.shape[2] == 0 or q.shape[2] % k.shape[2] or \
+                q.shape[:2] + q.shape[3:] != k.shape[:2] + k.shape[3:]:
+            raise ValueError(f"grouped ring attention takes q (B, T, H, D) and k, v (B, T, Hk, "
+                             f"D) with Hk dividing H, got q {q.shape}, k {k.shape}, v {v.shape}")
+        return _grouped_ring_attention(self, *(autocast_operand(a) for a in (q, k, v)), causal,
+                                       dropout_p, generator)
+
+
+def _check_dropout(p):
+    if not 0 <= p < 1:
+        raise ValueError(f"attention dropout probability must be in [0, 1), got {p}")
 
 
 def _ring_layout(context, qkv):
@@ -302,37 +356,63 @@ def _ring_layout(context, qkv):
     return tuple(wanted), tuple(out)
 
 
+def _grouped_layout(context, q, k, v):
+    """(q's placements for the ring (the output's too), k's and v's, their gradients'): per
+    mesh dimension Shard(1) along cp; batch Shard(0) kept; q's heads Shard(2) kept, k's and v's
+    too where both head counts divide by that dimension's size, else Replicated (each rank
+    reading the key/value heads its queries need, and giving its share of their gradient:
+    Partial); anything else Replicated (a Partial input reduced)."""
+    heads, kv_heads = q.shape[2], k.shape[2]
+    wanted_q, wanted_kv, grad_kv = [], [], []
+    for dim, (p, size) in enumerate(zip(q.placements, q.mesh.shape)):
+        if dim == context.mesh_dim or p == Shard(0):
+            placements = (p, p, p)
+        elif p == Shard(2):
+            split = heads % size == 0 and kv_heads % size == 0
+            placements = (p, p, p) if split else (p, Replicated(), Partial())
+        elif isinstance(p, Shard) and size > 1:
+            fail("ring attention", [q, k, v], f"mesh dimension {dim} shards dimension {p.dim}",
+                 "Shard q (B, T, H, D), k and v on the batch (0) or heads (2) besides the "
+                 "sequence along the context-parallel dimension; all-gather the rest.")
+        else:
+            placements = (Replicated(),) * 3
+        for out, placement in zip((wanted_q, wanted_kv, grad_kv), placements):
+            out.append(placement)
+    return tuple(wanted_q), tuple(wanted_kv), tuple(grad_kv)
+
+
 class _Ring:
     """What the forward and backward of one ring attention share: the kernels, the blocks of
-    every step, the shapes of the blocks arriving, and the dropout's draws."""
+    every step, the shapes of the blocks arriving, and the dropout's draws. `shape`: the
+    queries' global (B, T, H, D); `q`: this rank's queries (B, H, T, D); `kv`: its keys and
+    values (B, T, 2, Hk, D), the block that travels; `offsets`: its first (batch, query head);
+    `groups`: the key/value head of each query head (HeadGroups; None: as many heads)."""
 
-    def __init__(self, context, qkv, causal, dropout_p, generator):
-        b, t, _, h, d = qkv.shape
-        local = qkv.to_local()
+    def __init__(self, context, shape, q, kv, offsets, groups, causal, dropout_p, generator):
+        b, t, h, d = shape
         self.context, self.causal = context, causal
         self.scale = 1.0 / math.sqrt(d)
-        self.flash = flash_attention.supported(*unpacked(local)) and \
+        self.flash = flash_attention.supported(q, kv[:, :, 0], kv[:, :, 1]) and \
             cudnn_attention.choice() != "matmul"
         if self.flash and dropout_p > 0:
             raise ValueError("attention dropout under context parallelism runs only off the "
                              "flash kernels (their dropout draws by the position in one "
                              "block): set the attention dropout to 0, or CUPYTP_ATTENTION=matmul")
-        self.dtype = local.dtype
-        self.acc = numpy.dtype(numpy.float32) if self.flash else compute_dtype(local.dtype)
-        self.kernels = _Flash() if self.flash else _Exact(self.acc)
-        self.local_bh = (local.shape[0], local.shape[3])
+        self.dtype = q.dtype
+        self.acc = numpy.dtype(numpy.float32) if self.flash else compute_dtype(q.dtype)
+        self.kernels = _Flash(groups) if self.flash else _Exact(self.acc, groups)
+        self.local_bh = q.shape[:2]
         n, r = context.size, context.rank
         ranges = [context.segments(t, j) for j in range(n)]
         self.steps = [((r - s) % n, block_plan(ranges[r], ranges[(r - s) % n], causal))
                       for s in range(n)]
-        self.kv_shape = [(local.shape[0], sum(e - a for a, e in ranges[j]), 2) + local.shape[3:]
+        self.kv_shape = [(kv.shape[0], sum(e - a for a, e in ranges[j])) + kv.shape[2:]
                          for j in range(n)]
         self.positions = [backend.asarray(positions_of(ranges[j])) for j in range(n)]
         self.dropout = None
         if dropout_p > 0:
             seed, base, add = (generator or default_generator).philox_args((b, h, t, t))
-            offsets = qkv.layout.offsets
-            self.dropout = (dropout_p, seed, base, add, (b, h, t), offsets[0], offsets[3])
+            self.dropout = (dropout_p, seed, base, add, (b, h, t), *offsets)
 
     def keep(self, rows, source, cols):
         """The dropout's (B, H, rows, cols) scale of this rank's queries `rows` against the keys
@@ -362,6 +442,50 @@ class _Ring:
                                            shape=self.kv_shape[(source - 1) % n],
                                            async_op=async_op)
 
+    def forward(self, q, kv):
+        """(o (B, H, T, D) in the accumulation dtype, lse (B, H, T)) of this rank's queries q
+        against every rank's keys and values, starting from its own `kv` (B, T, 2, Hk, D)."""
+        xp = backend.xp
+        o = xp.zeros(q.shape, dtype=self.acc)
+        lse = xp.full(q.shape[:3], -xp.inf, dtype=self.acc)
+        for step, (source, blocks) in enumerate(self.steps):
+            arriving = self.pass_on(kv, source) if step + 1 < len(self.steps) else None
+            k, v = _heads_first(kv[:, :, 0]), _heads_first(kv[:, :, 1])
+            for rows, cols, diagonal in blocks:
+                o_block, lse_block = self.kernels.forward(
+                    q[:, :, rows], k[:, :, cols], v[:, :, cols], diagonal, self.scale,
+                    self.keep(rows, source, cols))
+                merge(o[:, :, rows], lse[:, :, rows], o_block, lse_block)
+            if arriving is not None:
+                kv = arriving.wait()
+        return o, lse
+
+    def backward(self, q, kv, o, lse, do):
+        """(dq (B, H, T, D) in the accumulation dtype, the gradient (B, T, 2, Hk, D) of this
+        rank's `kv` from every rank's queries): the blocks go around the ring again, each
+        followed by its gradient, which every rank adds to and which is home after cp steps."""
+        xp = backend.xp
+        dq = xp.zeros(q.shape, dtype=self.acc)
+        travelling = None                       # the gradient of the block in hand, in flight
+        for step, (source, blocks) in enumerate(self.steps):
+            arriving = self.pass_on(kv, source) if step + 1 < len(self.steps) else None
+            k, v = _heads_first(kv[:, :, 0]), _heads_first(kv[:, :, 1])
+            dkv = xp.zeros(kv.shape, dtype=self.acc)               # this rank's part of it
+            for rows, cols, diagonal in blocks:
+                dq_block, dk_block, dv_block = self.kernels.backward(
+                    q[:, :, rows], k[:, :, cols], v[:, :, cols], o[:, :, rows],
+                    lse[:, :, rows], do[:, :, rows], diagonal, self.scale,
+                    self.keep(rows, source, cols))
+                dq[:, :, rows] += dq_block
+                dkv[:, cols, 0] += _heads_first(dk_block)
+                dkv[:, cols, 1] += _heads_first(dv_block)
+            if travelling is not None:
+                dkv += travelling.wait()        # the parts of the ranks it visited before
+            travelling = self.pass_on(dkv, source)
+            if arriving is not None:
+                kv = arriving.wait()
+        return dq, travelling.wait()            # this rank's own block's, home after cp steps
+
 
 def _heads_first(a):
     """(B, T, H, D) → (B, H, T, D) view."""
@@ -369,58 +493,64 @@ def _heads_first(a):
 
 
 def _ring_attention(context, qkv, causal, dropout_p, generator):
+    """The ring over packed q|k|v (B, T, 3, H, D): one node, whose gradient is packed too."""
     wanted, out_placements = _ring_layout(context, qkv)
     qkv = convert("ring attention", qkv, wanted, [qkv])
-    ring = _Ring(context, qkv, causal, dropout_p, generator)
     xp = backend.xp
     local = qkv.to_local()                                         # (B, T/cp, 3, H, D)
     q = unpacked(local)[0]                                         # (B, H, T/cp, D)
     kv = xp.ascontiguousarray(local[:, :, 1:])                     # (B, T/cp, 2, H, D): travels
-    o = xp.zeros(q.shape, dtype=ring.acc)
-    lse = xp.full(q.shape[:3], -xp.inf, dtype=ring.acc)
-    for step, (source, blocks) in enumerate(ring.steps):
-        arriving = ring.pass_on(kv, source) if step + 1 < len(ring.steps) else None
-        k, v = _heads_first(kv[:, :, 0]), _heads_first(kv[:, :, 1])
-        for rows, cols, diagonal in blocks:
-            o_block, lse_block = ring.kernels.forward(
-                q[:, :, rows], k[:, :, cols], v[:, :, cols], diagonal, ring.scale,
-                ring.keep(rows, source, cols))
-            merge(o[:, :, rows], lse[:, :, rows], o_block, lse_block)
-        if arriving is not None:
-            kv = arriving.wait()
-    result = xp.ascontiguousarray(_heads_first(o)).astype(ring.dtype, copy=False)  # (B, T, H, D)
     b, t, _, h, d = qkv.shape
+    offsets = qkv.layout.offsets
+    ring = _Ring(context, (b, t, h, d), q, kv, (offsets[0], offsets[3]), None, causal,
+                 dropout_p, generator)
+    o, lse = ring.forward(q, kv)                                   # kv: made again in backward
+    result = xp.ascontiguousarray(_heads_first(o)).astype(ring.dtype, copy=False)  # (B, T, H, D)
     out = make(result, qkv.mesh, (b, t, h, d), out_placements)
     o_saved = _heads_first(result) if ring.flash else o
 
     def backward(g):
-        g = linear_grad(g, out.placements)
+        g = linear_grad(g, out.placements, strict=range(len(g.placements)))
         do = _heads_first(g.to_local().astype(o_saved.dtype, copy=False))
-        dq = xp.zeros(q.shape, dtype=ring.acc)
-        kv = xp.ascontiguousarray(local[:, :, 1:])
-        travelling = None                       # the gradient of the block in hand, in flight
-        for step, (source, blocks) in enumerate(ring.steps):
-            arriving = ring.pass_on(kv, source) if step + 1 < len(ring.steps) else None
-            k, v = _heads_first(kv[:, :, 0]), _heads_first(kv[:, :, 1])
-            dkv = xp.zeros(kv.shape, dtype=ring.acc)               # this rank's part of it
-            for rows, cols, diagonal in blocks:
-                dq_block, dk_block, dv_block = ring.kernels.backward(
-                    q[:, :, rows], k[:, :, cols], v[:, :, cols], o_saved[:, :, rows],
-                    lse[:, :, rows], do[:, :, rows], diagonal, ring.scale,
-                    ring.keep(rows, source, cols))
-                dq[:, :, rows] += dq_block
-                dkv[:, cols, 0] += _heads_first(dk_block)
-                dkv[:, cols, 1] += _heads_first(dv_block)
-            if travelling is not None:
-                dkv += travelling.wait()        # the parts of the ranks it visited before
-            travelling = ring.pass_on(dkv, source)
-            if arriving is not None:
-                kv = arriving.wait()
+        dq, dkv = ring.backward(q, xp.ascontiguousarray(local[:, :, 1:]), o_saved, lse, do)
         grad = xp.empty(local.shape, dtype=ring.dtype)
         grad[:, :, 0] = _heads_first(dq)
-        grad[:, :, 1:] = travelling.wait()      # this rank's own block, home after cp steps
+        grad[:, :, 1:] = dkv
         return (make(grad, qkv.mesh, qkv.shape, wanted),)
     return engine.record(out, (qkv,), backward, "ring_attention")
+
+
+def _grouped_ring_attention(context, q, k, v, causal, dropout_p, generator):
+    """The ring over queries (B, T, H, D) and keys and values (B, T, Hk, D): blocks of Hk heads
+    travel, each query head reading its group's key/value head."""
+    wanted_q, wanted_kv, grad_kv = _grouped_layout(context, q, k, v)
+    inputs = [q, k, v]
+    q = convert("ring attention", q, wanted_q, inputs)
+    k, v = (convert("ring attention", a, wanted_kv, inputs) for a in (k, v))
+    xp = backend.xp
+    q_local = _heads_first(q.to_local())                           # (B, H, T/cp, D)
+    kv = xp.stack([k.to_local(), v.to_local()], axis=2)            # (B, T/cp, 2, Hk, D)
+    b, t, h, d = q.shape
+    group = h // k.shape[2]
+    offsets = q.layout.offsets
+    groups = HeadGroups(group, offsets[2] - k.layout.offsets[2] * group)
+    ring = _Ring(context, (b, t, h, d), q_local, kv, (offsets[0], offsets[2]), groups, causal,
+                 dropout_p, generator)
+    o, lse = ring.forward(q_local, kv)
+    result = xp.ascontiguousarray(_heads_first(o)).astype(ring.dtype, copy=False)  # (B, T, H, D)
+    out = make(result, q.mesh, q.shape, wanted_q)
+    o_saved = _heads_first(result) if ring.flash else o
+    kv_layout = k.layout
+
+    def backward(g):
+        g = linear_grad(g, out.placements, strict=range(len(g.placements)))
+        do = _heads_first(g.to_local().astype(o_saved.dtype, copy=False))
+        dq, dkv = ring.backward(q_local, kv, o_saved, lse, do)
+        dkv = dkv.astype(ring.dtype, copy=False)
+        dq = xp.ascontiguousarray(_heads_first(dq)).astype(ring.dtype, copy=False)
+        return (make(dq, q.mesh, q.shape, wanted_q),
+                *[make(dkv[:, :, i], kv_layout.mesh, kv_layout.shape, grad_kv) for i in (0, 1)])
+    return engine.record(out, (q, k, v), backward, "ring_attention")
 
 
 __all__ = ["ContextParallel", "segments", "positions_of", "block_plan", "merge"]

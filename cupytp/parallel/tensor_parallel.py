@@ -10,7 +10,8 @@ built inside `cupytp.deferred_init()` is only relabelled (nothing is allocated):
 afterwards, each rank makes only its own blocks.
 
 `apply_tensor_parallel(model, mesh)` builds the Megatron plan by itself: column → row in every
-MLP and attention, vocab-parallel embedding for an embedding tied to a DLMHead.
+MLP and attention, vocab-parallel embedding for an embedding tied to a DLMHead or built as a
+token embedding (`DEmbedding(..., vocab_parallel=True)`).
 
 Sequence parallelism (`sequence_parallel=True`, Megatron's, arXiv 2205.05198): between the
 tensor-parallel regions the activations (B, T, C) are Shard(1) along tp instead of Replicated,
@@ -27,7 +28,8 @@ from fnmatch import fnmatchcase
 
 from cupytp import backend
 from cupytp.nn.attention import GroupedQueryAttention
-from cupytp.nn.layers import DAttention, DLMHead, DMLP, check_heads, tp_dim, tp_placements
+from cupytp.nn.layers import (
+    DAttention, DEmbedding, DLMHead, DMLP, check_heads, tp_dim, tp_placements)
 from cupytp.nn.swiglu import SwiGLU
 from cupytp.tensor import Replicated, deferred
 from cupytp.tensor.dtensor import reduce_grad_over
@@ -106,14 +108,15 @@ def parallelize_module(model, mesh, plan, sequence_parallel=False):
 def megatron_plan(model):
     """The plan apply_tensor_parallel uses: every MLP and attention (DMLP, DAttention, SwiGLU,
     GroupedQueryAttention) by its own plan, and vocab-parallel embeddings for those tied to an
-    LM head (and an LM head's own weight)."""
+    LM head (and an LM head's own weight) and for token embeddings built `vocab_parallel` (an
+    untied Llama's input embedding)."""
     plan = {}
     tied = {id(module._embedding) for _, module in model.named_modules()
             if isinstance(module, DLMHead)}
     for name, module in model.named_modules():
         if isinstance(module, (DMLP, DAttention, SwiGLU, GroupedQueryAttention)):
             plan[name] = "auto"
-        elif id(module) in tied:
+        elif id(module) in tied or (isinstance(module, DEmbedding) and module.vocab_parallel):
             plan[name] = "vocab"
     return plan
 

@@ -1,7 +1,8 @@
 """Context parallelism (the sequence split along a "cp" mesh dimension, attention as a ring):
 `ProcessGroup.sendrecv` around a ring; ring attention equal to attention over the whole
-sequence (causal or not, zigzag or contiguous, uneven chunks, heads split over tp, dropout),
-in float64 and on the flash kernels' NumPy twin, and over a batch in micro-batches (dropout
+sequence (causal or not, zigzag or contiguous, uneven chunks, heads split over tp, dropout;
+q|k|v packed, and grouped-query heads with key/value heads split or replicated over tp), in
+float64 and on the flash kernels' NumPy twin, and over a batch in micro-batches (dropout
 drawn as the whole batch's); a GPT-2 with dropout trains exactly like one
 rank for cp = 2 and 4, with recomputation, with tensor (and sequence) parallelism beside it and
 with fully sharded data parallelism; the ring's messages per layer; clear errors."""
@@ -17,7 +18,7 @@ from cupytp.debug import CommTracer
 from cupytp.parallel import ContextParallel
 from cupytp.tensor import Replicated, Shard, local_mesh
 from dense_reference import full, lay_out, rng_array
-from split_gpt2 import (
+from split_model import (
     BATCH, CONFIG, assert_trains_alike, batch, build, dense_run, train, with_config)
 
 
@@ -143,6 +144,67 @@ def test_ring_attention_on_the_flash_kernels(world):
                                   full(qkv.grad)[:, order].astype(float), atol=6e-2)
     with pytest.raises(ValueError, match="attention dropout under context parallelism"):
         cp.attention(ring_qkv, dropout_p=0.1)
+
+
+@pytest.mark.parametrize("kv_heads,dropout", [(2, 0.0), (1, 0.3)])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_grouped_ring_attention_is_attention_over_the_whole_sequence(world, tp, kv_heads,
+                                                                    dropout):
+    """Queries (B, T, H, D) over fewer key/value heads, float64, T = 13 over cp (uneven
+    chunks), query heads over tp: 4 over 2 key/value heads (split over tp like the queries'),
+    4 over 1 (the one head on every tp rank, each reading it for its own query heads and giving
+    its share of its gradient): the output and every gradient of one rank's grouped-query
+    attention, in the ring's order; the same dropout mask."""
+    needs(world, 2 * tp)
+    mesh = cp_mesh(world, tp)
+    cp = ContextParallel(mesh)
+    b, t, h, d = 2, 13, 4, 3
+    values = [rng_array((b, t, heads, d), seed) for heads, seed in ((h, 1), (kv_heads, 2),
+                                                                     (kv_heads, 3))]
+    weight = rng_array((b, t, h, d), 4)
+    cupytp.manual_seed(4)
+    dense = [lay_out(a, local_mesh(), (Replicated(),), requires_grad=True) for a in values]
+    out = ops.scaled_dot_product_attention(*(a.transpose(1, 2) for a in dense),
+                                           dropout_p=dropout).transpose(1, 2)
+    (out * lay_out(weight, local_mesh(), (Replicated(),))).sum().backward()
+    order = cp.order(t)
+    kv_heads_split = Shard(2) if kv_heads % tp == 0 else Replicated()
+    cupytp.manual_seed(4)
+    ring = [lay_out(a[:, order], mesh, (Shard(1), Shard(2) if i == 0 else kv_heads_split),
+                    requires_grad=True) for i, a in enumerate(values)]
+    ring_out = cp.grouped_attention(*ring, dropout_p=dropout)
+    assert ring_out.placements == (Shard(1), Shard(2))
+    (ring_out * lay_out(weight[:, order], mesh, (Shard(1), Shard(2)))).sum().backward()
+    numpy.testing.assert_allclose(full(ring_out), full(out)[:, order], rtol=1e-12, atol=1e-14)
+    for name, mine, theirs in zip("qkv", ring, dense):
+        numpy.testing.assert_allclose(full(mine.grad), full(theirs.grad)[:, order], rtol=1e-11,
+                                      atol=1e-13, err_msg=f"gradient of {name}")
+
+
+def test_grouped_ring_attention_on_the_flash_kernels(world):
+    """bf16 with head size 64, 2 query heads over 1 key/value head: the flash kernels' twin
+    reads the key/value head for both query heads in every block; the ring agrees with one
+    rank's flash attention to bf16's rounding, gradients too."""
+    needs(world, 2)
+    mesh = cp_mesh(world)
+    cp = ContextParallel(mesh)
+    b, t, d = 1, 11, 64
+    values = [rng_array((b, t, heads, d), seed).astype("bfloat16")
+              for heads, seed in ((2, 5), (1, 6), (1, 7))]
+    weight = rng_array((b, t, 2, d), 8).astype("bfloat16")
+    dense = [lay_out(a, local_mesh(), (Replicated(),), requires_grad=True) for a in values]
+    out = ops.scaled_dot_product_attention(*(a.transpose(1, 2) for a in dense)).transpose(1, 2)
+    (out * lay_out(weight, local_mesh(), (Replicated(),))).sum().backward()
+    order = cp.order(t)
+    ring = [lay_out(a[:, order], mesh, (Shard(1), Replicated()), requires_grad=True)
+            for a in values]
+    ring_out = cp.grouped_attention(*ring)
+    (ring_out * lay_out(weight[:, order], mesh, (Shard(1), Replicated()))).sum().backward()
+    numpy.testing.assert_allclose(full(ring_out).astype(float),
+                                  full(out)[:, order].astype(float), atol=2e-2)
+    for mine, theirs in zip(ring, dense):
+        numpy.testing.assert_allclose(full(mine.grad).astype(float),
+                                      full(theirs.grad)[:, order].astype(float), atol=6e-2)
 
 
 @pytest.mark.parametrize("load_balance,recompute", [(True, False), (False, True)])

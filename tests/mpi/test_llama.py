@@ -4,7 +4,8 @@ LlamaForCausalLM and Qwen2ForCausalLM, within 1e-9 on 1, 2 and 4 ranks and on 2-
 query heads over 2 or 4 key/value heads: split where tp divides them, replicated otherwise;
 Llama 3's rope scaling; tied and untied heads; Qwen2's q, k and v biases), loaded by
 from_pretrained from one or several safetensors files and saved by save_pretrained into files
-transformers loads; tensor-parallel, fully sharded and 2-D training equal one-rank training;
+transformers loads; tensor-parallel, replicated, fully sharded (built deferred too, then
+materialized per rank), hybrid-sharded and 2-D training equal one-rank training;
 generation with a KV cache equals generation without; bad input is one clear error."""
 import json
 import os
@@ -69,13 +70,18 @@ def assert_matches(got, want, what):
                                       err_msg=f"gradient of {key} ({what})")
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, True])
 @pytest.mark.parametrize("name", NAMES)
-def test_from_pretrained_matches_reference(mesh, shared_dir, name):
+def test_from_pretrained_matches_reference(mesh, shared_dir, name, sequence_parallel):
     """Loaded on this mesh (two files for one config: the index), the model computes the
-    reference's logits, loss and gradients; k and v split by heads where tp divides them."""
+    reference's logits, loss and gradients, with and without sequence parallelism; k and v
+    split by heads where tp divides them."""
+    if sequence_parallel and tp_size(mesh) == 1:
+        pytest.skip("sequence parallelism needs 2 tensor-parallel ranks")
     config = CONFIGS[name]
     path, weights = checkpoint(shared_dir, name, files=2 if "tied" in name else 1)
-    model = Llama.from_pretrained(path, mesh, dtype="fp64")
+    model = Llama.from_pretrained(path, mesh, dtype="fp64", sequence_parallel=sequence_parallel)
+    assert model.model.embed_tokens.sequence_parallel == sequence_parallel
     reference = loss_and_grads(weights, config, IDS[:, :-1], IDS[:, 1:])
     assert_matches(run(model, mesh), reference, f"{name} on {mesh}")
     kv = model.model.layers[0].self_attn.kv_proj.weight
@@ -202,6 +208,44 @@ def test_fully_sharded_training_equals_one_rank(world, mesh2d, name):
     expected = train(llama(name, tp=tp))
     model = fully_shard(llama(name, mesh2d), mesh2d)
     assert_trained_alike(train(model, dp_placements=(Shard(0), Replicated())), expected)
+
+
+@pytest.mark.parametrize("name", ["llama-kv2-scaled", "qwen2-kv2-bias"])
+def test_replicated_and_hybrid_sharded_training_equals_one_rank(world, name):
+    """Replicated over every rank (gradients all-reduced in buckets), and on 4 ranks HSDP 2 x 2
+    (sharded within pairs, replicated across them): training ends where one rank's does."""
+    expected = train(llama(name))
+    mesh = cupytp.DeviceMesh((world.world_size,), ("dp",))
+    model = replicate(llama(name), mesh, bucket_bytes=1 << 12)
+    assert_trained_alike(train(model, dp_placements=(Shard(0),)), expected)
+    if world.world_size != 4:
+        return
+    mesh = cupytp.DeviceMesh((2, 2), ("dp_replicate", "dp_shard"))
+    model = fully_shard(llama(name), mesh, dim="dp_shard", replicate_dim="dp_replicate")
+    assert "replicate dp_replicate=2, shard dp_shard=2" in model.fsdp_summary()
+    assert_trained_alike(train(model, dp_placements=(Shard(0), Shard(0))), expected)
+
+
+@pytest.mark.parametrize("name", ["llama-kv4-tied", "qwen2-kv2-bias"])
+def test_built_deferred_and_fully_sharded_equals_the_dense_model(world, mesh2d, name):
+    """Llama built inside deferred_init(), fully sharded (over every rank; over dp on a (dp, tp)
+    mesh, tensor-parallel there), then materialized: each rank holds its blocks only, the
+    parameters are the dense model's bit for bit, and it trains like one rank."""
+    for mesh, placements in ((cupytp.DeviceMesh((world.world_size,), ("dp",)), (Shard(0),)),
+                             (mesh2d, (Shard(0), Replicated()))):
+        tp = tp_size(mesh) if "tp" in mesh.dim_names else 1
+        cupytp.manual_seed(3)
+        with cupytp.deferred_init():
+            model = Llama(CONFIGS[name], mesh if tp > 1 else None).to("fp64")
+        fully_shard(model, mesh)
+        assert not nn.is_materialized(model)
+        cupytp.materialize(model)
+        dense = llama(name, tp=tp)
+        got = dict(model.named_parameters())
+        for key, value in dense.named_parameters():
+            assert got[key].local_shape == got[key].layout.local_shape, key
+            numpy.testing.assert_array_equal(full(got[key]), full(value), err_msg=key)
+        assert_trained_alike(train(model, dp_placements=placements), train(dense))
 
 
 # ---- generation -------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """A Llama training step on GPUs (bf16 autocast: the fused sublayers with the RMSNorm, rotary and
 SiLU-gate kernels and flash attention over grouped key/value heads): captured as a CUDA graph it
 gives bit for bit the eager step's losses and parameters; its loss and gradients agree with the
-float32 model's within bf16 error."""
+float32 model's within bf16 error, also under sequence and context parallelism."""
 import dataclasses
 
 import numpy
@@ -11,6 +11,7 @@ import cupytp
 from cupytp import backend, nn
 from cupytp.models.llama import Llama
 from cupytp.optim import AdamW, clip_grad_norm_, decay_groups
+from cupytp.parallel import ContextParallel, replicate
 from cupytp.tensor import Replicated, Shard
 from dense_reference import full, lay_out
 from small_llama import CONFIGS
@@ -84,4 +85,42 @@ def test_bf16_step_agrees_with_float32(mesh):
     assert abs(loss16 - loss32) < 2e-2 * abs(loss32)
     for name, want in grads32.items():
         got = grads16[name]
+        assert numpy.linalg.norm(got - want) <= 5e-2 * numpy.linalg.norm(want) + 1e-6, name
+
+
+@pytest.mark.parametrize("split", ["sequence", "context"])
+def test_bf16_sequence_and_context_parallel_agree_with_float32(world, split):
+    """Sequence parallelism over tp = 2 (attention as the chain, its input gathered once) and
+    context parallelism over cp = 2 (the ring on the flash kernels over grouped heads, rotary
+    angles at the permuted positions, the fused MLP on sequence-sharded rows), bf16 autocast:
+    the loss and every gradient within bf16 error of one rank's float32 model."""
+    if world.world_size != 2:
+        pytest.skip("needs 2 ranks")
+    tokens = numpy.random.default_rng(0).permutation(CONFIG.vocab_size)[:2 * 17].reshape(2, 17)
+    cupytp.manual_seed(7)
+    dense = Llama(CONFIG)
+    one = cupytp.local_mesh()
+    _, loss = dense(*(lay_out(a, one, (Replicated(),)) for a in (tokens[:, :-1], tokens[:, 1:])))
+    loss.backward()
+    loss32, grads32 = float(full(loss)), {n: full(p.grad) for n, p in dense.named_parameters()}
+    cupytp.manual_seed(7)
+    positions = None
+    if split == "sequence":
+        mesh = cupytp.DeviceMesh((2,), ("tp",))
+        model = Llama(CONFIG, mesh, sequence_parallel=True)
+        x, y = (lay_out(a, mesh, (Replicated(),)) for a in (tokens[:, :-1], tokens[:, 1:]))
+    else:
+        mesh = cupytp.DeviceMesh((2, 1), ("cp", "tp"))
+        model = Llama(CONFIG, mesh)
+        cp = ContextParallel(mesh)
+        replicate(cp.apply(model), mesh, dim=("cp",))
+        x, y = (cp.shard(lay_out(a, mesh, (Replicated(),) * 2))
+                for a in (tokens[:, :-1], tokens[:, 1:]))
+        positions = cp.positions(16)
+    with cupytp.autocast("bf16"):
+        _, loss = model(x, y, positions=positions)
+    loss.backward()
+    assert abs(float(full(loss)) - loss32) < 2e-2 * abs(loss32)
+    for name, p in model.named_parameters():
+        got, want = full(p.grad), grads32[name]
         assert numpy.linalg.norm(got - want) <= 5e-2 * numpy.linalg.norm(want) + 1e-6, name

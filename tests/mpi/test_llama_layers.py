@@ -1,7 +1,8 @@
 """The layers and ops of Llama-family models equal their dense single-rank selves on 1-D and 2-D
 meshes (float64; key/value heads split where tp divides them, replicated otherwise; uneven
-columns): RMSNorm, the rotary op, the SiLU gate, SwiGLU, grouped-query attention (the fused
-sublayers and the chain, biases on and off), grouped-query scaled_dot_product_attention on both
+columns): RMSNorm, the rotary op (tokens in order, or at given positions), the SiLU gate,
+SwiGLU, grouped-query attention (the fused sublayers and the chain, biases on and off),
+grouped-query scaled_dot_product_attention on both
 paths (bf16 flash twin against the float64 matmul path), and the fused forms against the chains
 they replace."""
 import numpy
@@ -109,6 +110,28 @@ def test_llama_ops_equal_dense(mesh, op):
                                   enumerate(placements[0])) if placement != Shard(0) else \
                 placements[0]
         check_against_dense(fn, arrays, placements, mesh)
+
+
+def test_rotary_at_given_positions(mesh):
+    """Tokens in another order, with their positions, the sequence and the positions sharded
+    alike (context parallelism's layout): each token rotated by the angles of its own position,
+    as the tokens in order are; gradients as one rank's. Positions laid out otherwise, or not
+    one per token, are errors."""
+    rotary = nn.RotaryEmbedding(8, theta=50.0)
+    t = 7
+    order = numpy.random.default_rng(3).permutation(t)
+    x = rng_array((3, t, 4, 8), 4)
+    in_order = full(rotary(lay_out(x, local_mesh(), (Replicated(),))))
+    got = check_against_dense(rotary, [x[:, order], order],
+                              [tp_placement(mesh, Shard(1)), tp_placement(mesh, Shard(0))], mesh)
+    numpy.testing.assert_allclose(got, in_order[:, order], rtol=1e-14, atol=1e-15)
+    if tp_size(mesh) == 1:
+        return
+    whole = lay_out(x, mesh, tp_placement(mesh, Replicated()))
+    with pytest.raises(cupytp.ShardingError, match="rotary"):
+        rotary(whole, lay_out(order, mesh, tp_placement(mesh, Shard(0))))
+    with pytest.raises(ValueError, match="one per token"):
+        rotary(whole, lay_out(order[:5], mesh, tp_placement(mesh, Replicated())))
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 1), (4, 4), (2, 2)])

@@ -14,7 +14,7 @@ from cupytp import nn
 from cupytp.debug import CommTracer
 from cupytp.tensor import Replicated, Shard
 from dense_reference import full, lay_out, rng_array
-from split_gpt2 import BATCH, CONFIG, assert_trains_alike, batch, build, dense_run, train
+from split_model import BATCH, CONFIG, assert_trains_alike, batch, build, dense_run, train
 
 
 def tensor_parallel(mesh):
