@@ -628,8 +628,8 @@ def build_model(args, split, vocab_size, schedule):
     this rank's pipeline stages (`cupytp.parallel.Pipeline`)."""
     spec, stage_mesh = args.spec, split.stage_mesh
     if args.init_from:
-        model = spec.model_class.from_pretrained(args.init_from, stage_mesh, **pretrained_options(
-            args))
+        options = pretrained_options(args)
+        model = spec.model_class.from_pretrained(args.init_from, stage_mesh, **options)
         args.shape = model_shape(dataclasses.replace(spec, config=model.config))
         if spec.family == "gpt2":
             model.transformer.recompute = args.recompute
