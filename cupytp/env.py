@@ -37,7 +37,7 @@ VARIABLES = {
                                       "that ends the job", kind="seconds"),
     "CUPYTP_DEBUG": Variable("0", "1: the ranks compare every collective before it runs, and "
                                   "from_local checks that Replicated parts agree", kind="flag"),
-    "CUPYTP_LOG_RANKS": Variable("0", "1: examples/train_gpt2.py prints every rank's progress "
+    "CUPYTP_LOG_RANKS": Variable("0", "1: examples/train.py prints every rank's progress "
                                       "lines, prefixed with its rank", kind="flag"),
     "CUPYTP_ATTENTION": Variable("auto", "the attention backend in bf16/fp16",
                                  choices=("auto", "flash", "cudnn", "matmul")),

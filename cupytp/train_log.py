@@ -1,10 +1,12 @@
 """Training logs: one row per logged step in `log.csv` and `log.jsonl`, a loss plot, and the
 same rows as TensorBoard scalars (`TensorBoardLog`, through tensorboardX) or a Weights & Biases
-run (`WandbLog`).
+run (`WandbLog`); the throughput the rows report (`Throughput`: tokens/s and MFU timed to the
+device's completion of the steps).
 
 Only one process should write a run's log (rank 0). A new log replaces one already in its
 directory; a log opened with `resume_at=N` keeps the rows of the steps before N and continues.
 """
+import contextlib
 import csv
 import glob
 import json
@@ -13,8 +15,8 @@ import time
 
 import numpy as np
 
-__all__ = ["MissingPackageError", "TensorBoardLog", "TrainLog", "WandbLog", "estimate_mfu",
-           "format_bytes", "plot_loss", "read_log"]
+__all__ = ["MissingPackageError", "TensorBoardLog", "Throughput", "TrainLog", "WandbLog",
+           "estimate_mfu", "format_bytes", "plot_loss", "read_log"]
 
 COLUMNS = ("step", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "mem_gib")
 CSV_NAME = "log.csv"
@@ -230,3 +232,67 @@ def estimate_mfu(flops_per_token, tokens_per_s, peak_flops):
     if peak_flops <= 0:
         raise ValueError(f"peak_flops must be positive, got {peak_flops}")
     return flops_per_token * tokens_per_s / peak_flops
+
+
+class Throughput:
+    """Tokens per second and model FLOPs utilization of the steps between two readings.
+
+    A training step on a GPU only queues its work (a captured step returns once its graph is
+    launched), so a host clock read after the step measures how fast steps are queued, not how
+    fast they run. Each reading (`read`, where the logged loss is read anyway) and each pause
+    (`paused`: validation, checkpoints) first waits for the device through `synchronize`, so an
+    interval holds exactly the device work of its steps; nothing synchronizes inside a step.
+
+    `tokens_per_step`: the global batch's tokens. `flops_per_token`: the model's training FLOPs
+    per token (forward and backward); with `peak_flops` (one device's) and `devices` (how many
+    ran the steps) readings give the MFU, the achieved FLOP/s per device over its peak.
+    `synchronize`: waits for the device (None: nothing to wait for, as on the CPU); `clock`:
+    seconds (time.perf_counter).
+    """
+
+    def __init__(self, tokens_per_step, flops_per_token=None, peak_flops=None, devices=1,
+                 synchronize=None, clock=time.perf_counter):
+        if peak_flops is not None and flops_per_token is None:
+            raise ValueError("an MFU needs flops_per_token as well as peak_flops")
+        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+        self.peak_flops, self.devices = peak_flops, devices
+        self._synchronize = synchronize or (lambda: None)
+        self._clock = clock
+        self.start()
+
+    def start(self):
+        """Begin an interval now (after the device's queued work)."""
+        self._synchronize()
+        self._began, self._paused, self.steps = self._clock(), 0.0, 0
+
+    def step(self, count=1):
+        """`count` more steps were issued in this interval."""
+        self.steps += count
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Leave out the time of the block (validation, a checkpoint): the steps issued before
+        it finish first and count in the interval; the block's own work is waited for too."""
+        self._synchronize()
+        began = self._clock()
+        try:
+            yield
+        finally:
+            self._synchronize()
+            self._paused += self._clock() - began
+
+    def read(self):
+        """(tokens/s, MFU or None) of the steps since the last reading (or `start`), once the
+        device has finished them; then a new interval begins."""
+        self._synchronize()
+        now = self._clock()
+        elapsed = now - self._began - self._paused
+        if self.steps < 1 or elapsed <= 0:
+            raise ValueError(f"no steps to time: {self.steps} steps in {elapsed:.3g} s")
+        tokens_per_s = self.tokens_per_step * self.steps / elapsed
+        mfu = None
+        if self.peak_flops is not None:
+            mfu = estimate_mfu(self.flops_per_token, tokens_per_s / self.devices,
+                               self.peak_flops)
+        self._began, self._paused, self.steps = now, 0.0, 0
+        return tokens_per_s, mfu

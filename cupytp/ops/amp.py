@@ -6,7 +6,8 @@ computes in float32 and returns the autocast dtype (its output feeds a contracti
 instead of a norm and a cast), so fp32 parameters get fp32
 gradients. As in PyTorch's autocast, a parameter (a leaf that requires a gradient) is cast once
 per autocast region: a weight used twice in a forward pass is one cast node, whose backward
-casts the summed gradient once. A contraction takes a parameter's cast without a node
+casts the summed gradient once (forwards whose backwards run apart, such as a pipeline's
+micro-batches, make their own: `separate_casts`). A contraction takes a parameter's cast without a node
 (`master_cast`) and writes its gradient in the parameter's dtype itself (cuBLAS's fp32 output
 of 16-bit operands), so no cast pass runs over weight gradients.
 
@@ -17,6 +18,7 @@ region rewrites them from their parameters' current values in one launch (`multi
 where one cast and one allocation per parameter would cost a small model's host more than its
 device. `clear_cache()` frees them.
 """
+import itertools
 import sys
 import threading
 import weakref
@@ -62,7 +64,10 @@ class _Kept(dict):
 class _State(threading.local):
     def __init__(self):
         self.dtype = None       # the autocast dtype (None: off)
-        self.cache = None       # (id(parameter), dtype, grad mode) -> (parameter, its local, cast)
+        self.cache = None       # (id(parameter), dtype, grad mode, graph) -> (parameter, its
+        #                         local, cast); "graph" tells apart forwards with backwards
+        #                         of their own (`separate_casts`)
+        self.graph = 0
         self.kept = _Kept()     # (id(parameter), dtype) -> (weak reference, its local, cast)
         self.fresh = False      # whether this region's kept casts hold the current values
 
@@ -83,6 +88,22 @@ def autocast(dtype="bf16"):
         yield
     finally:
         _state.dtype, _state.cache = previous, previous_cache
+
+
+_graphs = itertools.count(1)
+
+
+@contextmanager
+def separate_casts():
+    """Inside: the recorded casts of parameters are made afresh, not shared with the rest of
+    the region: for a forward pass whose backward runs apart from the region's others (a
+    pipeline's micro-batches, all in one region), since a backward frees the cast node it
+    walks. The unrecorded casts that contractions read (`master_cast`) are still shared."""
+    previous, _state.graph = _state.graph, next(_graphs)
+    try:
+        yield
+    finally:
+        _state.graph = previous
 
 
 def autocast_dtype():
@@ -156,7 +177,7 @@ def autocast_operand(x):
         return x
     if not (x.requires_grad and x._node is None):
         return astype(x, dtype)
-    key = (id(x), dtype, engine.is_grad_enabled())
+    key = (id(x), dtype, engine.is_grad_enabled(), _state.graph)
     hit = _state.cache.get(key)
     if hit is not None and hit[0] is x and hit[1] is x._local and not engine.is_walked(hit[2]):
         return hit[2]

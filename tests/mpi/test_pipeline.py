@@ -353,3 +353,32 @@ def test_captured_pipeline_steps_equal_eager_ones(pp_mesh, schedule):
         numpy.testing.assert_allclose(captured[1][name], value, rtol=1e-10, atol=1e-14,
                                       err_msg=name)           # is 0, summed in another order)
     assert eager[0][-1] < eager[0][0]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_autocast_micro_batches_cast_for_themselves(pp_mesh, schedule):
+    """bf16 autocast over 4 micro-batches, no recomputation: each micro-batch's forward makes
+    its own recorded parameter casts (one cast shared by all would be freed by the first
+    backward that walks it), and two steps' losses follow one rank's bf16 training."""
+    config = dataclasses.replace(CONFIG, dropout=0.0)
+    cupytp.manual_seed(1)
+    model = GPT2(config)
+    adam, mesh, expected = optimizer(model.named_parameters()), local_mesh(), []
+    for _ in range(2):
+        with cupytp.autocast("bf16"):
+            _, loss = model(lay_out(IDS[:, :-1], mesh, (Replicated(),)),
+                            lay_out(IDS[:, 1:], mesh, (Replicated(),)))
+        loss.backward()
+        adam.step()
+        adam.zero_grad()
+        expected.append(float(full(loss)))
+    cupytp.manual_seed(1)
+    pipe = pipeline(GPT2(config), pp_mesh, schedule=schedule, microbatches=4)
+    adam, got = optimizer(pipe.named_parameters()), []
+    for _ in range(2):
+        with cupytp.autocast("bf16"):
+            loss = pipe.step(IDS[:, :-1], IDS[:, 1:])
+        adam.step()
+        adam.zero_grad()
+        got.append(float(full(loss)))
+    numpy.testing.assert_allclose(got, expected, rtol=1e-2)

@@ -2,7 +2,8 @@
 continues bit for bit; `latest`, replacing a step, keep_last; a save killed at any point keeps
 the previous checkpoint loadable (also a rank killed under mpiexec, whose TP=2 checkpoint then
 loads on 1 and 4 ranks); each bad checkpoint or save is one clear error that changes nothing;
-examples/train_gpt2.py resumes bit for bit, after Ctrl-C too."""
+examples/train.py resumes bit for bit, after Ctrl-C too, and on another mesh (another --pp,
+--tp, --dp)."""
 import csv
 import dataclasses
 import json
@@ -19,7 +20,7 @@ import pytest
 import cupytp
 from cupytp import backend, checkpoint, nn
 from cupytp.checkpoint import CheckpointError
-from cupytp.models.gpt2 import GPT2
+from cupytp.models.gpt2 import GPT2, preset
 from cupytp.tensor import Replicated, default_generator, local_mesh
 from small_gpt2 import (CONFIG, assert_same, check_continues, gpt2, reference, snapshot,
                            train)
@@ -268,7 +269,7 @@ def test_saving_into_a_file_is_an_error(tmp_path):
         checkpoint.save(tmp_path / "file", 1, *trained(seed=1))
 
 
-# ---- examples/train_gpt2.py ---------------------------------------------------------------------
+# ---- examples/train.py -------------------------------------------------------------------------
 
 SMALL = ["--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--sample-tokens", "0",
          "--eval-batches", "1", "--eval-interval", "1000", "--log-interval", "1"]
@@ -312,7 +313,7 @@ def test_ctrl_c_saves_and_the_resumed_run_matches_an_uninterrupted_one(tmp_path)
     steps = ["--steps", "12"]
     result = run(SMALL + steps + ["--out", str(reference)])
     assert result.returncode == 0, result.stderr[-3000:]
-    command = ["examples/train_gpt2.py"] + SMALL + steps + ["--out", str(out),
+    command = ["examples/train.py"] + SMALL + steps + ["--out", str(out),
                                                             "--checkpoint-dir", str(saves)]
     process = subprocess.Popen([sys.executable] + command, cwd=REPO, text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -368,7 +369,7 @@ def test_a_new_run_refuses_a_checkpoint_dir_that_holds_checkpoints(tmp_path):
     result = run(SMALL + ["--steps", "3", "--out", str(tmp_path / "b"), "--checkpoint-dir",
                           str(saves)])
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
-    assert errors == [f"train_gpt2: error: --checkpoint-dir {saves} already holds checkpoints "
+    assert errors == [f"train: error: --checkpoint-dir {saves} already holds checkpoints "
                       f"(the latest: {saves / 'step-00000002'}): add --resume to continue them, "
                       "or choose another --checkpoint-dir"]
     assert listing(saves) == ["latest", "step-00000002"]
@@ -410,6 +411,41 @@ def test_resuming_on_another_dp_keeps_the_global_batch(tmp_path):
     assert "mesh dp=1 tp=2" in result.stdout and f"resumed from {died / 'step-00000006'} at " \
         "step 6" in result.stdout
     assert sorted(step for step in losses_by_step(resumed) if step >= 6) == [6, 7]
+
+
+def test_a_pipeline_checkpoint_resumes_without_the_pipeline(tmp_path):
+    """Checkpoints do not depend on the pipeline: a run of two GPipe stages over 2 micro-batches,
+    resumed from its step 3 without a pipeline (on --tp 2), logs its losses (fp32, no dropout:
+    to the rounding of sums taken in another order). The Hugging Face files it saved at the end,
+    its stages gathered into the whole model, hold the values of its last sharded checkpoint."""
+    skip_unless_ranks(2)
+    common = SMALL + ["--steps", "6", "--batch-size", "4", "--dtype", "fp32", "--dropout", "0"]
+    piped, saves, exported = tmp_path / "piped", tmp_path / "saves", tmp_path / "hf"
+    result = run(common + ["--pp", "2", "--pp-schedule", "gpipe", "--out", str(piped),
+                           "--checkpoint-dir", str(saves), "--checkpoint-interval", "3",
+                           "--checkpoint", str(exported)], ranks=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "mesh dp=1 pp=2 tp=1, pipeline gpipe over 2 micro-batches" in result.stdout
+    died = tmp_path / "died"
+    shutil.copytree(saves / "step-00000003", died / "step-00000003")
+    resumed = tmp_path / "resumed"
+    result = run(common + ["--tp", "2", "--out", str(resumed), "--checkpoint-dir", str(died),
+                           "--resume"], ranks=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "mesh dp=1 tp=2, " in result.stdout and f"resumed from {died / 'step-00000003'} " \
+        "at step 3" in result.stdout
+    expected = {step: loss for step, loss in losses_by_step(piped).items() if step >= 3}
+    got = losses_by_step(resumed)
+    assert sorted(got) == sorted(expected)
+    for step, loss in expected.items():
+        assert got[step] == pytest.approx(loss, rel=2e-3 if backend.on_gpu else 1e-5), step
+    from safetensors.numpy import load_file
+    model = GPT2(dataclasses.replace(preset("tiny"), vocab_size=257))
+    checkpoint.load(saves / "step-00000006", model=model)
+    files = load_file(str(exported / "model.safetensors"))
+    for name, value in model.hf_state_dict().items():
+        if name != "lm_head.weight":                   # tied: stored once
+            numpy.testing.assert_array_equal(files[name], value, err_msg=name)
 
 
 @pytest.mark.parametrize("args,message", [

@@ -1,4 +1,5 @@
-"""cupytp.train_log: CSV and JSONL rows, the loss plot, byte and MFU formatting."""
+"""cupytp.train_log: CSV and JSONL rows, the loss plot, byte and MFU formatting, throughput
+timed to the device's completion of the steps."""
 import csv
 import json
 import sys
@@ -6,7 +7,8 @@ import sys
 import numpy as np
 import pytest
 
-from cupytp.train_log import COLUMNS, TrainLog, estimate_mfu, format_bytes, plot_loss, read_log
+from cupytp.train_log import (COLUMNS, Throughput, TrainLog, estimate_mfu, format_bytes,
+                              plot_loss, read_log)
 
 
 def read_csv(path):
@@ -180,3 +182,68 @@ def test_wandb_log_offline(tmp_path, monkeypatch):
     assert log.mode == "offline"
     runs = list((tmp_path / "wandb").glob(f"offline-run-*-{log.id}"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+
+
+class QueuedDevice:
+    """A device whose steps queue: each launch costs the host `launch` seconds and the device
+    `step` seconds after the work queued before it; `synchronize` waits (moves the clock) until
+    the queue is done."""
+
+    def __init__(self, launch, step):
+        self.now, self.busy_until, self.launch_cost, self.step_cost = 0.0, 0.0, launch, step
+
+    def clock(self):
+        return self.now
+
+    def launch(self):
+        self.now += self.launch_cost
+        self.busy_until = max(self.busy_until, self.now) + self.step_cost
+
+    def synchronize(self):
+        self.now = max(self.now, self.busy_until)
+
+
+def test_throughput_is_timed_to_the_device_not_the_launches():
+    """The GPU default's numbers: 16384 tokens a step, 6.7 ms of device work each, launched in
+    0.1 ms. Read after 10 steps the rate is 16384 / 6.7 ms = 2.45M tokens/s (not the launch
+    rate, 164M/s, nor anything between), and the MFU that rate's FLOPs over the peak; a paused
+    validation counts neither its own time nor that of the steps queued before it."""
+    device = QueuedDevice(launch=1e-4, step=6.7e-3)
+    flops, peak = 71e6, 989e12
+    meter = Throughput(16384, flops, peak, devices=1, synchronize=device.synchronize,
+                       clock=device.clock)
+    for _ in range(10):
+        device.launch()
+        meter.step()
+    tokens_per_s, mfu = meter.read()
+    # the device's 10 steps, after the first launch's 0.1 ms: 2.44M tokens/s
+    assert tokens_per_s == pytest.approx(10 * 16384 / (1e-4 + 10 * 6.7e-3), rel=1e-12)
+    assert mfu == pytest.approx(flops * tokens_per_s / peak, rel=1e-12)
+    for _ in range(10):
+        device.launch()
+        meter.step()
+    with meter.paused():               # the 10 queued steps finish first: they are timed
+        device.now += 5.0              # validation: left out
+    device.launch()
+    meter.step()
+    tokens_per_s, _ = meter.read()
+    # 11 steps of the device, and the host's two launches that found it idle
+    assert tokens_per_s == pytest.approx(11 * 16384 / (11 * 6.7e-3 + 2e-4), rel=1e-12)
+    with pytest.raises(ValueError, match="no steps to time"):
+        meter.read()
+
+
+def test_throughput_counts_every_device_and_knows_no_peak():
+    """tokens/s are the global batch's; the MFU divides the FLOP/s over the devices. Without a
+    peak (the CPU) there is no MFU; without a synchronize the host clock is the device's."""
+    times = iter([0.0, 2.0])
+    meter = Throughput(4096, 6e6, 100e12, devices=4, clock=lambda: next(times))
+    meter.step(8)
+    tokens_per_s, mfu = meter.read()
+    assert tokens_per_s == 8 * 4096 / 2.0
+    assert mfu == pytest.approx(6e6 * tokens_per_s / 4 / 100e12)
+    meter = Throughput(100, clock=iter([0.0, 0.5]).__next__)
+    meter.step()
+    assert meter.read() == (200.0, None)
+    with pytest.raises(ValueError, match="flops_per_token"):
+        Throughput(100, peak_flops=1e12)

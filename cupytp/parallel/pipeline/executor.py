@@ -31,6 +31,7 @@ import numpy
 
 from cupytp import backend
 from cupytp.autograd import engine
+from cupytp.ops.amp import separate_casts
 from cupytp.distributed.process_group import CollectiveTimeoutError, split_sizes
 from cupytp.parallel.pipeline import schedules
 from cupytp.tensor import (
@@ -158,8 +159,8 @@ class StepRun:
             x = self._laid_out(self.inputs[self.rows[k]])
         else:
             x = self._received_input(s, k)
-        with self.draws[s].microbatch(k) as drawing:
-            out = stage(x)
+        with self.draws[s].microbatch(k) as drawing, separate_casts():    # each micro-batch's
+            out = stage(x)                          # backward walks (and frees) its own casts
         drawn, learned = default_generator.offset - drawing.start, self.shapes["draws"][s]
         if drawn != learned:
             raise RuntimeError(f"its forward drew {drawn} random counters over the whole batch "

@@ -17,7 +17,7 @@ from cupytp.parallel.pipeline.executor import StepRun
 from cupytp.parallel.pipeline.stages import (
     PipelineStage, prune, resolve, skeleton, split_layers, stage_module_names)
 from cupytp.parallel.tensor_parallel import relayout
-from cupytp.tensor import DTensor, Replicated, local_mesh
+from cupytp.tensor import DTensor, Replicated, is_deferred, local_mesh, materialize_tensor
 
 DATA_PARALLEL = ("replicate", "fully_shard")
 
@@ -92,6 +92,10 @@ class Pipeline(Module):
         set_(self, "_tied", [(t, t.placements) for t in tied] if holds_tie else [])
         for stage in stages.values():
             _data_parallel(stage, self.stage_mesh, data_parallel)
+        own = {id(p) for p in self.parameters()}
+        for tensor, _ in self._tied:    # the last stage's copy, none of its parameters, gets
+            if id(tensor) not in own and is_deferred(tensor):   # its values every step: made
+                materialize_tensor(tensor, initialize=False)    # here, uninitialized
         set_(self, "stages", [stages[s] for s in mine])
         set_(self, "_stage", stages)
 
