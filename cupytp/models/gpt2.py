@@ -82,7 +82,8 @@ class GPT2Transformer(nn.Module):
         self.recompute = recompute
         std = config.initializer_range
         proj_std = nn.scaled_init(std, config.n_layer)
-        self.wte = _padded(nn.DEmbedding(config.vocab_size, config.n_embd, init_std=std), vocab)
+        self.wte = _padded(nn.DEmbedding(config.vocab_size, config.n_embd, init_std=std,
+                                         vocab_parallel=True), vocab)
         self.wpe = nn.DEmbedding(config.block_size, config.n_embd, init_std=std)
         self.drop = nn.Dropout(config.dropout)
         self.h = nn.ModuleList([

@@ -14,7 +14,8 @@ from cupytp import nn
 from cupytp.debug import CommTracer
 from cupytp.tensor import Replicated, Shard
 from dense_reference import full, lay_out, rng_array
-from split_model import BATCH, CONFIG, assert_trains_alike, batch, build, dense_run, train
+from split_model import (BATCH, CONFIG, assert_trains_alike, batch, build, dense_run, train,
+                         with_config)
 
 
 def tensor_parallel(mesh):
@@ -24,14 +25,17 @@ def tensor_parallel(mesh):
         pytest.skip("the heads do not split")
 
 
-@pytest.mark.parametrize("recompute", [False, True])
-def test_sequence_parallel_gpt2_trains_like_one_rank(mesh, recompute):
+@pytest.mark.parametrize("recompute,tied", [(False, True), (True, True), (False, False)])
+def test_sequence_parallel_gpt2_trains_like_one_rank(mesh, recompute, tied):
     """T = 13 tokens over tp = 2 or 4 (uneven shards), dropout 0.1 everywhere, on a tp mesh
-    and a (dp, tp) mesh: every loss and gradient of one rank's training."""
+    and a (dp, tp) mesh, the LM head tied or with its own weight (the token embedding is
+    vocab-parallel either way, so it starts the sequence-sharded stream): every loss and
+    gradient of one rank's training."""
     tensor_parallel(mesh)
-    model = build(mesh, sequence_parallel=True, recompute=recompute)
+    config = with_config(tie_word_embeddings=tied)
+    model = build(mesh, sequence_parallel=True, recompute=recompute, config=config)
     assert model.transformer.wte.sequence_parallel
-    assert_trains_alike(train(model, mesh), dense_run(recompute))
+    assert_trains_alike(train(model, mesh), dense_run(recompute, config))
 
 
 def tp_group(mesh):
