@@ -526,11 +526,17 @@ def _repeated_heads(kv, q_layout, groups):
                placements)
     kv_layout = kv.layout
 
+    heads, kv_heads = q_layout.local_shape[1], kv_layout.local_shape[1]
+
     def backward(g):
         g = linear_grad(g, out.placements)
-        local = g._local.astype(compute_dtype(g.dtype), copy=False)       # no 16-bit einsum
-        onehot = index[:, None] == xp.arange(kv_layout.local_shape[1])[None, :]  # (H', Hk')
-        grad = xp.einsum("bhsd,hj->bjsd", local, onehot.astype(local.dtype))
+        local = g._local.astype(compute_dtype(g.dtype), copy=False)     # sums in fp32 or wider
+        grad = xp.zeros(local.shape[:1] + (kv_heads,) + local.shape[2:], local.dtype)
+        for j in range(kv_heads):       # query heads of key/value head j: a run of this rank's
+            lo = max(j * groups.group - groups.offset, 0)       # (sums, not a product: no
+            hi = min((j + 1) * groups.group - groups.offset, heads)     # cuBLAS call, which
+            if hi > lo:                                         # a CUDA graph cannot capture)
+                grad[:, j] = local[:, lo:hi].sum(axis=1)
         return (make(grad.astype(g.dtype, copy=False), kv_layout.mesh, kv_layout.shape,
                      _kv_grad_placements(q_layout.placements, kv_layout.placements,
                                          g.placements)),)

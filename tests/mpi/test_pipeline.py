@@ -181,7 +181,9 @@ def test_loss_scaling_scales_every_stage_and_skips_everywhere(pp_mesh):
     loss = pipe.step(IDS[:, :-1], IDS[:, 1:], scaler=scaler)
     numpy.testing.assert_allclose(full(loss), dense(CONFIG)[0][0], **TOLERANCE)
     for p, q in zip(pipe.parameters(), plain.parameters()):
-        numpy.testing.assert_array_equal(full(p.grad), 8.0 * full(q.grad))
+        # equal but for the last bits: on a GPU the embedding gradient's atomic sums
+        numpy.testing.assert_allclose(full(p.grad), 8.0 * full(q.grad), rtol=1e-14,
+                                      atol=1e-16)     # take another order in each run
     if pipe.pp_rank == 0:
         pipe.parameters()[0].grad.to_local()[0] = numpy.inf
     scaler.step(adam)
