@@ -42,7 +42,6 @@ works token by token, both Shard(1) too (a sequence split by context parallelism
 weight is Replicated everywhere. A sequence sharded along tensor parallelism (sequence
 parallelism) runs the chain.
 """
-import functools
 
 from cupytp.launchers import compute_dtype, flash_attention, rotary as rotary_kernel
 from cupytp.launchers.cast import converted
@@ -54,12 +53,12 @@ from cupytp.ops import fused
 from cupytp.ops.amp import autocast_local, autocast_operand, operand_dtype
 from cupytp.ops.conversion import (
     Partial, Replicated, Shard, backend, cached, is_tensor, make, reduce_all)
-from cupytp.ops.elementwise import bias_residual_local, silu_mul
+from cupytp.ops.elementwise import silu_mul
 from cupytp.ops.functional import (
     attention_setup, rms_norm, scaled_dot_product_attention, unpacked)
 from cupytp.ops.fused import (
-    _all_reduced, _bias_as, _grad_as, _input_backward, _input_info, _recorded, _reduces, _rows,
-    _weight_grads)
+    _all_reduced, _bias_as, _grad_as, _input_backward, _input_info, _project, _recorded, _reduces,
+    _rows, _weight_grads)
 from cupytp.ops.linalg import column_input, einsum, local_einsum, matmul
 from cupytp.ops.rotary import rotary
 
@@ -227,25 +226,6 @@ def _read_again(x_local, normed):
     return x_local if normed is None else normed.recompute()
 
 
-@functools.cache
-def _zeros(dtype, n):
-    """A zero bias (n,) of `dtype`, kept: the epilogue of a product that adds a residual."""
-    return backend.xp.zeros((n,), dtype)
-
-
-def _projected(a, w, residual, tp):
-    """residual + a @ w on local arrays, a (rows, K): one product with the residual added in
-    its epilogue, or, where the product is all-reduced along `tp` first, the product and then
-    one addition pass."""
-    res = residual._local
-    if not _reduces(tp, residual.mesh) and res.dtype in (a.dtype, compute_dtype(a.dtype)):
-        return matmul_bias(a, w, _zeros(res.dtype, w.shape[1]), _rows(res)).reshape(res.shape)
-    y = local_einsum("xy", "yz", "xz", a, w).reshape(res.shape[:-1] + (w.shape[-1],))
-    if _reduces(tp, residual.mesh):
-        y = _all_reduced(y, tp, residual.layout)
-    return bias_residual_local(res, y, _zeros(compute_dtype(y.dtype), y.shape[-1]))
-
-
 def _product(a, w, bias):
     """a @ w on local arrays, plus a bias parameter (or None) in the product's epilogue."""
     if bias is None:
@@ -266,7 +246,7 @@ def _fused_mlp(x, residual, params, norm, plan):
     h = h.reshape(h.shape[0], 2, -1)
     if normed is not None:
         normed.out = None                       # made again in backward
-    out = make(_projected(swiglu(h), wd, residual, tp), residual.mesh, residual.shape,
+    out = make(_project(swiglu(h), wd, None, residual, tp, None)[0], residual.mesh, residual.shape,
                residual.placements)
     x_info = _input_info(x, x_local, normed)
     x_local = None if normed is not None else x_local
@@ -315,7 +295,7 @@ def _fused_attention(x, residual, params, rope, num_heads, num_kv_heads, norm, p
                                         groups)
     o, lse = kernels.attention_forward(qv, kv_v, vv, True, scale, None, groups=groups)
     a = o.transpose(0, 2, 1, 3).reshape(rows * t, heads * d)               # (B T, H' D)
-    out = make(_projected(a, wo, residual, tp), residual.mesh, residual.shape,
+    out = make(_project(a, wo, None, residual, tp, None)[0], residual.mesh, residual.shape,
                residual.placements)
     x_info = _input_info(x, x_local, normed)
     x_local = None if normed is not None else x_local
@@ -338,7 +318,7 @@ def _fused_attention(x, residual, params, rope, num_heads, num_kv_heads, norm, p
         if needed:      # dq wq^T + dkv wkv^T, the second adding the first in its epilogue,
             wide = compute_dtype(dtype)                 # both unrounded (the norm takes fp32)
             first = local_einsum("xz", "yz", "xy", dq, wq, wide)
-            gx = matmul_bias(dkv, wkv2.T, _zeros(wide, first.shape[1]), first)
+            gx = matmul_bias(dkv, wkv2.T, None, first)
             gx = gx.reshape(rows, t, gx.shape[-1])
             gx = gx if normed is not None else converted(gx, dtype)
             if _reduces(tp, layout.mesh):
