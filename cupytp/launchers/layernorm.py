@@ -78,11 +78,17 @@ def _forward_plan(x, weight, bias, out_dtype):
 @functools.lru_cache(maxsize=256)
 def _backward_plan(g, xhat, rstd, weight, add, dx_dtype):
     """The _Plan of a backward over arrays of these signatures (after checking them)."""
-    if add is not None and (add[1] != dx_dtype or add[0] != g[0]):
-        raise ValueError(f"layer_norm_backward: add must have dx's dtype {dx_dtype} and shape "
-                         f"{g[0]}, got {add[1]} {add[0]}")
+    check_add(add, g[0], dx_dtype)
     _check(g, (("weight", weight), ("xhat", xhat), ("rstd", rstd), ("add", add)), dx_dtype)
     return _Plan("backward", _suffix(dx_dtype, g[1]), g[0])
+
+
+def check_add(add, shape, dtype, op="layer_norm"):
+    """`add` (a (shape, dtype) signature or None), the gradient a backward sums into dx, must
+    have dx's dtype and shape."""
+    if add is not None and (add[1] != dtype or add[0] != shape):
+        raise ValueError(f"{op}_backward: add must have dx's dtype {dtype} and shape {shape}, "
+                         f"got {add[1]} {add[0]}")
 
 
 def _check(x, others, dtype, op="layer_norm"):
@@ -121,9 +127,7 @@ def layer_norm_forward(x, weight, bias, eps, out_dtype=None, saved=True):
 def layer_norm_backward(g, xhat, rstd, weight, dx_dtype=None, add=None, param_grads=False):
     dx_dtype = numpy.dtype(dx_dtype or g.dtype)
     if not is_device_array(g):
-        if add is not None and (add.dtype != dx_dtype or add.shape != g.shape):
-            raise ValueError(f"layer_norm_backward: add must have dx's dtype {dx_dtype} and "
-                             f"shape {g.shape}, got {add.dtype} {add.shape}")
+        check_add(None if add is None else (add.shape, add.dtype), g.shape, dx_dtype)
         return layer_norm_backward_numpy(g, xhat, rstd, weight, dx_dtype, add, param_grads)
     plan = _backward_plan(_signature(g), _signature(xhat), _signature(rstd), _signature(weight),
                           _signature(add), dx_dtype)

@@ -19,7 +19,8 @@ import numpy
 from cupytp.backend import xp
 from cupytp.launchers import BLOCK_THREADS, compute_dtype, is_device_array
 from cupytp.launchers.column_sum import column_sum
-from cupytp.launchers.layernorm import NULL, _Plan, _check, _signature, _suffix, run_backward
+from cupytp.launchers.layernorm import (
+    NULL, _Plan, _check, _signature, _suffix, check_add, run_backward)
 
 OP = "rms_norm"
 
@@ -34,19 +35,12 @@ def _forward_plan(x, weight, out_dtype):
 @functools.lru_cache(maxsize=256)
 def _backward_plan(g, x, rstd, weight, add, dx_dtype):
     """The _Plan of a backward over arrays of these signatures (after checking them)."""
-    _check_add(add, g[0], dx_dtype)
+    check_add(add, g[0], dx_dtype, OP)
     if x[0] != g[0] or x[1] != dx_dtype:
         raise ValueError(f"rms_norm_backward: x must have g's shape {g[0]} and dx's dtype "
                          f"{dx_dtype}, got {x[1]} {x[0]}")
     _check(g, (("x", x), ("weight", weight), ("rstd", rstd), ("add", add)), dx_dtype, OP)
     return _Plan("backward", _suffix(dx_dtype, g[1], OP), g[0], OP)
-
-
-def _check_add(add, shape, dtype):
-    """`add` (a signature or None) must have dx's dtype and shape."""
-    if add is not None and (add[1] != dtype or add[0] != shape):
-        raise ValueError(f"rms_norm_backward: add must have dx's dtype {dtype} and shape "
-                         f"{shape}, got {add[1]} {add[0]}")
 
 
 def rms_norm_forward(x, weight, eps, out_dtype=None):
@@ -66,7 +60,7 @@ def rms_norm_forward(x, weight, eps, out_dtype=None):
 def rms_norm_backward(g, x, rstd, weight, dx_dtype=None, add=None, weight_grad=False):
     dx_dtype = numpy.dtype(dx_dtype or g.dtype)
     if not is_device_array(g):
-        _check_add(None if add is None else (add.shape, add.dtype), g.shape, dx_dtype)
+        check_add(None if add is None else (add.shape, add.dtype), g.shape, dx_dtype, OP)
         return rms_norm_backward_numpy(g, x, rstd, weight, dx_dtype, add, weight_grad)
     plan = _backward_plan(_signature(g), _signature(x), _signature(rstd), _signature(weight),
                           _signature(add), dx_dtype)
