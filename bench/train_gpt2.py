@@ -135,33 +135,10 @@ def main():
     if info.rank == 0 and isinstance(model, DataParallelModule):
         print(model.dp_summary())
     optimizer = AdamW(decay_groups(model.parameters(), 0.1), lr=1e-4)
-    rng = numpy.random.default_rng(mesh.get_local_rank("dp"))
-    placements = (Shard(0), Replicated())
     profile = Profile(args.profile)
-
-    def batch():
-        ids = rng.integers(0, config.vocab_size, size=(args.B, args.T + 1))
-        make = lambda a: from_local(backend.asarray(a), mesh, placements,
-                                    shape=(args.B * dp, args.T))
-        return make(ids[:, :-1]), make(ids[:, 1:])
-
-    scaler = GradScaler(enabled=args.dtype == "fp16")
-
-    def train_step(x, y):
-        with ops.autocast(None if args.dtype == "fp32" else args.dtype):
-            _, loss = profile("forward", model, x, y)
-        profile("backward", scaler.scale(loss).backward)
-        scaler.unscale_(optimizer)
-        if args.grad_clip:
-            profile("clip_grad_norm_", clip_grad_norm_, model.parameters(), args.grad_clip)
-        profile("optimizer", scaler.step, optimizer)
-        scaler.update()
-        optimizer.zero_grad()   # the next forward pass reuses the gradients' memory
-        return loss
-
     eager = args.no_cuda_graph or args.profile
-    step = train_step if eager else cupytp.cuda_graph(train_step)
-    batches = [batch() for _ in range(4)]
+    step = training_step(model, optimizer, args, profile, eager)
+    batches = random_batches(mesh, config.vocab_size, args, 4)
     timing = time_steps(step, batches, args.warmup, args.steps, profile.start)
     loss, stats = timing.loss, timing.stats
     evaluation = time_evaluation(model, args, eager, batches) if args.eval else None
@@ -197,6 +174,40 @@ def main():
               f"peak_alloc_GiB={eval_stats['allocated_bytes_peak'] / 2 ** 30:.2f} "
               f"peak_reserved_GiB={eval_stats['reserved_bytes_peak'] / 2 ** 30:.2f} "
               f"loss={eval_loss:.3f}", flush=True)
+
+
+def random_batches(mesh, vocab_size, args, count):
+    """`count` (inputs, targets) pairs of random token ids (B·dp, T), sharded on "dp"."""
+    rng = numpy.random.default_rng(mesh.get_local_rank("dp"))
+    dp = mesh.size("dp")
+
+    def make(a):
+        return from_local(backend.asarray(a), mesh, (Shard(0), Replicated()),
+                          shape=(args.B * dp, args.T))
+    batches = []
+    for _ in range(count):
+        ids = rng.integers(0, vocab_size, size=(args.B, args.T + 1))
+        batches.append((make(ids[:, :-1]), make(ids[:, 1:])))
+    return batches
+
+
+def training_step(model, optimizer, args, profile, eager):
+    """One training step (forward in autocast, backward through the loss scaler in fp16,
+    clipping with --grad-clip, the optimizer), captured as a CUDA graph unless `eager`."""
+    scaler = GradScaler(enabled=args.dtype == "fp16")
+
+    def train_step(x, y):
+        with ops.autocast(None if args.dtype == "fp32" else args.dtype):
+            _, loss = profile("forward", model, x, y)
+        profile("backward", scaler.scale(loss).backward)
+        scaler.unscale_(optimizer)
+        if args.grad_clip:
+            profile("clip_grad_norm_", clip_grad_norm_, model.parameters(), args.grad_clip)
+        profile("optimizer", scaler.step, optimizer)
+        scaler.update()
+        optimizer.zero_grad()   # the next forward pass reuses the gradients' memory
+        return loss
+    return train_step if eager else cupytp.cuda_graph(train_step)
 
 
 def time_evaluation(model, args, eager, batches):

@@ -21,17 +21,13 @@ import sys
 
 os.environ.setdefault("CUPY_TF32", "1")     # fp32 matmuls on tensor cores, as the anchor does
 
-import numpy  # noqa: E402
-
 import cupytp  # noqa: E402
-from cupytp import backend, ops  # noqa: E402
 from cupytp.launchers import cudnn_attention  # noqa: E402
 from cupytp.models.llama import Llama, preset  # noqa: E402
-from cupytp.optim import AdamW, clip_grad_norm_, decay_groups  # noqa: E402
-from cupytp.parallel import fully_shard  # noqa: E402
-from cupytp.tensor import Replicated, Shard, from_local  # noqa: E402
+from cupytp.optim import AdamW, decay_groups  # noqa: E402
+from cupytp.parallel import fully_shard, replicate  # noqa: E402
 from step_timing import BF16_PEAK_FLOPS, time_steps  # noqa: E402
-from train_gpt2 import Profile  # noqa: E402
+from train_gpt2 import Profile, random_batches, training_step  # noqa: E402
 
 
 def main():
@@ -66,29 +62,13 @@ def main():
     model = Llama(config, mesh, recompute=args.recompute)
     if args.fsdp:
         fully_shard(model, mesh, param_dtype=args.dtype)
+    elif dp > 1:
+        replicate(model, mesh)          # gradients summed over dp
     optimizer = AdamW(decay_groups(model.parameters(), 0.1), lr=1e-4)
-    rng = numpy.random.default_rng(mesh.get_local_rank("dp"))
     profile = Profile(args.profile)
-
-    def batch():
-        ids = rng.integers(0, config.vocab_size, size=(args.B, args.T + 1))
-        make = lambda a: from_local(backend.asarray(a), mesh, (Shard(0), Replicated()),
-                                    shape=(args.B * dp, args.T))
-        return make(ids[:, :-1]), make(ids[:, 1:])
-
-    def train_step(x, y):
-        with ops.autocast(None if args.dtype == "fp32" else args.dtype):
-            _, loss = profile("forward", model, x, y)
-        profile("backward", loss.backward)
-        if args.grad_clip:
-            profile("clip_grad_norm_", clip_grad_norm_, model.parameters(), args.grad_clip)
-        profile("optimizer", optimizer.step)
-        optimizer.zero_grad()   # the next forward pass reuses the gradients' memory
-        return loss
-
     eager = args.no_cuda_graph or args.profile
-    step = train_step if eager else cupytp.cuda_graph(train_step)
-    batches = [batch() for _ in range(2)]
+    step = training_step(model, optimizer, args, profile, eager)
+    batches = random_batches(mesh, config.vocab_size, args, 2)
     timing = time_steps(step, batches, args.warmup, args.steps, profile.start)
     if info.rank != 0:
         return
