@@ -3,9 +3,9 @@
 //     dropout_backward: dx = g * (bit ? scale : 0)
 // computed in the compute dtype C and rounded once to the output's dtype; scale = 1 / (1 - p).
 // x has dtype T; b, r and out have R (T, or C under autocast: an fp32 residual stream beside a
-// 16-bit product); col = i % cols. Element i (local row-major index) is kept iff the 53-bit
-// Philox draw of its counter base + add + block.global(i) is >= threshold = ceil(p 2^53)
-// (philox.cuh: the draw of cupytp.tensor.random). Its mask bit is bit i % 8 of byte i / 8
+// 16-bit product); col = i % cols. Element i (local row-major index) of counter
+// P = base + add + block.global(i) is kept iff word P mod 4 of the Philox draw at P - P mod 4 is
+// >= threshold = ceil(p 2^32) (philox.cuh's dropout rule). Its mask bit is bit i % 8 of byte i / 8
 // (numpy.packbits' little bit order). Each thread owns 8 consecutive elements, one mask byte,
 // moved as one vector of 8 per array when `vectors` (the launcher found every array aligned).
 #include "common.cuh"
@@ -76,23 +76,22 @@ __device__ void dropout_forward(const T* x, const R* bias, const R* residual, R*
                 col = col + 1 == cols ? 0 : col + 1;
             }
         }
-        // the counters first, then eight independent Philox chains with no branch between them
-        // (draws past the tail are made and masked off)
-        unsigned long long counter[ELEMENTS];
-        if (runs) {
-            const unsigned long long first = counter0 + block.global(i0);
-#pragma unroll
-            for (int k = 0; k < ELEMENTS; ++k)
-                counter[k] = first + k * block.s3;
+        // two calls of four global neighbours where the group's counters are first .. first + 7
+        // with first a multiple of 4, else a call per element (draws past the tail are made and
+        // masked off)
+        const unsigned long long first = counter0 + block.global(i0);
+        unsigned bits = 0;
+        if (runs && block.s3 == 1 && (first & 3) == 0) {
+            bits = dropout_nibble(first, seed, threshold) |
+                   dropout_nibble(first + 4, seed, threshold) << 4;
         } else {
 #pragma unroll
-            for (int k = 0; k < ELEMENTS; ++k)
-                counter[k] = counter0 + block.global(i0 + k);
+            for (int k = 0; k < ELEMENTS; ++k) {
+                const unsigned long long counter =
+                    runs ? first + k * block.s3 : counter0 + block.global(i0 + k);
+                bits |= static_cast<unsigned>(dropout_keeps(counter, seed, threshold)) << k;
+            }
         }
-        unsigned bits = 0;
-#pragma unroll
-        for (int k = 0; k < ELEMENTS; ++k)
-            bits |= static_cast<unsigned>(philox_bits53(counter[k], seed) >= threshold) << k;
         bits &= (1u << n) - 1;
 #pragma unroll
         for (int k = 0; k < ELEMENTS; ++k)

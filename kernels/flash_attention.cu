@@ -16,10 +16,9 @@
 // backward's blocks, one per 64 keys of one (b, key/value head), sum dk and dv over the query
 // heads of their group (a key/value head no query head reads gets zeros).
 // Dropout on the probabilities: element (b, h, t, s) of the global (B, H_global, T, S) tensor is
-// kept iff the float64 uniform of the first two Philox-4x32-10 words of the counter
-// base + add + ((b·H_global + h)·T + t)·S + s is >= p (cupytp.tensor.random's draw), compared
-// exactly as the 53-bit integer against `threshold` = ceil(p·2⁵³); kept values are scaled by
-// 1/(1-p). Inputs are strided views (D contiguous, rows 16-byte aligned); strides are in elements.
+// kept by philox.cuh's dropout rule at counter base + add + ((b·H_global + h)·T + t)·S + s (word
+// P mod 4 of the draw at P - P mod 4 against `threshold` = ceil(p·2³²): cupytp.tensor.random's
+// draw, four keys to a Philox call); kept values are scaled by 1/(1-p). Inputs are strided views (D contiguous, rows 16-byte aligned); strides are in elements.
 #include "common.cuh"
 #include "philox.cuh"
 
@@ -174,7 +173,7 @@ __device__ __forceinline__ void zero(float (&x)[N][4])
 
 // ---- dropout ----------------------------------------------------------------------------------
 struct Dropout {
-    unsigned long long threshold;  // keep iff the 53-bit draw >= threshold = ceil(p 2^53)
+    unsigned long long threshold;  // keep iff the word drawn >= threshold = ceil(p 2^32)
     float scale;                   // 1 / (1 - p)
     unsigned long long seed;
     const unsigned long long* base;  // device counter base (rewritten before CUDA-graph replays)
@@ -184,10 +183,60 @@ struct Dropout {
     int batch_offset;
 };
 
-// true iff the uniform of `counter`'s Philox-4x32-10 draw (philox.cuh) is >= p
-__device__ __forceinline__ bool keep(unsigned long long counter, const Dropout& dropout)
+// Which of a thread's four accumulator scores dropout keeps (bit c for accumulator c), by
+// philox.cuh's dropout rule over the scores' counters. Where base + add and S are multiples of 4
+// (`grouped`) four neighbouring keys share one Philox call: each lane of the lanes holding a
+// group's keys draws one group and shuffles its bits to the others, one call per thread and tile
+// instead of four.
+
+// Forward: accumulator c is (query row rows[c / 2], key col + c % 2), col even; lanes q ^ 1 hold
+// the other two keys of the group (col & ~3), lane q drawing the group of row q & 1.
+__device__ __forceinline__ unsigned forward_keeps(const Dropout& dropout, bool grouped,
+                                                  const unsigned long long (&rows)[2], int col,
+                                                  int quad)
 {
-    return philox_bits53(counter, dropout.seed) >= dropout.threshold;
+    if (grouped) {
+        const int own = quad & 1;
+        unsigned x = dropout_nibble((own ? rows[1] : rows[0]) + (col & ~3), dropout.seed,
+                                    dropout.threshold)
+                     << 4 * own;
+        x |= __shfl_xor_sync(0xffffffffu, x, 1);
+        return (x >> 2 * own & 3u) | (x >> (4 + 2 * own) & 3u) << 2;
+    }
+    unsigned bits = 0;
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+        bits |= static_cast<unsigned>(dropout_keeps(rows[c / 2] + col + c % 2, dropout.seed,
+                                                    dropout.threshold)) << c;
+    return bits;
+}
+
+// Backward (transposed): accumulator c is (query column queries[c % 2], key key + 8 (c / 2));
+// the lanes of groups g ^ 1, g ^ 2, g ^ 3 (lane ^ 4, ^ 8, ^ 12) hold the group's other keys
+// (key & ~3), lane g drawing the group of accumulator g & 3.
+__device__ __forceinline__ unsigned backward_keeps(const Dropout& dropout, bool grouped,
+                                                   const unsigned long long (&queries)[2],
+                                                   int key, int group)
+{
+    if (grouped) {
+        const int own = group & 3;
+        const unsigned long long first = (own % 2 ? queries[1] : queries[0]) + (key & ~3);
+        unsigned x = dropout_nibble(first + 8 * (own / 2), dropout.seed, dropout.threshold)
+                     << 4 * own;
+        x |= __shfl_xor_sync(0xffffffffu, x, 4);
+        x |= __shfl_xor_sync(0xffffffffu, x, 8);
+        unsigned bits = 0;
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+            bits |= (x >> (4 * c + own) & 1u) << c;
+        return bits;
+    }
+    unsigned bits = 0;
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+        bits |= static_cast<unsigned>(dropout_keeps(queries[c % 2] + key + 8 * (c / 2),
+                                                    dropout.seed, dropout.threshold)) << c;
+    return bits;
 }
 
 // the counter of element (row t, key 0) of head (b, h): base + add + ((b H + h) T + t) S
@@ -241,9 +290,15 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
     const int n_end = causal ? min(s_len, last_row + diagonal + 1) : s_len;
     const int n_tiles = n_end > 0 ? (n_end + BLOCK_N - 1) / BLOCK_N : 0;
     const float scale_log2 = scale * LOG2E;
-    unsigned long long counter0 = 0;
-    if (DROPOUT)
-        counter0 = row_counter(dropout, b, h, t_len, s_len);
+    const int row_in_block = warp * 16 + group;
+    unsigned long long rows[2] = {0, 0};  // dropout's counters of this thread's rows at key 0
+    bool grouped = false;
+    if (DROPOUT) {
+        const unsigned long long counter0 = row_counter(dropout, b, h, t_len, s_len);
+        rows[0] = counter0 + static_cast<unsigned long long>(m0 + row_in_block) * s_len;
+        rows[1] = rows[0] + 8ull * s_len;
+        grouped = (*dropout.base + dropout.add) % 4 == 0 && s_len % 4 == 0;
+    }
 
     load_tile<T, D, BLOCK_M>(sq, q, qs.row, t_len - m0);
     if (n_tiles > 0)
@@ -258,7 +313,6 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
     zero(acc);
     float row_max[2] = {negative_infinity<float>(), negative_infinity<float>()};
     float row_sum[2] = {0.f, 0.f};  // this thread's columns only, summed over the quad at the end
-    const int row_in_block = warp * 16 + group;
 
     for (int j = 0; j < n_tiles; ++j) {
         const int n0 = j * BLOCK_N;
@@ -296,6 +350,12 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
                 }
             }
         }
+        unsigned kept[BLOCK_N / 8];
+        if (DROPOUT) {
+#pragma unroll
+            for (int nt = 0; nt < BLOCK_N / 8; ++nt)
+                kept[nt] = forward_keeps(dropout, grouped, rows, n0 + nt * 8 + quad * 2, quad);
+        }
         // online softmax (raw scores; the scale goes into the exponent): new running max,
         // rescale what was summed so far
 #pragma unroll
@@ -321,11 +381,8 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
                 for (int c = 2 * r; c < 2 * r + 2; ++c) {
                     float p = exp2_approx(fmaf(s[nt][c], scale_log2, -shift));
                     row_sum[r] += p;
-                    if (DROPOUT) {
-                        const unsigned long long t = m0 + row_in_block + r * 8;
-                        const int col = n0 + nt * 8 + quad * 2 + c % 2;
-                        p = keep(counter0 + t * s_len + col, dropout) ? p * dropout.scale : 0.f;
-                    }
+                    if (DROPOUT)
+                        p = kept[nt] >> c & 1u ? p * dropout.scale : 0.f;
                     s[nt][c] = p;
                 }
             }
@@ -449,6 +506,7 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
     const float *lse_head = lse, *delta_head = delta;
     float* dq_head = dq_accum;
     unsigned long long counter0 = 0;
+    const bool grouped = DROPOUT && (*dropout.base + dropout.add) % 4 == 0 && s_len % 4 == 0;
 
     auto load_rows = [&](int m0) {  // q, do, lse and delta of the query tile at m0
         load_tile<T, D, BLOCK_M>(sq, q_head + m0 * qs.row, qs.row, t_len - m0);
@@ -513,6 +571,13 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
             const bool edge = n0 + BLOCK_N > s_len || (causal && n0 + BLOCK_N - 1 > m0 + diagonal);
     #pragma unroll
             for (int nt = 0; nt < BLOCK_M / 8; ++nt) {
+                unsigned kept = 0;
+                if (DROPOUT) {
+                    const unsigned long long t0 = m0 + nt * 8 + quad * 2;
+                    const unsigned long long queries[2] = {counter0 + t0 * s_len,
+                                                           counter0 + (t0 + 1) * s_len};
+                    kept = backward_keeps(dropout, grouped, queries, n0 + key_in_block, group);
+                }
     #pragma unroll
                 for (int c = 0; c < 4; ++c) {
                     const int key = n0 + key_in_block + (c / 2) * 8;
@@ -523,10 +588,9 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
                         p = 0.f;
                     float dp = dpt[nt][c];
                     if (DROPOUT) {
-                        const bool kept = keep(
-                            counter0 + static_cast<unsigned long long>(t) * s_len + key, dropout);
-                        st[nt][c] = kept ? p * dropout.scale : 0.f;
-                        dp = kept ? dp * dropout.scale : 0.f;
+                        const bool keeps = kept >> c & 1u;
+                        st[nt][c] = keeps ? p * dropout.scale : 0.f;
+                        dp = keeps ? dp * dropout.scale : 0.f;
                     } else {
                         st[nt][c] = p;
                     }

@@ -5,8 +5,11 @@
 // Counters: element i (row-major index in the global tensor) of a draw gets the counter
 // base + add + i, `base` read from device memory (rewritten before each CUDA-graph replay);
 // a rank's block of the tensor maps its local index to i through `PhiloxBlock` (below).
-// A uniform is the 53-bit integer of the first two words, (w0 >> 5) 2^26 + (w1 >> 6), over 2^53;
-// dropout keeps an element iff that integer is >= ceil(p 2^53) (the same test, exactly).
+// A uniform is the 53-bit integer of the first two words, (w0 >> 5) 2^26 + (w1 >> 6), over 2^53.
+// Dropout draws four elements per call: the element whose counter would be P reads word P mod 4
+// of the draw at P - P mod 4, and is kept iff that word >= ceil(p 2^32) (word / 2^32 >= p,
+// exactly). Draws start at a multiple of 4 (cupytp.tensor.random), so one call serves four
+// global neighbours.
 #pragma once
 
 struct PhiloxWords {
@@ -39,18 +42,37 @@ __device__ __forceinline__ unsigned long long philox_bits53(unsigned a, unsigned
     return (static_cast<unsigned long long>(a >> 5) << 26) | (b >> 6);
 }
 
-// the 53-bit draw of `counter`: its first two words
-__device__ __forceinline__ unsigned long long philox_bits53(unsigned long long counter,
-                                                            unsigned long long seed)
-{
-    const PhiloxWords w = philox4x32_10(counter, seed);
-    return philox_bits53(w.w0, w.w1);
-}
-
 // a float64 uniform in [0, 1) from two words
 __device__ __forceinline__ double philox_uniform(unsigned a, unsigned b)
 {
     return static_cast<double>(philox_bits53(a, b)) * (1.0 / 9007199254740992.0);
+}
+
+// word k (0..3) of a draw
+__device__ __forceinline__ unsigned philox_word(const PhiloxWords& w, unsigned k)
+{
+    return k == 0 ? w.w0 : k == 1 ? w.w1 : k == 2 ? w.w2 : w.w3;
+}
+
+// dropout's keep bits of the four elements at counters `group` .. group + 3 (group a multiple
+// of 4): bit k kept iff word k >= threshold = ceil(p 2^32)
+__device__ __forceinline__ unsigned dropout_nibble(unsigned long long group,
+                                                   unsigned long long seed,
+                                                   unsigned long long threshold)
+{
+    const PhiloxWords w = philox4x32_10(group, seed);
+    return static_cast<unsigned>(w.w0 >= threshold) |
+           static_cast<unsigned>(w.w1 >= threshold) << 1 |
+           static_cast<unsigned>(w.w2 >= threshold) << 2 |
+           static_cast<unsigned>(w.w3 >= threshold) << 3;
+}
+
+// whether dropout keeps the element at counter P (one call; dropout_nibble serves four)
+__device__ __forceinline__ bool dropout_keeps(unsigned long long counter, unsigned long long seed,
+                                              unsigned long long threshold)
+{
+    const PhiloxWords w = philox4x32_10(counter & ~3ull, seed);
+    return philox_word(w, static_cast<unsigned>(counter & 3)) >= threshold;
 }
 
 // A rank's block of a global tensor, its dimensions merged where they are contiguous in both:

@@ -2,8 +2,8 @@
 NumPy twin otherwise.
 
 `dropout(x, p, counters, bias=None, residual=None, keep_mask=True)` → (out, mask):
-out = residual + (x + bias) * (keep ? 1/(1-p) : 0), element i kept iff the Philox uniform of
-its counter (`counters`, a `philox.Counters` of x's block) is >= p; bias (cols,) along the last
+out = residual + (x + bias) * (keep ? 1/(1-p) : 0), element i kept by philox.py's dropout rule
+at its counter (`counters`, a `philox.Counters` of x's block: four elements per Philox call); bias (cols,) along the last
 dimension and residual (x's shape) optional, both of out's dtype, which is x's, or with a
 residual the residual's (x's or its compute dtype: autocast's fp32 residual stream beside a
 16-bit product). The mask (uint8, one bit per element, `numpy.packbits(keep, bitorder="little")`
@@ -13,8 +13,8 @@ default; x's dtype for the gradient of a 16-bit x with an fp32 residual).
 
 Computed in the compute dtype (float32 for 16-bit and float32, float64 for float64), rounded
 once; 1/(1-p) rounded to the compute dtype. The backward reads the mask rather than drawing the
-numbers again: one bit per element read against ~40 integer instructions of Philox per element
-written (bench/dropout.py times both).
+numbers again: one bit per element read against a quarter of a Philox call per element written
+(bench/dropout.py times both).
 """
 import numpy
 
@@ -22,7 +22,7 @@ from cupytp.backend import c_contiguous, xp
 from cupytp.launchers import (
     ceil_div, compute_dtype, dtype_suffix, get_kernel, has_kernel, is_device_array,
     multiprocessors, nullable)
-from cupytp.launchers.philox import keep_threshold, uniform_at
+from cupytp.launchers.philox import dropout_keeps, keep_threshold
 
 ELEMENTS = 8            # per thread (one mask byte), as in dropout.cu
 THREADS = 256
@@ -113,7 +113,7 @@ def _launch(name, count, args):
 def dropout_numpy(x, p, counters, bias=None, residual=None, keep_mask=True):
     """Twin of `dropout`."""
     compute = compute_dtype(x.dtype)
-    keep = uniform_at(counters.seed, counters.indices()) >= p
+    keep = dropout_keeps(counters.seed, counters.indices(), p)
     v = x.astype(compute)
     if bias is not None:
         v = v + bias.astype(compute)

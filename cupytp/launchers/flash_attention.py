@@ -16,10 +16,12 @@ Grouped-query attention: k and v may have fewer heads than q. Query head h reads
 without copying k or v; dk and dv sum over the query heads that read each key/value head (zero for
 one that none reads).
 
-Dropout (an `AttentionDropout`, or None) zeroes the probability (b, h, t, s) unless the Philox
-uniform of counter base + add + row-major index of (b + batch_offset, h + head_offset, t, s) in
-(B, heads, T, S) is >= p, and scales the kept ones by 1/(1-p): the draw of
-`cupytp.tensor.random`, so the mask equals `ops.dropout`'s on the (B, H, T, S) probabilities.
+Dropout (an `AttentionDropout`, or None) zeroes the probability (b, h, t, s) unless philox.py's
+dropout rule keeps counter base + add + row-major index of (b + batch_offset, h + head_offset, t,
+s) in (B, heads, T, S), and scales the kept ones by 1/(1-p): the draw of `cupytp.tensor.random`,
+so the mask equals `ops.dropout`'s on the (B, H, T, S) probabilities. The kernels draw one Philox
+call per four keys and share its bits across the lanes that hold them where S and base + add
+are multiples of 4 (always, but for S), else a call per probability.
 """
 import functools
 from typing import NamedTuple
@@ -29,7 +31,7 @@ import numpy
 from cupytp import backend
 from cupytp.backend import bfloat16, c_contiguous, xp
 from cupytp.launchers import ceil_div, dtype_suffix, get_kernel, is_device_array
-from cupytp.launchers.philox import global_indices, keep_threshold, uniform_at
+from cupytp.launchers.philox import dropout_keeps, global_indices, keep_threshold
 
 HEAD_DIMS = (64, 128)
 DTYPES = (bfloat16, numpy.dtype(numpy.float16))
@@ -347,7 +349,7 @@ def dropout_keep(dropout, shape):
     offsets = (dropout.batch_offset, dropout.head_offset, 0, 0)
     counter = global_indices((dropout.batch_offset + b, dropout.heads, t, s), offsets, shape)
     counter = counter + (dropout.base + backend.xp.uint64(dropout.add))
-    return backend.asnumpy(uniform_at(dropout.seed, counter) >= dropout.p)
+    return backend.asnumpy(dropout_keeps(dropout.seed, counter, dropout.p))
 
 
 def _expanded(a, groups, heads):

@@ -5,7 +5,10 @@ that draw (`random_fill`, `dropout`, `flash_attention`) take.
 Element i (row-major global index) of a draw gets the counter base + add + i, `base` a 0-d
 uint64 device array that CUDA-graph replays rewrite (see `cupytp.tensor.random`). A uniform in
 [0, 1) is the 53-bit integer of the first two words of its Philox output over 2^53; a normal is
-Box-Muller over the two uniforms of the four words. The twins compute with the module of their
+Box-Muller over the two uniforms of the four words. Dropout draws four elements per Philox
+call: the element of counter P reads word P mod 4 of the draw at P - P mod 4 and is kept iff
+that word >= ceil(p 2^32) (`dropout_keeps`); draws start at a multiple of 4
+(`cupytp.tensor.random`), so one call serves four global neighbours. The twins compute with the module of their
 arrays (CuPy's or NumPy's: on a GPU the NumPy twin runs on host arrays).
 """
 import functools
@@ -71,8 +74,18 @@ def normal_at(seed, counter):
 
 
 def keep_threshold(p):
-    """The integer t with (53-bit draw >= t) == (draw / 2⁵³ >= p), exactly."""
-    return math.ceil(p * 2.0 ** 53)
+    """The integer t with (32-bit word >= t) == (word / 2³² >= p), exactly."""
+    return math.ceil(p * 2.0 ** 32)
+
+
+def dropout_keeps(seed, counter, p):
+    """Whether dropout with probability p keeps the elements of uint64 `counter`s: word
+    counter mod 4 of the draw at counter - counter mod 4 is >= keep_threshold(p)."""
+    xp = backend.array_module(counter)
+    w = words(seed, counter & ~xp.uint64(3))
+    k = counter & xp.uint64(3)
+    word = xp.where(k == 0, w[0], xp.where(k == 1, w[1], xp.where(k == 2, w[2], w[3])))
+    return word >= xp.uint64(keep_threshold(p))
 
 
 def global_indices(shape, offsets, local_shape, xp=None):

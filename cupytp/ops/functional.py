@@ -375,9 +375,9 @@ def dropout(x, p, training=True, generator=None, order=None):
 
 def _dropout_in_order(x, p, counters, order):
     """`dropout` of a tensor whose dimension-1 indices stand for the positions `order`: each run
-    of consecutive positions draws the uniforms of its block (`random_fill.uniform`, one kernel
-    on a GPU), and x is scaled by the mask they give."""
-    from cupytp.launchers import random_fill
+    of consecutive positions draws the scale of its block (the dropout kernel over ones: one
+    launch on a GPU), and x is scaled by it."""
+    from cupytp.launchers.dropout import dropout as draw
     shape, (offsets, local_shape) = x.shape, (counters.offsets, counters.local_shape)
     if len(order) != shape[1]:
         raise ValueError(f"dropout: order has {len(order)} positions for a dimension 1 of "
@@ -388,8 +388,8 @@ def _dropout_in_order(x, p, counters, order):
     for start, stop in zip(starts, starts[1:] + [len(rows)]):
         run = counters._replace(offsets=offsets[:1] + (rows[start],) + offsets[2:],
                                 local_shape=local_shape[:1] + (stop - start,) + local_shape[2:])
-        pieces.append(random_fill.uniform(run))
-    scale = ((backend.xp.concatenate(pieces, axis=1) >= p) / (1.0 - p)).astype(x.dtype)
+        pieces.append(draw(backend.xp.ones(run.local_shape, x.dtype), p, run, keep_mask=False)[0])
+    scale = backend.xp.concatenate(pieces, axis=1)
     layout = x.layout
     out = make(x._local * scale, layout.mesh, layout.shape, layout.placements)
 

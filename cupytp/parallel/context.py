@@ -41,7 +41,7 @@ from cupytp.ops.amp import autocast_operand
 from cupytp.ops.conversion import (
     Partial, Replicated, Shard, convert, engine, fail, linear_grad, make)
 from cupytp.ops.functional import unpacked
-from cupytp.launchers.philox import uniform_at
+from cupytp.launchers.philox import dropout_keeps
 from cupytp.tensor.random import default_generator
 from cupytp.distributed.process_group import split_sizes
 
@@ -431,8 +431,8 @@ class _Ring:
         key = self.positions[source][cols].astype(u64)
         index = ((bh[:, :, None] * u64(t) + query[None, None, :])[..., None] * u64(t)
                  + key[None, None, None, :])
-        drawn = uniform_at(seed, index + (base + u64(add)))
-        return (drawn >= p).astype(self.acc) * self.acc.type(1 / (1 - p))
+        kept = dropout_keeps(seed, index + (base + u64(add)), p)
+        return kept.astype(self.acc) * self.acc.type(1 / (1 - p))
 
     def pass_on(self, array, source, async_op=True):
         """Send `array` (the block of cp rank `source`, or its gradient) to the next rank;

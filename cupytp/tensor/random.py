@@ -4,7 +4,8 @@ batch is split into micro-batches.
 Philox-4x32-10 keyed by the seed, with the global element index (plus the generator's running
 offset) as the counter: element (i, j) of a global tensor gets the same value whatever the mesh,
 the placements or the number of ranks. Every draw advances the offset by the global element
-count, identically on all ranks. On a GPU the numbers are drawn inside kernels (`random_fill.cu`,
+count rounded up to a multiple of 4, identically on all ranks (dropout reads four elements'
+decisions from one Philox call, `launchers.philox`, so its groups are global neighbours). On a GPU the numbers are drawn inside kernels (`random_fill.cu`,
 dropout's, flash attention's; `philox.cuh`): those of the NumPy twin the CPU runs
 (`cupytp.launchers.philox`), uniforms and masks bit for bit, normals to a few float64 ulps.
 
@@ -111,7 +112,7 @@ class Generator(graph.GraphState):
             base, add = self._bases[1], self.offset - record["start"]
         else:
             base, add = self._bases[0], self.offset
-        self.offset += count
+        self.offset += -count % 4 + count       # draws start at multiples of 4 (dropout's rule)
         return self.seed, base, add + skipped
 
     # ---- CUDA-graph state (cupytp.graph.GraphState) ---------------------------------------------

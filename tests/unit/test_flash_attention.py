@@ -117,11 +117,11 @@ def test_flash_dropout_mask_is_ops_dropout_mask():
 
 @pytest.mark.parametrize("p", [0.1, 0.3, 1 / 3, 0.5, 2.0 ** -40, 0.999])
 def test_flash_keep_threshold_is_exact(p):
-    draws = numpy.random.default_rng(3).integers(0, 2 ** 53, 10000, dtype=numpy.uint64)
+    draws = numpy.random.default_rng(3).integers(0, 2 ** 32, 10000, dtype=numpy.uint64)
     threshold = keep_threshold(p)
     draws = numpy.concatenate([draws, numpy.array([threshold - 1, threshold], numpy.uint64)])
     numpy.testing.assert_array_equal(draws >= numpy.uint64(threshold),
-                                     draws.astype(F64) / 2.0 ** 53 >= p)
+                                     draws.astype(F64) / 2.0 ** 32 >= p)
 
 
 def test_flash_bad_inputs_are_clear_errors():
@@ -243,17 +243,25 @@ def test_flash_kernels_match_twin(b, h, t, d, causal, p, dtype):
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("d", [64, 128])
-def test_flash_kernel_dropout_mask_is_bit_exact(d):
-    """With v the identity, o = the dropped probabilities: zero exactly where the twin drops."""
-    b, h, t = 2, 3, d
+@pytest.mark.parametrize("t_less", [0, 2])          # S a multiple of 4, and not
+@pytest.mark.parametrize("offset", [2 ** 33, 2 ** 33 - 7])      # counters from a multiple of 4
+def test_flash_kernel_dropout_mask_is_bit_exact(d, t_less, offset):
+    """With v the identity, o = the dropped probabilities, and with do the identity, dv = their
+    transpose: zero exactly where the twin drops, in the forward and in the backward (four keys
+    to a Philox draw, shared across lanes, and a draw per probability)."""
+    b, h, t = 2, 3, d - t_less
     q, k, _ = qkv(b, h, t, t, d, seed=4)
-    v = numpy.broadcast_to(numpy.eye(t, d), (b, h, t, d)).astype(bfloat16)
-    dropout = host_dropout(0.5, 7, seed=123456789123, offset=2 ** 33 - 7, head_offset=2,
+    eye = numpy.broadcast_to(numpy.eye(t, d), (b, h, t, d)).astype(bfloat16)
+    dropout = host_dropout(0.5, 7, seed=123456789123, offset=offset, head_offset=2,
                            batch_offset=1)
-    o, _ = attention_forward(xp.asarray(q), xp.asarray(k), xp.asarray(v), True, 0.1, dropout)
+    device = [xp.asarray(a) for a in (q, k, eye)]
+    o, lse = attention_forward(*device, True, 0.1, dropout)
     visible = numpy.tril(numpy.ones((t, t), bool))
     expected = dropout_keep(dropout, (b, h, t, t)) & visible
-    numpy.testing.assert_array_equal(asnumpy(o).astype(F64) != 0, expected)
+    numpy.testing.assert_array_equal(asnumpy(o)[..., :t].astype(F64) != 0, expected)
+    _, _, dv = attention_backward(*device, o, lse, device[2], True, 0.1, dropout)
+    numpy.testing.assert_array_equal(asnumpy(dv)[..., :t].astype(F64) != 0,
+                                     expected.transpose(0, 1, 3, 2))
 
 
 @requires_gpu

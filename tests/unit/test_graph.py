@@ -76,18 +76,18 @@ def test_generator_draws_in_a_capture_count_from_the_replay_base():
     shape, offsets = (3, 5), (0, 0)
     expected = [eager.uniform(shape, offsets, shape) for _ in range(6)]
     captured.uniform(shape, offsets, shape)           # one eager draw before the capture
-    captured._bases[1] = 15                          # as the first replay sets it
+    captured._bases[1] = 16         # as the first replay sets it (15 counters, rounded up to 4s)
     with FakeCapture() as capture:
         inside = [captured.uniform(shape, offsets, shape) for _ in range(2)]
     for drawn, reference in zip(inside, expected[1:3]):
         numpy.testing.assert_array_equal(drawn, reference)
-    assert captured.offset == 15                     # the capture drew nothing for real
+    assert captured.offset == 16                     # the capture drew nothing for real
     (state, record), = capture.states
-    assert state is captured and record["per_replay"] == 30
+    assert state is captured and record["per_replay"] == 32
     for replay in range(2):                          # each replay: base = the eager offset
         capture.before_replay()
-        assert int(captured._bases[1]) == 15 + 30 * replay
-        assert captured.offset == 15 + 30 * (replay + 1)
+        assert int(captured._bases[1]) == 16 + 32 * replay
+        assert captured.offset == 16 + 32 * (replay + 1)
     numpy.testing.assert_array_equal(captured.uniform(shape, offsets, shape), expected[5])
 
 

@@ -212,14 +212,14 @@ def test_a_captured_microbatch_loop_counts_from_the_replay_base():
     expected = [eager.uniform((ROWS, 5), (0, 0), (ROWS, 5)) for _ in range(3)]
     g = Generator(7)
     numpy.testing.assert_array_equal(uniform_loop(g), expected[0])
-    g._bases[1] = 30                                  # as the first replay sets it
+    g._bases[1] = 32               # as the first replay sets it (30 counters, rounded up to 4s)
     with FakeCapture() as capture:
         numpy.testing.assert_array_equal(uniform_loop(g, SPLITS["uneven"]), expected[1])
-    assert g.offset == 30                             # the capture drew nothing for real
+    assert g.offset == 32                             # the capture drew nothing for real
     (state, record), = capture.states
-    assert state is g and record["per_replay"] == 30
+    assert state is g and record["per_replay"] == 32
     capture.before_replay()
-    assert int(g._bases[1]) == 30 and g.offset == 60
+    assert int(g._bases[1]) == 32 and g.offset == 64
     numpy.testing.assert_array_equal(uniform_loop(g), expected[2])
 
 

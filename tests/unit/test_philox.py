@@ -37,7 +37,18 @@ def reference_philox(counter, key):
     return c
 
 
-def counters(block, add=5, seed=0x1234_5678_9ABC, base=None):
+def reference_keeps(c, p):
+    """Dropout's decisions over the counters `c`: word c mod 4 of the Philox draw at c - c mod 4,
+    as a fraction of 2^32, is >= p (Python integers and floats)."""
+    flat = [reference_philox(int(v) - int(v) % 4, SEED)[int(v) % 4] / 2.0 ** 32 >= p
+            for v in c.reshape(-1)]
+    return numpy.array(flat).reshape(c.shape)
+
+
+SEED = 0x1234_5678_9ABC
+
+
+def counters(block, add=5, seed=SEED, base=None):
     shape, offsets, local_shape = block
     base = numpy.zeros((), numpy.uint64) if base is None else base
     return Counters(seed, base + numpy.uint64(11), add, shape, offsets, local_shape)
@@ -104,8 +115,9 @@ def test_twin_fills_are_the_dense_draws_block(block):
 @pytest.mark.parametrize("with_bias,with_residual", [(False, False), (True, False),
                                                      (False, True), (True, True)])
 def test_twin_dropout_against_float64_formula(with_bias, with_residual):
-    """out = residual + (x + bias) kept / (1 - p), the mask the uniforms >= p of the same
-    counters, packed eight to a byte; the backward scales the kept gradients by 1 / (1 - p)."""
+    """out = residual + (x + bias) kept / (1 - p), the mask dropout's decisions at the same
+    counters (four to a Philox draw), packed eight to a byte; the backward scales the kept
+    gradients by 1 / (1 - p)."""
     block = BLOCKS[3]
     rng = numpy.random.default_rng(0)
     x = rng.standard_normal(block[2])
@@ -113,7 +125,7 @@ def test_twin_dropout_against_float64_formula(with_bias, with_residual):
     residual = rng.standard_normal(x.shape) if with_residual else None
     p = 0.3
     out, mask = drop.dropout_numpy(x, p, counters(block), bias, residual)
-    keep = random_fill.uniform_numpy(counters(block)) >= p
+    keep = reference_keeps(counters(block).indices(), p)
     expected = numpy.where(keep, (x + (0 if bias is None else bias)) / (1 - p), 0) + \
         (0 if residual is None else residual)
     numpy.testing.assert_allclose(out, expected, rtol=1e-14, atol=1e-14)
@@ -168,9 +180,11 @@ def test_fill_kernels_draw_the_twins_numbers(block, dtype):
 @pytest.mark.parametrize("x_dtype,out_dtype", [(F64, F64), (F32, F32), (bfloat16, bfloat16),
                                                (F16, F16), (bfloat16, F32), (F16, F32)])
 @pytest.mark.parametrize("aligned", [True, False])
-def test_dropout_kernels_are_their_twins(block, x_dtype, out_dtype, aligned):
+@pytest.mark.parametrize("shift", [0, 3])
+def test_dropout_kernels_are_their_twins(block, x_dtype, out_dtype, aligned, shift):
     """Outputs, masks and gradients bit for bit, with and without bias and residual, on vectors
-    and off them (an array one element past an aligned start)."""
+    and off them (an array one element past an aligned start), with the draw's counters
+    starting at a multiple of 4 (four elements to a Philox call) and off one (a call each)."""
     rng = numpy.random.default_rng(1)
     shape = block[2]
 
@@ -192,7 +206,7 @@ def test_dropout_kernels_are_their_twins(block, x_dtype, out_dtype, aligned):
     for bias, residual in variants:
         host = [None if a is None else a[0] for a in (bias, residual)]
         device = [None if a is None else a[1] for a in (bias, residual)]
-        c = counters(block, add=int(rng.integers(1 << 40)))
+        c = counters(block, add=4 * int(rng.integers(4, 1 << 40)) + shift - 11)    # base is 11
         out, mask = drop.dropout(x_device, 0.2, on_device(c), *device)
         want, want_mask = drop.dropout_numpy(x, 0.2, c, *host)
         assert out.dtype == want.dtype
@@ -206,11 +220,14 @@ def test_dropout_kernels_are_their_twins(block, x_dtype, out_dtype, aligned):
 
 @requires_gpu
 def test_dropout_threshold_is_the_kernels_test():
-    """The kernel keeps exactly the elements whose uniform is >= p, for p at the edges."""
+    """The kernel keeps exactly the elements whose word / 2^32 is >= p, for p at the edges (one
+    exactly a word drawn)."""
     block = ((4096,), (0,), (4096,))
-    uniforms = random_fill.uniform_numpy(counters(block))
-    for p in (2.0 ** -40, 1 / 3, 0.999, float(numpy.sort(uniforms)[100])):
-        _, mask = drop.dropout(xp.ones(4096, F32), p, on_device(counters(block)))
+    c = counters(block, add=1)          # base 11: counters from 12, four to a draw
+    drawn = numpy.array([reference_philox(int(v) - int(v) % 4, SEED)[int(v) % 4]
+                         for v in c.indices()], F64) / 2.0 ** 32
+    for p in (2.0 ** -40, 1 / 3, 0.999, float(numpy.sort(drawn)[100])):
+        _, mask = drop.dropout(xp.ones(4096, F32), p, on_device(c))
         keep = numpy.unpackbits(asnumpy(mask), bitorder="little").astype(bool)
-        numpy.testing.assert_array_equal(keep, uniforms >= p)
-        assert keep_threshold(p) == math.ceil(p * 2 ** 53)
+        numpy.testing.assert_array_equal(keep, drawn >= p)
+        assert keep_threshold(p) == math.ceil(p * 2 ** 32)
