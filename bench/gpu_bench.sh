@@ -3,7 +3,7 @@
 # from the shared anchors folder into .carry/anchors, named in the device tool's carry), in the
 # same call; the anchors do not clip gradients, so neither do these runs.
 # Usage: bench/gpu_bench.sh [check] [comm] [train1] [train2] [train] [host] [fsdp] [ddp] [build]
-# [small] [eval] [dropout] [targets] [profile] [profile2] [profile3] [pipeline] (default: train
+# [small] [eval] [dropout] [targets] [profile] [profile2] [profile3] [pipeline] [long] (default: train
 # host; train = train1 train2, the 1-GPU and the TP=2 pairs; fsdp: fully_shard beside PyTorch FSDP2 with bf16
 # parameters and fp32 reduction, untied models; ddp: replicated data parallelism of 124M
 # (scaling over one GPU, share of the all-reduce hidden) beside PyTorch DDP; build: the
@@ -15,7 +15,9 @@
 # profile, profile2, profile3: device time per kind of kernel at 124M on one GPU, at 24x2048 at TP=2,
 # of the 1.4B fully_shard step beside FSDP2's; pipeline: bench/pipeline.py, every pipeline
 # schedule at pp=2 beside tp=2 and fully_shard over 2 GPUs on a 24 x 2048 GPT, with the
-# schedules' measured and theoretical bubbles). A
+# schedules' measured and theoretical bubbles; long: one GPU, peak memory and activation memory
+# per token at T = 16k and 32k of 124M with and without recompute and of the Llama 1B shape with
+# it, the PyTorch SDPA model of the same shape beside, drawn into $OUT/long_context.png). A
 # cuDNN frontend wheel carried in .carry/wheels is installed first (the machines have no
 # internet), so that attention can run through cuDNN. Logs under $OUT; the last thing printed is
 # the table of bench/compare.py.
@@ -160,6 +162,17 @@ for part in $what; do
       timeout 600 mpiexec -n 2 python3 bench/pipeline.py --runs pp:1f1b pp:zb_h1 --no-fusion \
         > "$out/pipeline_chains.log" 2>&1 || echo "pipeline --no-fusion exited $?" >&2
       grep -h RESULT "$out/pipeline.log" "$out/pipeline_chains.log" ;;
+    long)   # one GPU: 124M with recompute and without, Llama 1B's shape with it, at 16k and
+            # 32k tokens, PyTorch SDPA of the same shape beside (one anchor may OOM); each run
+            # capped so that the part takes under 9 minutes
+      lc="python3 bench/long_context.py --T 16384,32768 --steps 3 --warmup 1"
+      run long_124M_rc timeout 170 $lc --model 124M --recompute --anchor $anchors \
+          --anchor-timeout 60
+      run long_124M timeout 90 $lc --model 124M
+      run long_llama1B_rc timeout 250 $lc --model llama-1B --recompute --anchor $anchors \
+          --anchor-timeout 90
+      grep -h -e ^RESULT -e ^ANCHOR -e ^PEAK -e ^SLOPE "$out"/long_*.log | tee "$out/long.txt"
+      python3 bench/plot_benchmarks.py long "$out/long.txt" --out "$out/long_context.png" ;;
     host)   # the eager tiny step in HOST_ROUNDS rounds (default 5), ours and PyTorch's taking
             # turns, so that both meet the machine's spells of host noise; the median round counts
       ours=(); theirs=()

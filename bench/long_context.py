@@ -1,23 +1,33 @@
-"""Long sequences: peak memory and tokens/s of a GPT-2 training step against the sequence length,
-with the sequence split over cp ranks (context parallelism, ring attention) and tp ranks (with or
-without sequence parallelism), and the activation memory per token.
+"""Long sequences: peak memory and tokens/s of a training step of GPT-2 or a Llama-family model
+against the sequence length, with the sequence split over cp ranks (context parallelism, ring
+attention) and tp ranks (with or without sequence parallelism), and the activation memory per
+token.
 
     mpiexec -n 1 python bench/long_context.py --T 4096,8192,16384,32768,65536,131072
     mpiexec -n 2 python bench/long_context.py --cp 2 --T 4096,...,131072
     mpiexec -n 2 python bench/long_context.py --tp 2 [--sequence-parallel] --T ...
-    mpiexec -n 1 python bench/long_context.py --recompute --T 16384,32768 --anchor .carry/anchors
+    python bench/long_context.py --recompute --T 16384,32768 --anchor .carry/anchors
+    python bench/long_context.py --model llama-1B --recompute --T 16384,32768 --anchor ...
 
-The mesh is (dp, cp, tp) over the launched ranks. One RESULT line per length: tokens/s and step
-time (eager steps, forward, backward and AdamW, device synchronized around the timed steps), the
-pool's peak, what lives between steps (parameters, gradients, optimizer states), and activation
-memory per token: the peak above that, divided by this rank's tokens. A length that runs out of
-memory prints OOM and the next one runs. The model's context (block_size) is each length, so
-the position table grows with it, as in the PyTorch anchor of the same shape.
+`--model` takes the registry's names (`cupytp.models.MODEL_NAMES`: gpt2-124M, llama-1B, ...; a
+GPT-2 preset's bare name is GPT-2's). The model is built the same way for both families:
+deferred, laid out by the tensor-parallel plan, its attention a ring over cp
+(`ContextParallel`, the sequence and its positions sharded in the ring's order), replicated over
+the batch's dimensions, then each rank's blocks made. The mesh is (dp, cp, tp) over the launched
+ranks. One RESULT line per length: tokens/s and step time (eager steps, forward, backward and
+AdamW, device synchronized around the timed steps), the pool's peak, what lives between steps
+(parameters, gradients, optimizer states), and activation memory per token: the peak above
+that, divided by this rank's tokens. A length that runs out of memory prints OOM and the next
+one runs. The model's context (GPT-2's block_size, a Llama's max_position_embeddings) is each
+length, so GPT-2's position table grows with it, as in the PyTorch anchor of the same shape.
 
-`--anchor DIR` (one rank): afterwards runs DIR/torch_tp_gpt2.py (PyTorch eager, SDPA flash
-attention, no recomputation: it has none) at each length and prints its peak beside, and, with
-two lengths or more, both models' activation memory per token as the slope of peak memory
-against the length (what grows with T: activations and the position table, the same in both).
+`--anchor DIR` (one rank): afterwards runs the PyTorch model of the same shape at each length
+(PyTorch eager, SDPA flash attention, no recomputation: it has none): DIR/torch_tp_gpt2.py for
+GPT-2, DIR/torch_llama.py for a Llama (bf16 only; its rotary angles are unscaled, which changes
+no shape, time or memory). It prints the anchor's line, a PEAK line comparing both peaks where
+both ran, and, with two lengths or more, both models' activation memory per token as the slope
+of peak memory against the length (what grows with T: activations, and GPT-2's position table,
+the same in both). An anchor that fails or runs past --anchor-timeout prints "none (why)".
 """
 import argparse
 import os
@@ -31,18 +41,32 @@ import numpy
 import cupytp
 from cupytp import backend, memory, ops
 from cupytp.launchers import cudnn_attention
-from cupytp.models.gpt2 import GPT2, preset
+from cupytp.models import model_spec
 from cupytp.optim import AdamW
 from cupytp.parallel import ContextParallel, apply_tensor_parallel, replicate
 from cupytp.tensor import Replicated, Shard, from_local
 
 GIB = 2 ** 30
+CONTEXT_FIELD = {"gpt2": "block_size", "llama": "max_position_embeddings"}   # per family
+
+
+def lengths(text):
+    """'16384,32768' gives [16384, 32768]."""
+    try:
+        found = [int(t) for t in text.split(",")]
+    except ValueError:
+        found = []
+    if not found or min(found) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of positive "
+                                         "sequence lengths (e.g. 16384,32768)")
+    return found
 
 
 def parse():
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default="124M")
-    p.add_argument("--T", default="4096,8192,16384,32768,65536,131072",
+    p.add_argument("--model", default="124M", help="a registry name (cupytp.models.MODEL_NAMES: "
+                   "gpt2-124M, llama-1B, ...) or a GPT-2 preset's bare name")
+    p.add_argument("--T", type=lengths, default="4096,8192,16384,32768,65536,131072",
                    help="sequence lengths, comma-separated")
     p.add_argument("--B", type=int, default=1, help="sequences per data-parallel rank")
     p.add_argument("--cp", type=int, default=1, help="context-parallel ranks (ring attention)")
@@ -54,8 +78,23 @@ def parse():
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--anchor", default=None, help="folder of torch_tp_gpt2.py (one rank)")
-    return p.parse_args()
+    p.add_argument("--anchor", default=None,
+                   help="folder of torch_tp_gpt2.py and torch_llama.py (one rank)")
+    p.add_argument("--anchor-timeout", type=float, default=600,
+                   help="seconds one anchor run may take")
+    args = p.parse_args()
+    try:
+        args.spec = model_spec(args.model)
+    except ValueError as error:
+        p.error(f"argument --model: {error}")
+    if args.anchor is not None:
+        try:
+            script = anchor_command(args.spec, args.anchor, args.B, 1, args.dtype)[1]
+        except ValueError as error:
+            p.error(f"argument --anchor: {error}")
+        if not os.path.isfile(script):
+            p.error(f"argument --anchor: {args.anchor} has no {os.path.basename(script)}")
+    return args
 
 
 def step_once(model, optimizer, ids, targets, positions, dtype):
@@ -67,14 +106,16 @@ def step_once(model, optimizer, ids, targets, positions, dtype):
     return loss
 
 
-def measure(args, mesh, length):
-    """(tokens/s, ms per step, peak GiB, state GiB, activation bytes per token of this rank)
-    for one length."""
-    config = preset(args.model, block_size=length)
+def build(args, mesh, length):
+    """(model, ContextParallel or None, vocabulary size): the model of --model whose context is
+    `length`, built deferred, tensor-parallel over "tp", its attention a ring over "cp",
+    replicated over the batch's dimensions, then materialized."""
+    spec = model_spec(args.model, **{CONTEXT_FIELD[args.spec.family]: length})
     cupytp.manual_seed(0)
     with cupytp.deferred_init():            # each rank allocates only its blocks
-        model = GPT2(config, recompute=args.recompute)
-    apply_tensor_parallel(model, mesh, sequence_parallel=args.sequence_parallel)
+        model = spec.build(mesh, recompute=args.recompute)
+    if args.sequence_parallel:
+        apply_tensor_parallel(model, mesh, sequence_parallel=True)
     context = None
     if args.cp > 1:
         context = ContextParallel(mesh, load_balance=not args.no_load_balance)
@@ -83,10 +124,17 @@ def measure(args, mesh, length):
     if summed:
         replicate(model, mesh, dim=summed)
     cupytp.materialize(model)
+    return model, context, spec.config.vocab_size
+
+
+def measure(args, mesh, length):
+    """(tokens/s, ms per step, peak GiB, state GiB, activation bytes per token of this rank)
+    for one length."""
+    model, context, vocab_size = build(args, mesh, length)
     optimizer = AdamW(model.parameters(), lr=1e-4)
     rng = numpy.random.default_rng(mesh.get_local_rank("dp"))
     dp = mesh.size("dp")
-    tokens = rng.integers(0, config.vocab_size, size=(args.B, length + 1))
+    tokens = rng.integers(0, vocab_size, size=(args.B, length + 1))
     placements = (Shard(0), Replicated(), Replicated())
     ids, targets = (from_local(backend.asarray(a), mesh, placements, shape=(args.B * dp, length))
                     for a in (tokens[:, :-1], tokens[:, 1:]))
@@ -112,14 +160,40 @@ def measure(args, mesh, length):
             (peak - state) / local_tokens)
 
 
-def anchor(folder, length, dtype):
-    """The PyTorch anchor's line at this length (B=1), or the reason there is none."""
-    command = [sys.executable, os.path.join(folder, "torch_tp_gpt2.py"), "--dtype", dtype,
-               "--B", "1", "--T", str(length), "--steps", "3", "--sdpa", "1"]
+def anchor_command(spec, folder, batch, length, dtype):
+    """The command line of the PyTorch model of `spec`'s shape on `batch` sequences of `length`
+    tokens (3 timed steps), or ValueError where the anchor cannot take that model."""
+    c = spec.config
+    if spec.family == "gpt2":
+        if not c.tie_word_embeddings:
+            raise ValueError(f"torch_tp_gpt2.py ties its head; {spec.name} does not")
+        script, shape = "torch_tp_gpt2.py", dict(
+            layers=c.n_layer, embd=c.n_embd, heads=c.n_head, vocab=c.padded_vocab(),
+            bias=int(c.bias), dtype=dtype, sdpa=1)
+    else:
+        if dtype != "bf16":
+            raise ValueError("torch_llama.py trains in bf16 only: leave --dtype bf16")
+        if c.head_size * c.num_attention_heads != c.hidden_size or c.attention_bias:
+            raise ValueError(f"torch_llama.py has no attention biases and a head size of "
+                             f"dim / heads; {spec.name} differs")
+        script, shape = "torch_llama.py", {
+            "layers": c.num_hidden_layers, "dim": c.hidden_size,
+            "heads": c.num_attention_heads, "kv-heads": c.num_key_value_heads,
+            "ffn": c.intermediate_size, "vocab": c.vocab_size,
+            "tied": int(c.tie_word_embeddings), "theta": c.rope_theta}
+    options = dict(shape, B=batch, T=length, steps=3)
+    return [sys.executable, os.path.join(folder, script)] + \
+        [word for name, value in options.items() for word in (f"--{name}", str(value))]
+
+
+def anchor(args, length):
+    """The PyTorch anchor's line at this length, or the reason there is none."""
+    command = anchor_command(args.spec, args.anchor, args.B, length, args.dtype)
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        done = subprocess.run(command, capture_output=True, text=True,
+                              timeout=args.anchor_timeout)
     except subprocess.TimeoutExpired:
-        return None, "timed out"
+        return None, f"timed out after {args.anchor_timeout:g} s"
     line = next((l for l in done.stdout.splitlines() if l.startswith("ANCHOR")), None)
     if line is None:
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
@@ -127,26 +201,37 @@ def anchor(folder, length, dtype):
     return line, None
 
 
+def print_slope(name, peaks):
+    """Activation memory per token of one model: its peak's growth per token between the
+    shortest and the longest length that ran (needs two)."""
+    known = sorted(peaks)
+    if len(known) >= 2:
+        slope = (peaks[known[-1]] - peaks[known[0]]) / (known[-1] - known[0])
+        print(f"SLOPE {name} T={known[0]}..{known[-1]} "
+              f"act_KiB_per_token={slope / 1024:.1f} (peak growth per token)", flush=True)
+
+
 def main():
     args = parse()
     info = cupytp.init()
-    lengths = [int(t) for t in args.T.split(",")]
     dp = info.world_size // (args.cp * args.tp)
     if dp * args.cp * args.tp != info.world_size:
         raise SystemExit(f"cp {args.cp} x tp {args.tp} does not divide the {info.world_size} "
                          "ranks launched")
     if args.sequence_parallel and args.tp == 1:
         raise SystemExit("--sequence-parallel needs --tp 2 or more")
+    if args.anchor is not None and info.world_size > 1:
+        raise SystemExit("--anchor runs the one-GPU PyTorch model: launch one rank")
     mesh = cupytp.DeviceMesh((dp, args.cp, args.tp), ("dp", "cp", "tp"))
     if info.rank == 0:
         print(cudnn_attention.describe(), flush=True)
-    slopes = {}
-    for length in lengths:
+    ours = {}
+    for length in args.T:
         try:
             tok_s, ms, peak, state, per_token = measure(args, mesh, length)
             line = (f"tok/s={tok_s:.0f} step_ms={ms:.1f} peak_alloc_GiB={peak:.2f} "
                     f"state_GiB={state:.2f} act_KiB_per_token={per_token / 1024:.1f}")
-            slopes[length] = peak
+            ours[length] = peak * GIB
         except (memory.OutOfMemoryError, MemoryError) as error:
             line = f"OOM ({str(error).splitlines()[0][:120]})"
         memory.empty_cache()
@@ -154,22 +239,23 @@ def main():
             print(f"RESULT cupytp long-context {args.model} dtype={args.dtype} dp={dp} "
                   f"cp={args.cp} tp={args.tp} sp={int(args.sequence_parallel)} "
                   f"recompute={int(args.recompute)} B={args.B} T={length} {line}", flush=True)
-    if args.anchor is None or info.rank != 0:
+    if info.rank != 0:
         return
-    if info.world_size > 1:
-        raise SystemExit("--anchor runs the one-GPU PyTorch model: launch one rank")
+    print_slope("cupytp", ours)             # before the anchors: a cut-off run keeps it
+    if args.anchor is None:
+        return
     theirs = {}
-    for length in lengths:
-        line, why = anchor(args.anchor, length, args.dtype)
+    for length in args.T:
+        line, why = anchor(args, length)
         print(line if line else f"ANCHOR torch T={length}: none ({why})", flush=True)
         if line:
             theirs[length] = float(re.search(r"peak_mem_GiB=([\d.]+)", line).group(1)) * GIB
-    for name, peaks in (("cupytp", slopes), ("torch", theirs)):
-        known = sorted(peaks)
-        if len(known) >= 2:
-            slope = (peaks[known[-1]] - peaks[known[0]]) / (known[-1] - known[0])
-            print(f"SLOPE {name} T={known[0]}..{known[-1]} "
-                  f"act_KiB_per_token={slope / 1024:.1f} (peak growth per token)", flush=True)
+        if length in ours and length in theirs:
+            ratio = f"{ours[length] / theirs[length]:.2f}" if theirs[length] else "n/a"
+            print(f"PEAK {args.model} T={length} cupytp_GiB={ours[length] / GIB:.2f} "
+                  f"torch_GiB={theirs[length] / GIB:.2f} ratio={ratio} (cupytp / torch)",
+                  flush=True)
+    print_slope("torch", theirs)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,13 @@ The numbers come from the markdown tables themselves (nothing is measured or typ
   (columns "speed ×" and "memory ×");
 - attention.png: flash attention against PyTorch's, forward and forward+backward, per shape
   (column "flash vs torch flash").
+
+`python bench/plot_benchmarks.py long LOG... [--out PNG]` draws long_context.png from the logs
+of bench/long_context.py (its RESULT and ANCHOR lines, e.g. gpu_bench.sh long's): peak memory
+against the sequence length per model, cupytp with and without recomputation and PyTorch's.
 Needs matplotlib (`pip install matplotlib`); without it the script says so and draws nothing.
 """
+import argparse
 import re
 import sys
 from pathlib import Path
@@ -128,13 +133,96 @@ def plot_attention(plt, found, path):
               path)
 
 
-def main(page=REPO / "docs" / "benchmarks.md", out=REPO / "docs" / "img"):
+LONG_RESULT = re.compile(r"^RESULT cupytp long-context (?P<model>\S+) .*?\bcp=(?P<cp>\d+) "
+                         r"tp=(?P<tp>\d+) sp=(?P<sp>\d) recompute=(?P<recompute>\d) .*?"
+                         r"\bT=(?P<T>\d+) (?P<rest>.*)$")
+PYTORCH = "PyTorch SDPA, no recompute"
+
+
+def long_context_runs(text):
+    """{model: {series: {T: peak GiB, or None where it did not run}}} from bench/long_context.py's
+    lines: a RESULT line is cupytp's (its series named by its split and recomputation), an
+    ANCHOR line PyTorch's, of the model of the RESULT lines before it."""
+    runs, model = {}, None
+    for line in text.splitlines():
+        line = line.strip()
+        found = LONG_RESULT.match(line)
+        if found:
+            model, length = found["model"], int(found["T"])
+            series = "cupytp" + "".join(
+                label for label, on in ((f", cp={found['cp']}", found["cp"] != "1"),
+                                        (f", tp={found['tp']}", found["tp"] != "1"),
+                                        ("+sp", found["sp"] == "1"),
+                                        (", recompute", found["recompute"] == "1")) if on)
+            peak = re.search(r"peak_alloc_GiB=([\d.]+)", found["rest"])
+        elif line.startswith("ANCHOR") and model is not None and re.search(r"\bT=\d", line):
+            length = int(re.search(r"\bT=(\d+)", line)[1])
+            series, peak = PYTORCH, re.search(r"peak_mem_GiB=([\d.]+)", line)
+        else:
+            continue
+        runs.setdefault(model, {}).setdefault(series, {})[length] = \
+            float(peak[1]) if peak else None
+    return runs
+
+
+def plot_long_context(plt, runs, path):
+    """Peak memory against T, one panel per model, one line per series; the lengths a series
+    has no number for are named in its label."""
+    figure, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4.5), squeeze=False)
+    for axis, (model, series) in zip(axes[0], runs.items()):
+        for name, peaks in series.items():
+            ran = sorted(t for t, peak in peaks.items() if peak is not None)
+            missing = sorted(t for t, peak in peaks.items() if peak is None)
+            label = name + (f" (none at T={', '.join(map(str, missing))})" if missing else "")
+            axis.plot(ran, [peaks[t] for t in ran], "--s" if name == PYTORCH else "-o",
+                      label=label)
+        lengths = sorted({t for peaks in series.values() for t in peaks})
+        axis.set(title=f"{model}: peak memory of a training step (B=1)", xlabel="sequence length T",
+                 ylabel="peak allocated (GiB)")
+        axis.set_xscale("log", base=2)
+        axis.minorticks_off()
+        axis.set_xticks(lengths, [f"{t // 1024}k" if t >= 1024 else str(t) for t in lengths])
+        axis.set_ylim(bottom=0)
+        axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def pyplot():
+    """matplotlib.pyplot drawing to files, or None (said) where matplotlib is not installed."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib is not installed (pip install matplotlib): no plots drawn")
+        return None
+    return plt
+
+
+def main_long(argv):
+    """`long LOG... [--out PNG]`: long_context.png from bench/long_context.py's logs; returns
+    the path drawn (None without matplotlib)."""
+    p = argparse.ArgumentParser(prog="plot_benchmarks.py long")
+    p.add_argument("logs", nargs="+", help="logs of bench/long_context.py")
+    p.add_argument("--out", default=REPO / "docs" / "img" / "long_context.png", type=Path)
+    args = p.parse_args(argv)
+    runs = long_context_runs("\n".join(Path(log).read_text() for log in args.logs))
+    if not runs:
+        p.error(f"no RESULT line of bench/long_context.py in {', '.join(args.logs)}")
+    plt = pyplot()
+    if plt is None:
+        return None
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    plot_long_context(plt, runs, args.out)
+    print(f"wrote {args.out}")
+    return args.out
+
+
+def main(page=REPO / "docs" / "benchmarks.md", out=REPO / "docs" / "img"):
+    plt = pyplot()
+    if plt is None:
         return []
     found = tables(Path(page).read_text())
     out = Path(out)
@@ -150,4 +238,7 @@ def main(page=REPO / "docs" / "benchmarks.md", out=REPO / "docs" / "img"):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    if sys.argv[1:2] == ["long"]:
+        main_long(sys.argv[2:])
+    else:
+        main(*sys.argv[1:])

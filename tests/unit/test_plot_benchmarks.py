@@ -1,5 +1,6 @@
 """bench/plot_benchmarks.py reads the numbers of docs/benchmarks.md's tables as written, and draws
-one picture per kind of ratio table."""
+one picture per kind of ratio table; it reads bench/long_context.py's logs per model and series
+(tests/unit/test_long_context_bench.py feeds it a real run's), and draws their peaks."""
 import importlib.util
 
 import pytest
@@ -53,3 +54,45 @@ def test_draws_the_pictures(tmp_path):
     assert sorted(p.name for p in drawn) == ["attention.png", "collectives.png",
                                              "training_vs_pytorch.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in drawn)
+
+
+LONG_LOGS = """attention: flash RawKernel
+RESULT cupytp long-context 124M dtype=bf16 dp=1 cp=1 tp=1 sp=0 recompute=1 B=1 T=16384 \
+tok/s=90000 step_ms=182.0 peak_alloc_GiB=6.50 state_GiB=1.90 act_KiB_per_token=294.4
+RESULT cupytp long-context 124M dtype=bf16 dp=1 cp=1 tp=1 sp=0 recompute=1 B=1 T=32768 \
+tok/s=60000 step_ms=546.1 peak_alloc_GiB=11.25 state_GiB=1.90 act_KiB_per_token=299.2
+SLOPE cupytp T=16384..32768 act_KiB_per_token=304.0 (peak growth per token)
+ANCHOR torch-eager world=1 dtype=bf16 L=12 C=768 B=1 T=16384 dropout=0.0 bias=1 params=124.4M \
+step_ms=150.0 tok/s=109,226 TFLOP/s/gpu=50.0 peak_mem_GiB=14.10 loss=11.000
+PEAK 124M T=16384 cupytp_GiB=6.50 torch_GiB=14.10 ratio=0.46 (cupytp / torch)
+ANCHOR torch T=32768: none (torch.OutOfMemoryError: CUDA out of memory.)
+RESULT cupytp long-context 124M dtype=bf16 dp=1 cp=1 tp=1 sp=0 recompute=0 B=1 T=16384 \
+tok/s=120000 step_ms=136.5 peak_alloc_GiB=20.00 state_GiB=1.90 act_KiB_per_token=1186.0
+RESULT cupytp long-context 124M dtype=bf16 dp=1 cp=1 tp=1 sp=0 recompute=0 B=1 T=32768 OOM (out \
+of memory)
+RESULT cupytp long-context llama-1B dtype=bf16 dp=1 cp=2 tp=1 sp=0 recompute=1 B=1 T=16384 \
+tok/s=9000 step_ms=1820.4 peak_alloc_GiB=30.00 state_GiB=18.60 act_KiB_per_token=1459.2
+ANCHOR torch-llama-eager L=16 D=2048 H=32 KV=8 F=8192 V=128256 B=1 T=16384 params=1235.8M \
+step_ms=1000.0 tok/s=16,384 TFLOP/s=200.0 peak_mem_GiB=55.00 peak_reserved_GiB=60.00 loss=12.000
+"""
+
+
+def test_long_context_logs_are_parsed_per_model_and_series():
+    runs = plot.long_context_runs(LONG_LOGS)
+    assert runs == {
+        "124M": {"cupytp, recompute": {16384: 6.5, 32768: 11.25},
+                 plot.PYTORCH: {16384: 14.1, 32768: None},
+                 "cupytp": {16384: 20.0, 32768: None}},
+        "llama-1B": {"cupytp, cp=2, recompute": {16384: 30.0}, plot.PYTORCH: {16384: 55.0}}}
+
+
+def test_draws_the_long_context_picture(tmp_path):
+    pytest.importorskip("matplotlib")
+    log = tmp_path / "long.log"
+    log.write_text(LONG_LOGS)
+    drawn = plot.main_long([str(log), "--out", str(tmp_path / "long.png")])
+    assert drawn.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    empty = tmp_path / "empty.log"
+    empty.write_text("crashed\n")
+    with pytest.raises(SystemExit):
+        plot.main_long([str(empty)])
