@@ -21,7 +21,7 @@ that, divided by this rank's tokens. A length that runs out of memory prints OOM
 one runs. The model's context (GPT-2's block_size, a Llama's max_position_embeddings) is each
 length, so GPT-2's position table grows with it, as in the PyTorch anchor of the same shape.
 
-`--anchor DIR` (one rank): afterwards runs the PyTorch model of the same shape at each length
+`--anchor DIR` (one rank): first (before any memory of ours is held) runs the PyTorch model of the same shape at each length
 (PyTorch eager, SDPA flash attention, no recomputation: it has none): DIR/torch_tp_gpt2.py for
 GPT-2, DIR/torch_llama.py for a Llama (bf16 only; its rotary angles are unscaled, which changes
 no shape, time or memory). It prints the anchor's line, a PEAK line comparing both peaks where
@@ -225,6 +225,9 @@ def main():
     mesh = cupytp.DeviceMesh((dp, args.cp, args.tp), ("dp", "cp", "tp"))
     if info.rank == 0:
         print(cudnn_attention.describe(), flush=True)
+    # the anchors first, while this process holds no memory beyond its context (run after the
+    # measurements, the pool's cached blocks and libraries' workspaces shrank their GPU)
+    anchors = {length: anchor(args, length) for length in args.T} if args.anchor else {}
     ours = {}
     for length in args.T:
         try:
@@ -246,7 +249,7 @@ def main():
         return
     theirs = {}
     for length in args.T:
-        line, why = anchor(args, length)
+        line, why = anchors[length]
         print(line if line else f"ANCHOR torch T={length}: none ({why})", flush=True)
         if line:
             theirs[length] = float(re.search(r"peak_mem_GiB=([\d.]+)", line).group(1)) * GIB
