@@ -21,13 +21,14 @@ that, divided by this rank's tokens. A length that runs out of memory prints OOM
 one runs. The model's context (GPT-2's block_size, a Llama's max_position_embeddings) is each
 length, so GPT-2's position table grows with it, as in the PyTorch anchor of the same shape.
 
-`--anchor DIR` (one rank): first, before any memory of ours is held, runs the PyTorch model of
-the same shape at each length (PyTorch eager, SDPA flash attention, no recomputation: it has
-none): DIR/torch_tp_gpt2.py for GPT-2, DIR/torch_llama.py for a Llama (bf16 only; its rotary
-angles are unscaled, which changes no shape, time or memory). It prints the anchor's line, a
-PEAK line comparing both peaks where both ran, and, with two lengths or more, both models'
-activation memory per token as the slope of peak memory against the length (what grows with T: activations, and GPT-2's position table,
-the same in both). An anchor that fails or runs past --anchor-timeout prints "none (why)".
+`--anchor DIR` (one rank): first, before any memory of ours is held, runs the PyTorch model of the
+same shape at each length (PyTorch eager, SDPA flash attention, no recomputation: it has none):
+DIR/torch_tp_gpt2.py for GPT-2, DIR/torch_llama.py for a Llama (bf16 only; its rotary angles are
+unscaled, which changes no shape, time or memory). It prints the anchor's line, a PEAK line
+comparing both peaks where both ran, and, with two lengths or more, both models' activation memory
+per token as the slope of peak memory against the length (what grows with T: activations, and
+GPT-2's position table, the same in both). An anchor that fails or runs past --anchor-timeout
+prints "none (why)".
 """
 import argparse
 import os
