@@ -169,8 +169,8 @@ for part in $what; do
       run long_124M_rc timeout 170 $lc --model 124M --recompute --anchor $anchors \
           --anchor-timeout 60
       run long_124M timeout 90 $lc --model 124M
-      run long_llama1B_rc timeout 250 $lc --model llama-1B --recompute --anchor $anchors \
-          --anchor-timeout 90
+      run long_llama1B_rc timeout 280 $lc --model llama-1B --recompute --anchor $anchors \
+          --anchor-timeout 90 --T 8192,16384,32768
       grep -h -e ^RESULT -e ^ANCHOR -e ^PEAK -e ^SLOPE "$out"/long_*.log | tee "$out/long.txt"
       python3 bench/plot_benchmarks.py long "$out/long.txt" --out "$out/long_context.png" ;;
     host)   # the eager tiny step in HOST_ROUNDS rounds (default 5), ours and PyTorch's taking
