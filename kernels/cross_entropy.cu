@@ -134,19 +134,21 @@ __device__ void cross_entropy_forward(const T* __restrict__ logits,
     const long long row = blockIdx.x;
     const T* xr = logits + row * cols;
     const int existing = existing_columns(cols, offset, vocab_size);
+    C picked = 0;   // the target's logit: loaded first, so that it arrives while the row streams
+    if (threadIdx.x == 0) {
+        const long long target = targets[row];
+        const long long local = target - offset;
+        if (target != ignore_index && (target < 0 || target >= vocab_size))
+            picked = quiet_nan<C>();
+        else if (target != ignore_index && local >= 0 && local < existing)
+            picked = widen<C>(xr[local]);
+    }
     RunningSum<C> sum{negative_infinity<C>(), C(0)};
     add_row<V>(sum, xr, existing);
     const C block_max = block_reduce(sum.m, Max<C>());
     // each thread's sum against the block's max (a NaN sum stays NaN)
     const C s = block_reduce(sum.s * shifted_exp(sum.m, shift_of(block_max)), Sum<C>());
     if (threadIdx.x == 0) {
-        const long long target = targets[row];
-        const long long local = target - offset;
-        C picked = 0;
-        if (target != ignore_index && (target < 0 || target >= vocab_size))
-            picked = quiet_nan<C>();
-        else if (target != ignore_index && local >= 0 && local < existing)
-            picked = widen<C>(xr[local]);
         row_max[row] = block_max;
         stats[2 * row] = s;
         stats[2 * row + 1] = picked;
