@@ -29,6 +29,16 @@ __device__ __forceinline__ double quiet_nan<double>()
     return __longlong_as_double(0x7ff8000000000000ULL);
 }
 
+// 2^x by the special-function unit (ex2.approx.ftz: 2^-inf = 0, relative error ~2^-22;
+// subnormal arguments and results flush to zero): the exponential of the float kernels whose
+// results are sums of exponentials, with e^x = 2^(x log2 e).
+__device__ __forceinline__ float fast_exp2(float x)
+{
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // N consecutive elements moved by one aligned vector load or store (the caller checks alignment).
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Pack { T v[N]; };

@@ -11,8 +11,19 @@
 //     dx_j = (exp(x_j - M) g / S - [offset + j == target] g),
 //     zero in the padding columns and in rows whose target is ignore_index.
 // Storage dtype T, compute dtype C (float for fp32/bf16/fp16, double for fp64).
+//
+// Both directions stream the row (the forward reads it once, the backward reads it once and
+// writes dx once), so they are bound by memory: each comes as *_vV, moving V = 16 bytes of T per
+// load and store (the launcher picks it where cols is a multiple of V and the arrays' bases are
+// aligned for it; the existing columns past the last whole vector are read one at a time), and
+// as *_v1, one element at a time. A thread issues UNROLL loads before it uses them. exp is
+// double's for double; for float it is 2^((x - m) log2 e) by the special-function unit
+// (fast_exp2: about 1e-6 relative against exp for |x - m| up to 10, the terms that count). The
+// forward's running sum is rescaled once per UNROLL vectors, to their max, never per element.
 #include "common.cuh"
 #include "block_reduce.cuh"
+
+constexpr int UNROLL = 4;   // vectors a thread loads before it uses them: loads in flight
 
 // The number of this rank's columns that exist (global index below vocab_size).
 __device__ __forceinline__ int existing_columns(int cols, long long offset, long long vocab_size)
@@ -21,45 +32,136 @@ __device__ __forceinline__ int existing_columns(int cols, long long offset, long
     return n <= 0 ? 0 : (n < cols ? (int)n : cols);
 }
 
-template <typename T, typename C>
-__device__ void cross_entropy_forward(const T* logits, const long long* targets, C* row_max,
-                                      C* stats, int cols, long long offset, long long vocab_size,
+// exp(x - shift) in the compute dtype.
+__device__ __forceinline__ double shifted_exp(double x, double shift) { return exp(x - shift); }
+__device__ __forceinline__ float shifted_exp(float x, float shift)
+{
+    return fast_exp2((x - shift) * 1.44269504088896341f);   // log2(e)
+}
+
+// The shift of exponentials against a max m: m, or 0 where m = -inf (all values -inf, so that
+// each exp(-inf - 0) is 0 where exp(-inf + inf) would be NaN).
+template <typename C>
+__device__ __forceinline__ C shift_of(C m) { return m == negative_infinity<C>() ? C(0) : m; }
+
+// What a thread has seen of a row: the max m of its values and s, the sum of exp(x - m).
+template <typename C>
+struct RunningSum {
+    C m, s;
+
+    // Adds N values: one rescale of s to their max, then their exponentials. -inf adds nothing;
+    // a NaN makes s NaN (fmax passes over it, the sum does not).
+    template <int N>
+    __device__ __forceinline__ void add(const C (&x)[N])
+    {
+        C top = x[0];
+#pragma unroll
+        for (int k = 1; k < N; ++k)
+            top = fmax(top, x[k]);
+        if (top > m) {
+            s *= shifted_exp(m, top);   // 0 while m is -inf
+            m = top;
+        }
+        const C shift = shift_of(m);
+#pragma unroll
+        for (int k = 0; k < N; ++k)
+            s += shifted_exp(x[k], shift);
+    }
+};
+
+// x = the U vectors v, v + blockDim.x, ..., v + (U - 1) blockDim.x of V elements of the row xr,
+// widened; the U loads are issued before any is used.
+template <typename C, int V, int U, typename T>
+__device__ __forceinline__ void load_vectors(C (&x)[U * V], const T* __restrict__ xr, int v)
+{
+    Pack<T, V> p[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+        p[u] = load_pack<V>(xr + (v + u * (int)blockDim.x) * V);
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int k = 0; k < V; ++k)
+            x[u * V + k] = widen<C>(p[u].v[k]);
+}
+
+// Writes d(x, column) to the row dr at the columns of the U vectors load_vectors read into x.
+template <int V, int U, typename T, typename C, typename D>
+__device__ __forceinline__ void store_vectors(T* __restrict__ dr, int v, const C (&x)[U * V],
+                                              D d)
+{
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int col = (v + u * (int)blockDim.x) * V;
+        Pack<T, V> out;
+#pragma unroll
+        for (int k = 0; k < V; ++k)
+            out.v[k] = static_cast<T>(d(x[u * V + k], col + k));
+        store_pack(dr + col, out);
+    }
+}
+
+// Adds the first n values of the row xr to the thread's running sum (its vectors of V, by
+// UNROLL, then the columns past the last whole vector one at a time).
+template <int V, typename T, typename C>
+__device__ __forceinline__ void add_row(RunningSum<C>& sum, const T* __restrict__ xr, int n)
+{
+    const int vectors = n / V, stride = blockDim.x;
+    int v = threadIdx.x;
+    for (; v + (UNROLL - 1) * stride < vectors; v += UNROLL * stride) {
+        C x[UNROLL * V];
+        load_vectors<C, V, UNROLL>(x, xr, v);
+        sum.add(x);
+    }
+    for (; v < vectors; v += stride) {
+        C x[V];
+        load_vectors<C, V, 1>(x, xr, v);
+        sum.add(x);
+    }
+    for (int j = vectors * V + threadIdx.x; j < n; j += stride) {
+        const C x[1] = {widen<C>(xr[j])};
+        sum.add(x);
+    }
+}
+
+template <int V, typename T, typename C>
+__device__ void cross_entropy_forward(const T* __restrict__ logits,
+                                      const long long* __restrict__ targets,
+                                      C* __restrict__ row_max, C* __restrict__ stats, int cols,
+                                      long long offset, long long vocab_size,
                                       long long ignore_index)
 {
     const long long row = blockIdx.x;
     const T* xr = logits + row * cols;
     const int existing = existing_columns(cols, offset, vocab_size);
-    // Each thread: the max m of its columns and the sum of exp(x - m), rescaled as m grows.
-    C m = negative_infinity<C>(), s = 0;
-    for (int j = threadIdx.x; j < existing; j += blockDim.x) {
-        const C x = widen<C>(xr[j]);
-        if (x > m) {
-            s = s * exp(m - x) + C(1);  // exp(-inf) = 0 for the first column
-            m = x;
-        } else if (x != negative_infinity<C>()) {  // -inf adds nothing; NaN propagates
-            s += exp(x - m);
-        }
-    }
-    const C block_max = block_reduce(m, Max<C>());
-    s = m == negative_infinity<C>() ? C(0) : s * exp(m - block_max);
-    s = block_reduce(s, Sum<C>());
+    C picked = 0;   // the target's logit: loaded first, so that it arrives while the row streams
     if (threadIdx.x == 0) {
         const long long target = targets[row];
         const long long local = target - offset;
-        C picked = 0;
         if (target != ignore_index && (target < 0 || target >= vocab_size))
             picked = quiet_nan<C>();
         else if (target != ignore_index && local >= 0 && local < existing)
             picked = widen<C>(xr[local]);
+    }
+    RunningSum<C> sum{negative_infinity<C>(), C(0)};
+    add_row<V>(sum, xr, existing);
+    const C block_max = block_reduce(sum.m, Max<C>());
+    // each thread's sum against the block's max (a NaN sum stays NaN)
+    const C s = block_reduce(sum.s * shifted_exp(sum.m, shift_of(block_max)), Sum<C>());
+    if (threadIdx.x == 0) {
         row_max[row] = block_max;
         stats[2 * row] = s;
         stats[2 * row + 1] = picked;
     }
 }
 
-template <typename T, typename C>
-__device__ void cross_entropy_backward(const T* logits, const C* row_max, const C* row_sum,
-                                       const long long* targets, const C* grad, T* dx, int cols,
+// cols is a multiple of V.
+template <int V, typename T, typename C>
+__device__ void cross_entropy_backward(const T* __restrict__ logits,
+                                       const C* __restrict__ row_max,
+                                       const C* __restrict__ row_sum,
+                                       const long long* __restrict__ targets,
+                                       const C* __restrict__ grad, T* __restrict__ dx, int cols,
                                        long long offset, long long vocab_size,
                                        long long ignore_index)
 {
@@ -68,34 +170,61 @@ __device__ void cross_entropy_backward(const T* logits, const C* row_max, const 
     T* dr = dx + row * cols;
     const long long target = targets[row];
     const int existing = target == ignore_index ? 0 : existing_columns(cols, offset, vocab_size);
+    const long long local = target - offset;
+    const int hit = local >= 0 && local < existing ? (int)local : -1;   // the target's column
     const C m = row_max[row], g = grad[row];
     const C scale = g / row_sum[row];
-    for (int j = threadIdx.x; j < cols; j += blockDim.x) {
-        C d = 0;
-        if (j < existing)
-            d = exp(widen<C>(xr[j]) - m) * scale - (offset + j == target ? g : C(0));
-        dr[j] = static_cast<T>(d);
+    const auto d = [=](C x, int col) {     // dx of column col holding x
+        return shifted_exp(x, m) * scale - (col == hit ? g : C(0));
+    };
+    const int full = existing / V, vectors = cols / V, stride = blockDim.x;
+    int v = threadIdx.x;
+    for (; v + (UNROLL - 1) * stride < full; v += UNROLL * stride) {
+        C x[UNROLL * V];
+        load_vectors<C, V, UNROLL>(x, xr, v);
+        store_vectors<V, UNROLL>(dr, v, x, d);
+    }
+    for (; v < vectors; v += stride) {
+        C x[V];
+        if (v < full) {
+            load_vectors<C, V, 1>(x, xr, v);
+            store_vectors<V, 1>(dr, v, x, d);
+            continue;
+        }
+        // the vectors from the last existing columns on: padding is never read, its dx is 0
+#pragma unroll
+        for (int k = 0; k < V; ++k)
+            x[k] = v * V + k < existing ? widen<C>(xr[v * V + k]) : C(0);
+        store_vectors<V, 1>(dr, v, x, [=](C value, int col) {
+            return col < existing ? d(value, col) : C(0);
+        });
     }
 }
 
-#define CROSS_ENTROPY_KERNELS(T, C, SUFFIX)                                                      \
-    extern "C" __global__ void cross_entropy_forward_##SUFFIX(                                   \
-        const T* logits, const long long* targets, C* row_max, C* stats, int cols,               \
-        long long offset, long long vocab_size, long long ignore_index)                          \
+#define CROSS_ENTROPY_KERNELS(T, C, SUFFIX, V)                                                   \
+    extern "C" __global__ void cross_entropy_forward_##SUFFIX##_v##V(                            \
+        const T* __restrict__ logits, const long long* __restrict__ targets,                     \
+        C* __restrict__ row_max, C* __restrict__ stats, int cols, long long offset,              \
+        long long vocab_size, long long ignore_index)                                            \
     {                                                                                            \
-        cross_entropy_forward<T, C>(logits, targets, row_max, stats, cols, offset, vocab_size,   \
-                                    ignore_index);                                               \
+        cross_entropy_forward<V, T, C>(logits, targets, row_max, stats, cols, offset,            \
+                                       vocab_size, ignore_index);                                \
     }                                                                                            \
-    extern "C" __global__ void cross_entropy_backward_##SUFFIX(                                  \
-        const T* logits, const C* row_max, const C* row_sum, const long long* targets,           \
-        const C* grad, T* dx, int cols, long long offset, long long vocab_size,                  \
-        long long ignore_index)                                                                  \
+    extern "C" __global__ void cross_entropy_backward_##SUFFIX##_v##V(                           \
+        const T* __restrict__ logits, const C* __restrict__ row_max,                             \
+        const C* __restrict__ row_sum, const long long* __restrict__ targets,                    \
+        const C* __restrict__ grad, T* __restrict__ dx, int cols, long long offset,              \
+        long long vocab_size, long long ignore_index)                                            \
     {                                                                                            \
-        cross_entropy_backward<T, C>(logits, row_max, row_sum, targets, grad, dx, cols, offset,  \
-                                     vocab_size, ignore_index);                                  \
+        cross_entropy_backward<V, T, C>(logits, row_max, row_sum, targets, grad, dx, cols,       \
+                                        offset, vocab_size, ignore_index);                       \
     }
 
-CROSS_ENTROPY_KERNELS(float, float, f32)
-CROSS_ENTROPY_KERNELS(double, double, f64)
-CROSS_ENTROPY_KERNELS(__nv_bfloat16, float, bf16)
-CROSS_ENTROPY_KERNELS(__half, float, f16)
+// Each dtype's two forms: one element at a time, and vectors of 16 bytes.
+#define CROSS_ENTROPY_FORMS(T, C, SUFFIX, V)                                                     \
+    CROSS_ENTROPY_KERNELS(T, C, SUFFIX, 1) CROSS_ENTROPY_KERNELS(T, C, SUFFIX, V)
+
+CROSS_ENTROPY_FORMS(float, float, f32, 4)
+CROSS_ENTROPY_FORMS(double, double, f64, 2)
+CROSS_ENTROPY_FORMS(__nv_bfloat16, float, bf16, 8)
+CROSS_ENTROPY_FORMS(__half, float, f16, 8)

@@ -44,11 +44,11 @@ def cross_entropy_reference(logits, targets, vocab_size):
     return loss.reshape(targets.shape), grad.reshape(logits.shape)
 
 
-def ce_inputs(shape, vocab_size, dtype, seed=0):
+def ce_inputs(shape, vocab_size, dtype, seed=0, scale=3.0):
     """Logits (scaled so rows are peaked), targets over [0, vocab_size) with two ignored rows and
     the last real column as one target."""
     rng = numpy.random.default_rng(seed)
-    logits = (3 * rng.standard_normal(shape)).astype(dtype)
+    logits = (scale * rng.standard_normal(shape)).astype(dtype)
     targets = rng.integers(0, vocab_size, size=shape[:-1]).astype(numpy.int64)
     flat = targets.reshape(-1)
     flat[0], flat[-1] = IGNORE, vocab_size - 1
@@ -333,41 +333,93 @@ def test_embedding_forward_numpy_takes_rows_and_zeros_outside(dtype):
 
 # ---- GPU: each kernel against its twin ----------------------------------------------------------
 
-CE_CASES = [  # (shape, offset, vocab_size): a whole vocabulary, a padded last shard, all padding
+CE_CASES = [  # (shape, offset, vocab_size): a whole vocabulary, a padded last shard, all padding;
+    # the columns a multiple of 16 bytes (the vector form: 1000, 8256, 16400; past 4 vectors of
+    # 256 threads in 8256 and 16400, whose existing columns end inside a vector) or not (1, 300
+    # but for fp32 and fp64, 4099: one element at a time)
     ((3, 1), 0, 1), ((4, 1000), 0, 1000), ((2, 3, 4099), 4099, 8100), ((5, 300), 600, 550),
-    ((6, 0), 10, 20)]
+    ((6, 0), 10, 20), ((2, 3, 8256), 0, 8250), ((4, 16400), 16400, 32797)]
+
+
+def ce_kernel_targets(rng, shape, offset, vocab_size):
+    """Targets for a shard of `shape` at `offset`: a third of them on the shard, some outside
+    [0, vocab_size) (NaN rows), every fourth ignored."""
+    targets = rng.integers(0, vocab_size, size=shape[:-1]).astype(numpy.int64)
+    flat = targets.reshape(-1)
+    existing = min(max(vocab_size - offset, 0), shape[-1])
+    if existing:
+        flat[1::3] = offset + rng.integers(0, existing, size=flat[1::3].shape)
+    flat[2::6], flat[5::6] = vocab_size, -3
+    flat[::4] = IGNORE
+    return targets
 
 
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("dtype", [F32, F64, bfloat16, F16], ids=dtype_suffix)
 @pytest.mark.parametrize("shape, offset, vocab_size", CE_CASES)
-def test_cross_entropy_kernels_match_twin(dtype, shape, offset, vocab_size):
+@pytest.mark.parametrize("start", [0, 1], ids=["aligned", "unaligned"])
+def test_cross_entropy_kernels_match_twin(dtype, shape, offset, vocab_size, start):
+    """Forward (max, sum, target logit; NaN for targets out of range) and backward against the
+    twin; unaligned logits are a view one element into its buffer (the element-at-a-time form
+    for every shape)."""
     rng = numpy.random.default_rng(9)
     logits = (3 * rng.standard_normal(shape)).astype(dtype)
-    targets = rng.integers(0, vocab_size, size=shape[:-1]).astype(numpy.int64)
-    flat = targets.reshape(-1)
-    existing = min(max(vocab_size - offset, 0), shape[-1])
-    if existing:                            # a third of the targets on this shard
-        flat[1::3] = offset + rng.integers(0, existing, size=flat[1::3].shape)
-    flat[::4] = IGNORE
+    targets = ce_kernel_targets(rng, shape, offset, vocab_size)
+    device = _at_offset(logits, start)
     compute = compute_dtype(dtype)
     with poisoned_allocations():
-        m, stats = cross_entropy_forward(xp.asarray(logits), xp.asarray(targets), offset,
-                                         vocab_size, IGNORE)
+        m, stats = cross_entropy_forward(device, xp.asarray(targets), offset, vocab_size, IGNORE)
     m_twin, stats_twin = cross_entropy_forward_numpy(logits, targets, offset, vocab_size, IGNORE)
     assert m.dtype == compute and stats.dtype == compute and stats.shape == shape[:-1] + (2,)
     assert_close(m, m_twin, compute)
     assert_close(stats, stats_twin, compute)
+    out_of_range = (targets != IGNORE) & ((targets < 0) | (targets >= vocab_size))
+    assert numpy.array_equal(numpy.isnan(asnumpy(stats)[..., 1]), out_of_range)
     g = rng.standard_normal(shape[:-1]).astype(compute)
     row_sum = numpy.where(stats_twin[..., 0] > 0, stats_twin[..., 0], 1).astype(compute)
     args = (m_twin, row_sum, targets, g)
     with poisoned_allocations():
-        dx = cross_entropy_backward(xp.asarray(logits), *map(xp.asarray, args), offset,
-                                    vocab_size, IGNORE)
+        dx = cross_entropy_backward(device, *map(xp.asarray, args), offset, vocab_size, IGNORE)
     assert dx.dtype == dtype and dx.shape == shape
     assert_close(dx, cross_entropy_backward_numpy(logits, *args, offset, vocab_size, IGNORE),
                  dtype)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype", [F32, F64, bfloat16, F16], ids=dtype_suffix)
+@pytest.mark.parametrize("shards", [1, 3])
+def test_cross_entropy_kernels_match_float64_reference(dtype, shards):
+    """The kernels' loss and gradient over 8256 columns of which 8250 exist, whole or in 3
+    shards (the last ending inside a vector), against the row-by-row float64 softmax: the loss
+    within 1e-6 relative in float32 (2^x by the special-function unit), 1e-12 in float64. The
+    logits are spread little, so each of the 8250 terms moves the loss by about 1e-4."""
+    vocab_size = 8250
+    logits, targets = ce_inputs((2, 3, 8256), vocab_size, dtype, seed=5, scale=1.0)
+    logits[..., vocab_size:] = 50.0   # padding that would win every row if it counted
+    expected_loss, expected_grad = cross_entropy_reference(logits, targets, vocab_size)
+
+    def forward(shard, targets, *window):      # the kernel's row statistics, in float64
+        return tuple(asnumpy(r).astype(F64) for r in cross_entropy_forward(
+            xp.asarray(shard), xp.asarray(targets), *window))
+    loss, m, total, splits = combine_shards(logits, targets, vocab_size, shards, forward)
+    tolerance = 1e-12 if dtype == F64 else 1e-6
+    numpy.testing.assert_allclose(loss, expected_loss, rtol=tolerance, atol=tolerance)
+    compute = compute_dtype(dtype)
+    g = random(targets.shape, compute, seed=3)
+    row = [xp.asarray(m.astype(compute)), xp.asarray(total.astype(compute)),
+           xp.asarray(targets), xp.asarray(g)]
+    dx = numpy.concatenate([asnumpy(cross_entropy_backward(
+        xp.asarray(numpy.ascontiguousarray(logits[..., cols])), *row, int(cols[0]), vocab_size,
+        IGNORE)) for cols in splits], axis=-1)
+    # relative to each element: the kernel's error, plus the rounding of a 16-bit dx (fp16's
+    # subnormals below 2^-14 by an absolute 2^-25)
+    rtol, atol = {F64: (4e-12, 0), F32: (4e-6, 0), bfloat16: (2 ** -8, 0),
+                  F16: (2 ** -10, 2 ** -24)}[dtype]
+    numpy.testing.assert_allclose(dx.astype(F64), expected_grad * g[..., None], rtol=rtol,
+                                  atol=atol)
+    assert not dx[..., vocab_size:].any()
 
 
 @pytest.mark.gpu
