@@ -104,14 +104,6 @@ __device__ __forceinline__ void mma<__half>(float (&d)[4], const unsigned (&a)[4
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// 2^x by the special-function unit (ex2.approx: 2^-inf = 0, relative error ~2^-22)
-__device__ __forceinline__ float exp2_approx(float x)
-{
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
 // two floats as one register of two 16-bit values, `lo` in the low half
 template <typename T>
 __device__ __forceinline__ unsigned pack(float lo, float hi);
@@ -367,7 +359,7 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
             m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
             m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
             const float shift = (m == negative_infinity<float>() ? 0.f : m) * scale_log2;
-            const float correction = exp2_approx(row_max[r] * scale_log2 - shift);
+            const float correction = fast_exp2(row_max[r] * scale_log2 - shift);
             row_max[r] = m;
             row_sum[r] *= correction;
 #pragma unroll
@@ -379,7 +371,7 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
             for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
 #pragma unroll
                 for (int c = 2 * r; c < 2 * r + 2; ++c) {
-                    float p = exp2_approx(fmaf(s[nt][c], scale_log2, -shift));
+                    float p = fast_exp2(fmaf(s[nt][c], scale_log2, -shift));
                     row_sum[r] += p;
                     if (DROPOUT)
                         p = kept[nt] >> c & 1u ? p * dropout.scale : 0.f;
@@ -583,7 +575,7 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
                     const int key = n0 + key_in_block + (c / 2) * 8;
                     const int t_in_tile = nt * 8 + quad * 2 + c % 2;
                     const int t = m0 + t_in_tile;
-                    float p = exp2_approx(fmaf(st[nt][c], scale_log2, -slse[t_in_tile]));
+                    float p = fast_exp2(fmaf(st[nt][c], scale_log2, -slse[t_in_tile]));
                     if (edge && (key >= s_len || (causal && key > t + diagonal)))
                         p = 0.f;
                     float dp = dpt[nt][c];
