@@ -26,9 +26,12 @@ the sums over rows accumulate in float32. On a GPU without a cuBLASLt algorithm 
 (or with CUPYTP_CUBLASLT=0, or operands off cuBLASLt's alignment) the same values come from the
 product, rounded, and the bias_add / gelu / column_sum kernels; so do float64 products, whose
 cuBLASLt GeLU epilogues are single-precision math, and GeLU gradients of at least
-DGELU_EPILOGUE_MAX elements, where cuBLASLt runs the epilogue as a pass of its own that is slower
-than the two kernels (H100, bf16, (rows x 768) @ (768 x 3072): 16384 rows 467-471 us against
-318-449 us for the kernels; 8192 rows 247 us against 244-691 us, unsteady; 4096 rows even).
+DGELU_EPILOGUE_MAX elements or from a product over DGELU_EPILOGUE_MAX_WIDTH columns of g or more,
+where cuBLASLt runs the epilogue as a pass of its own that is slower than the two kernels (H100,
+bf16, (rows x 768) @ (768 x 3072): 16384 rows 467-471 us against 318-449 us for the kernels;
+GPT-2 124M's captured step, 8192 rows, 19.6-19.7 ms through the epilogue against 18.7 through
+the kernels; the small GPT's (16384 x 384) @ (384 x 1536) 5.39-5.41 ms against 5.54-5.56, so
+narrower products keep the epilogue).
 """
 import numpy
 
@@ -42,6 +45,7 @@ _DGELU, _DGELU_BGRAD, _BGRADA = 192, 208, 256
 _AUX = (_GELU_AUX, _GELU_AUX_BIAS, _DGELU, _DGELU_BGRAD)   # epilogues with an auxiliary matrix
 _BIAS_ALIGNMENT = 16
 DGELU_EPILOGUE_MAX = 2 ** 25    # elements of a GeLU gradient from which the kernels run it
+DGELU_EPILOGUE_MAX_WIDTH = 512  # columns of g (the product's inner dimension) from which they do
 _plans = {}             # (epilogue, operands' signature) -> gemm.Product with cuBLASLt, or None
 
 
@@ -98,8 +102,9 @@ def matmul_gelu_grad(g, w_t, pre, sums=True):
                          f"{g.dtype}, got {pre.shape} {pre.dtype}")
     if not is_device_array(g):
         return matmul_gelu_grad_numpy(g, w_t, pre, sums)
-    product = _plan(_DGELU_BGRAD if sums else _DGELU, g, w_t, g.dtype, False) \
-        if pre.size < DGELU_EPILOGUE_MAX else None
+    epilogue = pre.size < DGELU_EPILOGUE_MAX and g.shape[1] < DGELU_EPILOGUE_MAX_WIDTH
+    product = _plan(_DGELU_BGRAD if sums else _DGELU, g, w_t, g.dtype, False) if epilogue \
+        else None
     if product is not None and _aligned((g, w_t, pre)):
         d = xp.empty(pre.shape, dtype=g.dtype)
         column_sums_out = xp.empty(pre.shape[1:], dtype=g.dtype) if sums else None

@@ -207,13 +207,16 @@ def test_without_cublaslt_the_kernels_give_the_same_values(monkeypatch):
 
 @pytest.mark.gpu
 @requires_gpu
-def test_large_gelu_gradients_run_the_kernels(monkeypatch):
-    """From DGELU_EPILOGUE_MAX elements on, the GeLU gradient is the product and the kernels:
-    the twin's values, and no cuBLASLt plan made for it."""
-    monkeypatch.setattr(epilogue, "DGELU_EPILOGUE_MAX", 64 * 128)
+@pytest.mark.parametrize("limit,value", [("DGELU_EPILOGUE_MAX", 64 * 128),
+                                         ("DGELU_EPILOGUE_MAX_WIDTH", 96)])
+def test_large_gelu_gradients_run_the_kernels(monkeypatch, limit, value):
+    """From DGELU_EPILOGUE_MAX elements on, or from a product over DGELU_EPILOGUE_MAX_WIDTH
+    columns of g, the GeLU gradient is the product and the kernels: the twin's values, and no
+    cuBLASLt plan made for it."""
+    monkeypatch.setattr(epilogue, limit, value)
     monkeypatch.setattr(epilogue, "_plans", {})
     name, function, arguments, want = device_cases(bfloat16)[3]
-    assert name == "gelu_grad" and arguments[2].size == 64 * 128
+    assert name == "gelu_grad" and arguments[2].size == 64 * 128 and arguments[0].shape[1] == 96
     assert_matches_twin(function(*arguments), want, name)
     assert not epilogue._plans
 
