@@ -294,12 +294,6 @@ def check_parallel_flags(p, args):
     if args.pp > 1 and args.cp > 1:
         p.error("argument --cp: a pipeline's stages take whole sequences (its first stage "
                 "embeds positions 0..T-1): use --pp or --cp, not both")
-    shape = args.shape
-    if args.cp > 1 and args.dropout > 0 and args.dtype != "fp32" and shape is not None and \
-            shape.head_size in (64, 128) and env.get("CUPYTP_ATTENTION") != "matmul":
-        p.error(f"argument --cp: attention dropout under context parallelism runs only off the "
-                f"flash kernels, which {args.dtype} with head size {shape.head_size} takes: add "
-                "--dropout 0 (or --dtype fp32, or CUPYTP_ATTENTION=matmul)")
     if args.cp > 1 and args.seq_len < 2 * args.cp:
         p.error(f"argument --cp: each of the {args.cp} ranks holds two chunks of a sequence: "
                 f"--seq-len {args.seq_len} is shorter than {2 * args.cp}")

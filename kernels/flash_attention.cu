@@ -18,7 +18,10 @@
 // Dropout on the probabilities: element (b, h, t, s) of the global (B, H_global, T, S) tensor is
 // kept by philox.cuh's dropout rule at counter base + add + ((b·H_global + h)·T + t)·S + s (word
 // P mod 4 of the draw at P - P mod 4 against `threshold` = ceil(p·2³²): cupytp.tensor.random's
-// draw, four keys to a Philox call); kept values are scaled by 1/(1-p). Inputs are strided views (D contiguous, rows 16-byte aligned); strides are in elements.
+// draw, four keys to a Philox call); kept values are scaled by 1/(1-p). The `_dropout_at` kernels
+// take a block of a longer sequence: t and s are then its rows' and keys' global positions
+// (`rows`, `cols`) in a problem of t_global queries and s_global keys.
+// Inputs are strided views (D contiguous, rows 16-byte aligned); strides are in elements.
 #include "common.cuh"
 #include "philox.cuh"
 
@@ -32,8 +35,8 @@ constexpr int PAD = 8;       // elements after each shared-memory row: ldmatrix 
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
 // blocks per multiprocessor the register budget is cut to (65536 registers / 128 threads)
-// (no cap with dropout at D = 128: capping its Philox rounds there makes ptxas spill)
-#define FLASH_FORWARD_BLOCKS(D, DROPOUT) ((D) == 64 ? 4 : (DROPOUT) ? 1 : 3)
+// (no cap with dropout: capping its Philox rounds and position maps makes ptxas spill)
+#define FLASH_FORWARD_BLOCKS(D, DROPOUT) ((DROPOUT) ? 1 : (D) == 64 ? 4 : 3)
 #define FLASH_BACKWARD_BLOCKS(D) 2
 
 struct Strides {
@@ -164,6 +167,9 @@ __device__ __forceinline__ void zero(float (&x)[N][4])
 }
 
 // ---- dropout ----------------------------------------------------------------------------------
+// MAPS: the kernels of a block of a longer sequence (`_dropout_at`), reading its query and key
+// positions; without, a row's and a key's position is its index (no loads, no checks).
+template <bool MAPS>
 struct Dropout {
     unsigned long long threshold;  // keep iff the word drawn >= threshold = ceil(p 2^32)
     float scale;                   // 1 / (1 - p)
@@ -173,24 +179,78 @@ struct Dropout {
     int heads;        // H_global
     int head_offset;  // global index of this tensor's head 0
     int batch_offset;
+    const long long* rows;  // global query position of each row (null: the row's index)
+    const long long* cols;  // global key position of each key (null: the key's index)
+    long long t_global;     // the global problem's query and key counts
+    long long s_global;
+
+    // the global position of row t < t_len (of key s < s_len)
+    __device__ __forceinline__ long long row(int t) const { return MAPS && rows ? rows[t] : t; }
+    __device__ __forceinline__ long long col(int s) const { return MAPS && cols ? cols[s] : s; }
+
+    // the counter of (row 0, key 0) of head (b, h): base + add + (b H + h) T S
+    __device__ __forceinline__ unsigned long long head_counter(int b, int h) const
+    {
+        const unsigned long long bh =
+            static_cast<unsigned long long>(b + batch_offset) * heads + h + head_offset;
+        return *base + add + bh * t_global * s_global;
+    }
+
+    // the counter of (row t, key 0): rows past t_len (masked) read row t_len - 1's
+    __device__ __forceinline__ unsigned long long row_counter(unsigned long long head, int t,
+                                                              int t_len) const
+    {
+        return head + static_cast<unsigned long long>(row(MAPS ? min(t, t_len - 1) : t)) * s_global;
+    }
+
+    // whether base + add and S let four global neighbours share a Philox call at all
+    __device__ __forceinline__ bool groups_possible() const
+    {
+        return (*base + add) % 4 == 0 && s_global % 4 == 0;
+    }
+
+    // whether keys l .. l + 3 (l a multiple of 4; those from s_len on are masked and not looked
+    // at) are global neighbours from a multiple of 4
+    __device__ __forceinline__ bool group_at(int l, int s_len) const
+    {
+        if (!MAPS || !cols)
+            return true;
+        const int last = min(l + 3, s_len - 1);
+        return last < l || (cols[l] % 4 == 0 && cols[last] - cols[l] == last - l);
+    }
+
+    // the counter offset of key s: its global position (keys past s_len are masked)
+    __device__ __forceinline__ unsigned long long key(int s, int s_len) const
+    {
+        return static_cast<unsigned long long>(col(MAPS ? min(s, s_len - 1) : s));
+    }
 };
 
 // Which of a thread's four accumulator scores dropout keeps (bit c for accumulator c), by
-// philox.cuh's dropout rule over the scores' counters. Where base + add and S are multiples of 4
-// (`grouped`) four neighbouring keys share one Philox call: each lane of the lanes holding a
-// group's keys draws one group and shuffles its bits to the others, one call per thread and tile
-// instead of four.
+// philox.cuh's dropout rule over the scores' counters. Where four neighbouring keys are global
+// neighbours from a multiple of 4 (always but where S, base + add or the block's key positions
+// say otherwise), they share one Philox call: each lane of the lanes holding a group's keys
+// draws one group and shuffles its bits to the others, one call per thread and tile instead of
+// four. Every lane of the warp calls these together.
 
 // Forward: accumulator c is (query row rows[c / 2], key col + c % 2), col even; lanes q ^ 1 hold
 // the other two keys of the group (col & ~3), lane q drawing the group of row q & 1.
-__device__ __forceinline__ unsigned forward_keeps(const Dropout& dropout, bool grouped,
-                                                  const unsigned long long (&rows)[2], int col,
-                                                  int quad)
+template <bool MAPS>
+__device__ __forceinline__ bool together(const Dropout<MAPS>& dropout, bool grouped, int first,
+                                         int s_len)
 {
-    if (grouped) {
-        const int own = quad & 1;
-        unsigned x = dropout_nibble((own ? rows[1] : rows[0]) + (col & ~3), dropout.seed,
-                                    dropout.threshold)
+    return MAPS ? __all_sync(0xffffffffu, grouped && dropout.group_at(first, s_len)) : grouped;
+}
+
+template <bool MAPS>
+__device__ __forceinline__ unsigned forward_keeps(const Dropout<MAPS>& dropout, bool grouped,
+                                                  const unsigned long long (&rows)[2], int col,
+                                                  int quad, int s_len)
+{
+    const int own = quad & 1, first = col & ~3;
+    if (together(dropout, grouped, first, s_len)) {
+        unsigned x = dropout_nibble((own ? rows[1] : rows[0]) + dropout.key(first, s_len),
+                                    dropout.seed, dropout.threshold)
                      << 4 * own;
         x |= __shfl_xor_sync(0xffffffffu, x, 1);
         return (x >> 2 * own & 3u) | (x >> (4 + 2 * own) & 3u) << 2;
@@ -198,22 +258,23 @@ __device__ __forceinline__ unsigned forward_keeps(const Dropout& dropout, bool g
     unsigned bits = 0;
 #pragma unroll
     for (int c = 0; c < 4; ++c)
-        bits |= static_cast<unsigned>(dropout_keeps(rows[c / 2] + col + c % 2, dropout.seed,
-                                                    dropout.threshold)) << c;
+        bits |= static_cast<unsigned>(dropout_keeps(rows[c / 2] + dropout.key(col + c % 2, s_len),
+                                                    dropout.seed, dropout.threshold)) << c;
     return bits;
 }
 
 // Backward (transposed): accumulator c is (query column queries[c % 2], key key + 8 (c / 2));
 // the lanes of groups g ^ 1, g ^ 2, g ^ 3 (lane ^ 4, ^ 8, ^ 12) hold the group's other keys
 // (key & ~3), lane g drawing the group of accumulator g & 3.
-__device__ __forceinline__ unsigned backward_keeps(const Dropout& dropout, bool grouped,
+template <bool MAPS>
+__device__ __forceinline__ unsigned backward_keeps(const Dropout<MAPS>& dropout, bool grouped,
                                                    const unsigned long long (&queries)[2],
-                                                   int key, int group)
+                                                   int key, int group, int s_len)
 {
-    if (grouped) {
-        const int own = group & 3;
-        const unsigned long long first = (own % 2 ? queries[1] : queries[0]) + (key & ~3);
-        unsigned x = dropout_nibble(first + 8 * (own / 2), dropout.seed, dropout.threshold)
+    const int own = group & 3, first = (key & ~3) + 8 * (own / 2);
+    if (together(dropout, grouped, first, s_len)) {
+        unsigned x = dropout_nibble((own % 2 ? queries[1] : queries[0]) + dropout.key(first, s_len),
+                                    dropout.seed, dropout.threshold)
                      << 4 * own;
         x |= __shfl_xor_sync(0xffffffffu, x, 4);
         x |= __shfl_xor_sync(0xffffffffu, x, 8);
@@ -226,19 +287,11 @@ __device__ __forceinline__ unsigned backward_keeps(const Dropout& dropout, bool 
     unsigned bits = 0;
 #pragma unroll
     for (int c = 0; c < 4; ++c)
-        bits |= static_cast<unsigned>(dropout_keeps(queries[c % 2] + key + 8 * (c / 2),
-                                                    dropout.seed, dropout.threshold)) << c;
+        bits |= static_cast<unsigned>(dropout_keeps(
+                    queries[c % 2] + dropout.key(key + 8 * (c / 2), s_len), dropout.seed,
+                    dropout.threshold))
+                << c;
     return bits;
-}
-
-// the counter of element (row t, key 0) of head (b, h): base + add + ((b H + h) T + t) S
-__device__ __forceinline__ unsigned long long row_counter(const Dropout& dropout, int b, int h,
-                                                          int t_len, int s_len)
-{
-    const unsigned long long bh =
-        static_cast<unsigned long long>(b + dropout.batch_offset) * dropout.heads + h +
-        dropout.head_offset;
-    return *dropout.base + dropout.add + bh * t_len * s_len;
 }
 
 // ---- tiles ------------------------------------------------------------------------------------
@@ -258,11 +311,11 @@ __device__ __forceinline__ void load_tile(T* smem, const T* src, long long row_s
 }
 
 // ---- forward ----------------------------------------------------------------------------------
-template <typename T, int D, bool DROPOUT>
+template <typename T, int D, int DROPOUT>
 __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, int heads,
                         int kv_group, int kv_offset, int t_len, int s_len, Strides qs,
                         Strides ks, Strides vs, Strides os, float scale, bool causal,
-                        const Dropout& dropout)
+                        const Dropout<DROPOUT == 2>& dropout)
 {
     constexpr int STRIDE = D + PAD;
     T* sq = reinterpret_cast<T*>(shared);
@@ -286,10 +339,10 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
     unsigned long long rows[2] = {0, 0};  // dropout's counters of this thread's rows at key 0
     bool grouped = false;
     if (DROPOUT) {
-        const unsigned long long counter0 = row_counter(dropout, b, h, t_len, s_len);
-        rows[0] = counter0 + static_cast<unsigned long long>(m0 + row_in_block) * s_len;
-        rows[1] = rows[0] + 8ull * s_len;
-        grouped = (*dropout.base + dropout.add) % 4 == 0 && s_len % 4 == 0;
+        const unsigned long long head = dropout.head_counter(b, h);
+        rows[0] = dropout.row_counter(head, m0 + row_in_block, t_len);
+        rows[1] = dropout.row_counter(head, m0 + row_in_block + 8, t_len);
+        grouped = dropout.groups_possible();
     }
 
     load_tile<T, D, BLOCK_M>(sq, q, qs.row, t_len - m0);
@@ -346,7 +399,8 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
         if (DROPOUT) {
 #pragma unroll
             for (int nt = 0; nt < BLOCK_N / 8; ++nt)
-                kept[nt] = forward_keeps(dropout, grouped, rows, n0 + nt * 8 + quad * 2, quad);
+                kept[nt] = forward_keeps(dropout, grouped, rows, n0 + nt * 8 + quad * 2, quad,
+                                         s_len);
         }
         // online softmax (raw scores; the scale goes into the exponent): new running max,
         // rescale what was summed so far
@@ -462,12 +516,13 @@ __device__ void backward_dq(const float* dq_accum, T* dq, int heads, int t_len, 
         static_cast<T>(scale * dq_accum[bh * t_len * D + i]);
 }
 
-template <typename T, int D, bool DROPOUT>
+template <typename T, int D, int DROPOUT>
 __device__ void backward(const T* q, const T* k, const T* v, const T* dout, const float* lse,
                          const float* delta, float* dq_accum, T* dk, T* dv, int heads,
                          int kv_heads, int kv_group, int kv_offset, int t_len, int s_len,
                          Strides qs, Strides ks, Strides vs, Strides dos, Strides dks,
-                         Strides dvs, float scale, bool causal, const Dropout& dropout)
+                         Strides dvs, float scale, bool causal,
+                         const Dropout<DROPOUT == 2>& dropout)
 {
     constexpr int STRIDE = D + PAD, DS_STRIDE = BLOCK_M + PAD;
     T* sk = reinterpret_cast<T*>(shared);
@@ -498,7 +553,7 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
     const float *lse_head = lse, *delta_head = delta;
     float* dq_head = dq_accum;
     unsigned long long counter0 = 0;
-    const bool grouped = DROPOUT && (*dropout.base + dropout.add) % 4 == 0 && s_len % 4 == 0;
+    const bool grouped = DROPOUT && dropout.groups_possible();
 
     auto load_rows = [&](int m0) {  // q, do, lse and delta of the query tile at m0
         load_tile<T, D, BLOCK_M>(sq, q_head + m0 * qs.row, qs.row, t_len - m0);
@@ -529,7 +584,7 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
         delta_head = delta + bh * t_len;
         dq_head = dq_accum + bh * t_len * D;
         if (DROPOUT)
-            counter0 = row_counter(dropout, b, h, t_len, s_len);
+            counter0 = dropout.head_counter(b, h);
         if (m_begin < m_tiles)
             load_rows(m_begin * BLOCK_M);
 
@@ -565,10 +620,12 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
             for (int nt = 0; nt < BLOCK_M / 8; ++nt) {
                 unsigned kept = 0;
                 if (DROPOUT) {
-                    const unsigned long long t0 = m0 + nt * 8 + quad * 2;
-                    const unsigned long long queries[2] = {counter0 + t0 * s_len,
-                                                           counter0 + (t0 + 1) * s_len};
-                    kept = backward_keeps(dropout, grouped, queries, n0 + key_in_block, group);
+                    const int t0 = m0 + nt * 8 + quad * 2;
+                    const unsigned long long queries[2] = {
+                        dropout.row_counter(counter0, t0, t_len),
+                        dropout.row_counter(counter0, t0 + 1, t_len)};
+                    kept = backward_keeps(dropout, grouped, queries, n0 + key_in_block, group,
+                                          s_len);
                 }
     #pragma unroll
                 for (int c = 0; c < 4; ++c) {
@@ -674,9 +731,11 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
 #define FLASH_DROPOUT_PARAMS                                                                       \
     unsigned long long threshold, float keep_scale, unsigned long long seed,                      \
         const unsigned long long *base, unsigned long long add, int heads_global,                 \
-        int head_offset, int batch_offset
-#define FLASH_MAKE_DROPOUT                                                                         \
-    flash::Dropout{threshold, keep_scale, seed, base, add, heads_global, head_offset, batch_offset}
+        int head_offset, int batch_offset, const long long *rows, const long long *cols,          \
+        long long t_global, long long s_global
+#define FLASH_MAKE_DROPOUT(DROPOUT)                                                                \
+    flash::Dropout<(DROPOUT) == 2>{threshold,   keep_scale,   seed, base, add,     heads_global,  \
+                                   head_offset, batch_offset, rows, cols, t_global, s_global}
 
 #define FLASH_ATTENTION_KERNELS(T, SUFFIX, D, DROPOUT, TAG)                                        \
     extern "C" __global__ void __launch_bounds__(flash::THREADS, FLASH_FORWARD_BLOCKS(D, DROPOUT)) \
@@ -688,7 +747,7 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
         flash::forward<T, D, DROPOUT>(q, k, v, o, lse, heads, kv_group, kv_offset, t_len, s_len,  \
                                       FLASH_MAKE_STRIDES(qs), FLASH_MAKE_STRIDES(ks),             \
                                       FLASH_MAKE_STRIDES(vs), FLASH_MAKE_STRIDES(os), scale,      \
-                                      causal != 0, FLASH_MAKE_DROPOUT);                            \
+                                      causal != 0, FLASH_MAKE_DROPOUT(DROPOUT));                   \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(flash::THREADS, FLASH_BACKWARD_BLOCKS(D))     \
         flash_backward_d##D##TAG##_##SUFFIX(                                                       \
@@ -703,7 +762,7 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
             t_len, s_len,                                                                          \
             FLASH_MAKE_STRIDES(qs), FLASH_MAKE_STRIDES(ks), FLASH_MAKE_STRIDES(vs),               \
             FLASH_MAKE_STRIDES(dos), FLASH_MAKE_STRIDES(dks), FLASH_MAKE_STRIDES(dvs), scale,     \
-            causal != 0, FLASH_MAKE_DROPOUT);                                                      \
+            causal != 0, FLASH_MAKE_DROPOUT(DROPOUT));                                             \
     }
 
 #define FLASH_ATTENTION_HELPERS(T, SUFFIX, D)                                                     \
@@ -721,8 +780,9 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
     }
 
 #define FLASH_ATTENTION_DTYPE(T, SUFFIX, D)                                                       \
-    FLASH_ATTENTION_KERNELS(T, SUFFIX, D, false, )                                                 \
-    FLASH_ATTENTION_KERNELS(T, SUFFIX, D, true, _dropout)                                          \
+    FLASH_ATTENTION_KERNELS(T, SUFFIX, D, 0, )                                                     \
+    FLASH_ATTENTION_KERNELS(T, SUFFIX, D, 1, _dropout)                                             \
+    FLASH_ATTENTION_KERNELS(T, SUFFIX, D, 2, _dropout_at)                                          \
     FLASH_ATTENTION_HELPERS(T, SUFFIX, D)
 
 // One head dimension per compilation (the launcher passes -DFLASH_HEAD_DIM=64 or 128).

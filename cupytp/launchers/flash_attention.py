@@ -31,7 +31,7 @@ import numpy
 from cupytp import backend
 from cupytp.backend import bfloat16, c_contiguous, xp
 from cupytp.launchers import ceil_div, dtype_suffix, get_kernel, is_device_array
-from cupytp.launchers.philox import dropout_keeps, global_indices, keep_threshold
+from cupytp.launchers.philox import dropout_keeps, keep_threshold
 
 HEAD_DIMS = (64, 128)
 DTYPES = (bfloat16, numpy.dtype(numpy.float16))
@@ -66,7 +66,10 @@ def head_groups(q, k, groups=None):
 
 class AttentionDropout(NamedTuple):
     """Dropout of the attention probabilities: p, the generator's (seed, base, add) for
-    B·heads·T·S counters, the global head count and this tensor's batch and head offsets."""
+    B·heads·T·S counters, the global head count and this tensor's batch and head offsets. A block
+    of a longer sequence (context parallelism's) gives the global position of each of its
+    queries and keys (`rows`, `cols`: int64 arrays of the inputs' module; None: the index itself)
+    and the global query and key counts (`t_global`, `s_global`; 0: the block's own)."""
     p: float
     seed: int
     base: object
@@ -74,6 +77,10 @@ class AttentionDropout(NamedTuple):
     heads: int
     batch_offset: int = 0
     head_offset: int = 0
+    rows: object = None
+    cols: object = None
+    t_global: int = 0
+    s_global: int = 0
 
 
 def supported(q, k, v):
@@ -122,7 +129,9 @@ def _planned(kind, arrays, causal, scale, dropout, groups):
     """The plan of `kind` for arrays of these types, shapes, strides and dtype, made (and the
     arrays checked) on first use."""
     fixed = None if dropout is None else (dropout.p, dropout.heads, dropout.batch_offset,
-                                          dropout.head_offset)
+                                          dropout.head_offset, dropout.rows is None,
+                                          dropout.cols is None, dropout.t_global,
+                                          dropout.s_global)
     key = (kind, arrays[0].dtype, causal, scale, fixed, groups,
            *[(type(a), a.shape, a.strides) for a in arrays])
     plan = _plans.get(key)
@@ -168,7 +177,7 @@ class _ForwardPlan:
         q, k, v = arrays
         group, offset = _check(groups, q=q, k=k, v=v)
         b, h, t, d = q.shape
-        self.launch = None if not q.size else _kernel("forward", d, q.dtype, dropout is not None)\
+        self.launch = None if not q.size else _kernel("forward", d, q.dtype, _variant(dropout))\
             .planned((ceil_div(t, BLOCK_M), b * h), (THREADS,),
                      (None,) * 5 + (numpy.int32(h), numpy.int32(group), numpy.int32(offset),
                                     numpy.int32(t), numpy.int32(k.shape[2]),
@@ -176,7 +185,7 @@ class _ForwardPlan:
                                     *[numpy.int64(x // q.itemsize)
                                       for x in output_strides(q)[:3]],
                                     numpy.float32(scale), numpy.int32(causal),
-                                    *_dropout_template(dropout)),
+                                    *_dropout_template(dropout, t, k.shape[2])),
                      shared_mem=_shared_bytes("forward", d))
 
     def __call__(self, *args):
@@ -202,13 +211,13 @@ class _BackwardPlan:
                 (ceil_div(t, ROWS_PER_BLOCK), b * h), (THREADS,),
                 (None, None, None, numpy.int32(h), numpy.int32(t), *_strides(o),
                  *_strides(do))),
-            _kernel("backward", d, q.dtype, dropout is not None).planned(
+            _kernel("backward", d, q.dtype, _variant(dropout)).planned(
                 (ceil_div(s, BLOCK_N), b * hk), (THREADS,),
                 (None,) * 9 + (numpy.int32(h), numpy.int32(hk), numpy.int32(group),
                                numpy.int32(offset), numpy.int32(t), numpy.int32(s), *_strides(q),
                                *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
                                *_strides(dv), numpy.float32(scale), numpy.int32(causal),
-                               *_dropout_template(dropout)),
+                               *_dropout_template(dropout, t, s)),
                 shared_mem=_shared_bytes("backward", d)),
             _kernel("backward_dq", d, q.dtype).planned(
                 (ceil_div(t * d, ELEMENTS_PER_BLOCK), b * h), (ELEMENTS_PER_BLOCK,),
@@ -316,40 +325,73 @@ def _shared_bytes(kind, d):
     return 2 * (BLOCK_M + BLOCK_N) * row + BLOCK_N * (BLOCK_M + PAD) * 2 + 2 * BLOCK_M * 4
 
 
+def _variant(dropout):
+    """The kernels' name tag for a dropout: none, plain, or at given positions."""
+    if dropout is None:
+        return ""
+    return "_dropout" if dropout.rows is None and dropout.cols is None else "_dropout_at"
+
+
 @functools.cache
-def _kernel(kind, d, dtype, dropout=False):
-    name = f"flash_{kind}_d{d}{'_dropout' if dropout else ''}_{dtype_suffix(dtype)}"
+def _kernel(kind, d, dtype, variant=""):
+    name = f"flash_{kind}_d{d}{variant}_{dtype_suffix(dtype)}"
     kernel = get_kernel("flash_attention.cu", name, (f"-DFLASH_HEAD_DIM={d}",))
     if kind in ("forward", "backward"):
         kernel.raw.max_dynamic_shared_size_bytes = _shared_bytes(kind, d)
     return kernel
 
 
-def _dropout_template(dropout):
-    """The kernels' dropout arguments in a planned launch's template: threshold, scale, then
-    the seed, base and counter offset left open (`_dropout_values`), heads and offsets."""
+def _dropout_template(dropout, t, s):
+    """The kernels' dropout arguments in a planned launch's template for t queries and s keys:
+    threshold, scale, then the seed, base and counter offset left open (`_dropout_values`),
+    heads and offsets, the position maps left open, the global counts."""
     if dropout is None:
         return (NULL, numpy.float32(1), NULL, NULL, NULL, numpy.int32(0), numpy.int32(0),
-                numpy.int32(0))
+                numpy.int32(0), NULL, NULL, numpy.int64(0), numpy.int64(0))
     return (numpy.uint64(keep_threshold(dropout.p)), numpy.float32(1 / (1 - dropout.p)),
             numpy.uint64, None, numpy.uint64, numpy.int32(dropout.heads),
-            numpy.int32(dropout.head_offset), numpy.int32(dropout.batch_offset))
+            numpy.int32(dropout.head_offset), numpy.int32(dropout.batch_offset), None, None,
+            numpy.int64(dropout.t_global or t), numpy.int64(dropout.s_global or s))
 
 
 def _dropout_values(dropout):
-    """The open dropout arguments of one call: (seed, base, counter offset), or ()."""
-    return () if dropout is None else (numpy.uint64(dropout.seed), dropout.base,
-                                       numpy.uint64(dropout.add))
+    """The open dropout arguments of one call: (seed, base, counter offset, the query and key
+    position maps), or ()."""
+    if dropout is None:
+        return ()
+    maps = [0 if m is None else _positions(m) for m in (dropout.rows, dropout.cols)]  # 0: null
+    return (numpy.uint64(dropout.seed), dropout.base, numpy.uint64(dropout.add), *maps)
+
+
+def _positions(array):
+    if array.dtype != numpy.int64 or not c_contiguous(array):
+        raise ValueError(f"flash attention: a dropout position map must be a contiguous int64 "
+                         f"array, got {array.dtype}")
+    return array
 
 
 # ---- NumPy twin ---------------------------------------------------------------------------------
 def dropout_keep(dropout, shape):
     """Boolean NumPy mask of the kept probabilities of a (B, H, T, S) block."""
+    return backend.asnumpy(dropout_mask(dropout, shape))
+
+
+def dropout_mask(dropout, shape):
+    """Boolean mask of the kept probabilities of a (B, H, T, S) block, in the module of the
+    dropout's base: element (b, h, t, s) draws counter base + add + ((b + batch_offset)·heads +
+    h + head_offset)·T·S + rows[t]·S + cols[s] (T, S the global counts)."""
     b, h, t, s = shape
-    offsets = (dropout.batch_offset, dropout.head_offset, 0, 0)
-    counter = global_indices((dropout.batch_offset + b, dropout.heads, t, s), offsets, shape)
-    counter = counter + (dropout.base + backend.xp.uint64(dropout.add))
-    return backend.asnumpy(dropout_keeps(dropout.seed, counter, dropout.p))
+    xp = backend.array_module(dropout.base)
+    u64 = xp.uint64
+    t_global, s_global = dropout.t_global or t, dropout.s_global or s
+    rows, cols = (xp.arange(n, dtype=u64) if m is None else xp.asarray(m).astype(u64)
+                  for m, n in ((dropout.rows, t), (dropout.cols, s)))
+    bh = (xp.arange(b, dtype=u64)[:, None] + u64(dropout.batch_offset)) * u64(dropout.heads) \
+        + xp.arange(h, dtype=u64)[None, :] + u64(dropout.head_offset)
+    counter = ((bh * u64(t_global * s_global))[:, :, None, None]
+               + (rows * u64(s_global))[:, None] + cols[None, :]) \
+        + (dropout.base + u64(dropout.add))
+    return dropout_keeps(dropout.seed, counter, dropout.p)
 
 
 def _expanded(a, groups, heads):

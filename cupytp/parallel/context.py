@@ -33,7 +33,7 @@ import numpy
 
 from cupytp import backend
 from cupytp.launchers import compute_dtype, cudnn_attention, flash_attention
-from cupytp.launchers.flash_attention import HeadGroups
+from cupytp.launchers.flash_attention import AttentionDropout, HeadGroups
 from cupytp.nn.attention import GroupedQueryAttention
 from cupytp.nn.layers import DAttention, Dropout, sequence_sharded
 from cupytp.ops import packed_attention, scaled_dot_product_attention
@@ -41,7 +41,6 @@ from cupytp.ops.amp import autocast_operand
 from cupytp.ops.conversion import (
     Partial, Replicated, Shard, convert, engine, fail, linear_grad, make)
 from cupytp.ops.functional import unpacked
-from cupytp.launchers.philox import dropout_keeps
 from cupytp.tensor.random import default_generator
 from cupytp.distributed.process_group import split_sizes
 
@@ -121,8 +120,8 @@ class _Exact:
     """Block attention in `dtype` (the inputs' float dtype, float32 for 16-bit ones), the scores
     materialized: the dtypes and head sizes the flash kernels do not take (float64 tests), on
     NumPy or CuPy. Query head h reads key/value head (h + offset) // group of `groups` (a
-    HeadGroups; None: as many heads as q's). Dropout is a (B, H, T, S) array of 1/(1−p) where
-    kept, 0 where dropped."""
+    HeadGroups; None: as many heads as q's). Dropout is the block's AttentionDropout (its query
+    and key positions given), drawn as the flash kernels draw it."""
 
     def __init__(self, dtype, groups=None):
         self.dtype, self.groups = dtype, groups
@@ -148,8 +147,17 @@ class _Exact:
             return e / total, (m + xp.log(total))[..., 0]
         return xp.exp(s - lse[..., None]), lse
 
-    def forward(self, q, k, v, causal, scale, keep):
+    def _scale(self, dropout, shape):
+        """(B, H, T, S) 1/(1−p) where the block's dropout keeps, 0 where it drops; None without
+        dropout."""
+        if dropout is None:
+            return None
+        kept = flash_attention.dropout_mask(dropout, shape)
+        return kept.astype(self.dtype) * self.dtype.type(1 / (1 - dropout.p))
+
+    def forward(self, q, k, v, causal, scale, dropout):
         q, k, v = (a.astype(self.dtype, copy=False) for a in (q, k, v))
+        keep = self._scale(dropout, q.shape[:3] + k.shape[2:3])
         index = self._heads(k.shape[1], q.shape[1])
         if index is not None:
             k, v = k[:, index], v[:, index]
@@ -157,9 +165,10 @@ class _Exact:
         p = p if keep is None else p * keep
         return backend.xp.einsum("bhts,bhsd->bhtd", p, v), lse
 
-    def backward(self, q, k, v, o, lse, do, causal, scale, keep):
+    def backward(self, q, k, v, o, lse, do, causal, scale, dropout):
         xp = backend.xp
         q, k, v = (a.astype(self.dtype, copy=False) for a in (q, k, v))
+        keep = self._scale(dropout, q.shape[:3] + k.shape[2:3])
         kv_heads = k.shape[1]
         index = self._heads(kv_heads, q.shape[1])
         if index is not None:
@@ -181,24 +190,25 @@ class _Exact:
 
 
 class _Flash:
-    """Block attention on the flash kernels (cuDNN's where they apply), 16-bit inputs with head
-    size 64 or 128, key/value heads read by `groups`; their NumPy twin on the CPU. No
-    dropout."""
+    """Block attention on the flash kernels (cuDNN's where they apply: without dropout), 16-bit
+    inputs with head size 64 or 128, key/value heads read by `groups`; their NumPy twin on the
+    CPU. Dropout: the block's AttentionDropout, its query and key positions given."""
 
     def __init__(self, groups=None):
         self.groups = groups
 
-    def forward(self, q, k, v, causal, scale, keep):
-        return self._kernels(q, k).attention_forward(q, k, v, causal, scale,
-                                                     groups=self.groups)
+    def forward(self, q, k, v, causal, scale, dropout):
+        return self._kernels(q, k, dropout).attention_forward(q, k, v, causal, scale, dropout,
+                                                              groups=self.groups)
 
-    def backward(self, q, k, v, o, lse, do, causal, scale, keep):
-        return self._kernels(q, k).attention_backward(
-            q, k, v, o, backend.xp.ascontiguousarray(lse), do, causal, scale, groups=self.groups)
+    def backward(self, q, k, v, o, lse, do, causal, scale, dropout):
+        return self._kernels(q, k, dropout).attention_backward(
+            q, k, v, o, backend.xp.ascontiguousarray(lse), do, causal, scale, dropout,
+            groups=self.groups)
 
-    def _kernels(self, q, k):
-        return cudnn_attention if cudnn_attention.applies(q, k, 0.0, self.groups) else \
-            flash_attention
+    def _kernels(self, q, k, dropout):
+        return cudnn_attention if cudnn_attention.applies(
+            q, k, 0.0 if dropout is None else dropout.p, self.groups) else flash_attention
 
 
 # ---- the ring -----------------------------------------------------------------------------------
@@ -219,7 +229,7 @@ class ContextParallel:
         self.group = mesh.get_process_group(dim)
         self.size, self.rank = self.group.size, self.group.rank
         self.load_balance = load_balance
-        self._positions, self._orders = {}, {}
+        self._positions, self._orders, self._ring_positions = {}, {}, {}
 
     def __repr__(self):
         order = "zigzag" if self.load_balance else "contiguous"
@@ -247,6 +257,15 @@ class ContextParallel:
         if length not in self._orders:
             self._orders[length] = backend.asarray(self.order(length))
         return self._orders[length]
+
+    def ring_positions(self, length):
+        """The global positions of every cp rank's tokens (int64 device arrays, made once per
+        length, so that a captured step copies nothing from the host): the ring's blocks draw
+        their dropout by them."""
+        if length not in self._ring_positions:
+            self._ring_positions[length] = [backend.asarray(positions_of(self.segments(length, r)))
+                                            for r in range(self.size)]
+        return self._ring_positions[length]
 
     def _sharded(self, placements):
         return sequence_sharded(tuple(placements), self.mesh_dim, 1)
@@ -394,45 +413,31 @@ class _Ring:
         self.scale = 1.0 / math.sqrt(d)
         self.flash = flash_attention.supported(q, kv[:, :, 0], kv[:, :, 1]) and \
             cudnn_attention.choice() != "matmul"
-        if self.flash and dropout_p > 0:
-            raise ValueError("attention dropout under context parallelism runs only off the "
-                             "flash kernels (their dropout draws by the position in one "
-                             "block): set the attention dropout to 0, or CUPYTP_ATTENTION=matmul")
         self.dtype = q.dtype
         self.acc = numpy.dtype(numpy.float32) if self.flash else compute_dtype(q.dtype)
         self.kernels = _Flash(groups) if self.flash else _Exact(self.acc, groups)
-        self.local_bh = q.shape[:2]
         n, r = context.size, context.rank
         ranges = [context.segments(t, j) for j in range(n)]
         self.steps = [((r - s) % n, block_plan(ranges[r], ranges[(r - s) % n], causal))
                       for s in range(n)]
         self.kv_shape = [(kv.shape[0], sum(e - a for a, e in ranges[j])) + kv.shape[2:]
                          for j in range(n)]
-        self.positions = [backend.asarray(positions_of(ranges[j])) for j in range(n)]
+        self.positions = context.ring_positions(t)
         self.dropout = None
         if dropout_p > 0:
             seed, base, add = (generator or default_generator).philox_args((b, h, t, t))
-            self.dropout = (dropout_p, seed, base, add, (b, h, t), *offsets)
+            self.dropout = AttentionDropout(dropout_p, seed, base, add, h, *offsets,
+                                            t_global=t, s_global=t)
 
-    def keep(self, rows, source, cols):
-        """The dropout's (B, H, rows, cols) scale of this rank's queries `rows` against the keys
-        `cols` of cp rank `source`: drawn by the global (b, h, t, s) index of the probability,
-        as the attention of the whole sequence draws it (inside a micro-batch, `add` skips the
-        batch's rows before it)."""
+    def block_dropout(self, rows, source, cols):
+        """The dropout of this rank's queries `rows` against the keys `cols` of cp rank
+        `source`: drawn by the global (b, h, t, s) index of each probability, as the attention
+        of the whole sequence draws it (inside a micro-batch, `add` skips the batch's rows
+        before it); None without dropout."""
         if self.dropout is None:
             return None
-        xp = backend.xp
-        p, seed, base, add, (b, h, t), batch0, head0 = self.dropout
-        lb, lh = self.local_bh
-        u64 = xp.uint64
-        bh = (xp.arange(batch0, batch0 + lb, dtype=u64)[:, None] * u64(h)
-              + xp.arange(head0, head0 + lh, dtype=u64)[None, :])          # (B, H)
-        query = self.positions[self.context.rank][rows].astype(u64)
-        key = self.positions[source][cols].astype(u64)
-        index = ((bh[:, :, None] * u64(t) + query[None, None, :])[..., None] * u64(t)
-                 + key[None, None, None, :])
-        kept = dropout_keeps(seed, index + (base + u64(add)), p)
-        return kept.astype(self.acc) * self.acc.type(1 / (1 - p))
+        return self.dropout._replace(rows=self.positions[self.context.rank][rows],
+                                     cols=self.positions[source][cols])
 
     def pass_on(self, array, source, async_op=True):
         """Send `array` (the block of cp rank `source`, or its gradient) to the next rank;
@@ -454,7 +459,7 @@ class _Ring:
             for rows, cols, diagonal in blocks:
                 o_block, lse_block = self.kernels.forward(
                     q[:, :, rows], k[:, :, cols], v[:, :, cols], diagonal, self.scale,
-                    self.keep(rows, source, cols))
+                    self.block_dropout(rows, source, cols))
                 merge(o[:, :, rows], lse[:, :, rows], o_block, lse_block)
             if arriving is not None:
                 kv = arriving.wait()
@@ -475,7 +480,7 @@ class _Ring:
                 dq_block, dk_block, dv_block = self.kernels.backward(
                     q[:, :, rows], k[:, :, cols], v[:, :, cols], o[:, :, rows],
                     lse[:, :, rows], do[:, :, rows], diagonal, self.scale,
-                    self.keep(rows, source, cols))
+                    self.block_dropout(rows, source, cols))
                 dq[:, :, rows] += dq_block
                 dkv[:, cols, 0] += _heads_first(dk_block)
                 dkv[:, cols, 1] += _heads_first(dv_block)

@@ -115,6 +115,27 @@ def test_flash_dropout_mask_is_ops_dropout_mask():
     assert 0.5 < kept.mean() < 0.9
 
 
+def position_maps(col_start):
+    """Query and key positions of a block of a 96-token sequence (two runs each, as a context-
+    parallel rank's zigzag chunks): keys from `col_start` (a multiple of 4 or not)."""
+    rows = numpy.concatenate([numpy.arange(0, 24), numpy.arange(72, 96)])
+    cols = numpy.concatenate([numpy.arange(col_start, col_start + 20), numpy.arange(60, 80)])
+    return rows.astype(numpy.int64), cols.astype(numpy.int64)
+
+
+@pytest.mark.parametrize("col_start", [8, 9])
+def test_flash_dropout_of_a_block_is_the_whole_sequence_mask_at_its_positions(col_start):
+    """A block given its query and key positions in a longer sequence draws the mask the whole
+    sequence's attention draws there."""
+    rows, cols = position_maps(col_start)
+    whole = host_dropout(0.4, 5, head_offset=1, batch_offset=1)
+    kept = dropout_keep(whole, (2, 3, 96, 96))
+    block = whole._replace(rows=xp.asarray(rows), cols=xp.asarray(cols), t_global=96,
+                           s_global=96)
+    numpy.testing.assert_array_equal(dropout_keep(block, (2, 3, 48, 40)),
+                                     kept[:, :, rows][:, :, :, cols])
+
+
 @pytest.mark.parametrize("p", [0.1, 0.3, 1 / 3, 0.5, 2.0 ** -40, 0.999])
 def test_flash_keep_threshold_is_exact(p):
     draws = numpy.random.default_rng(3).integers(0, 2 ** 32, 10000, dtype=numpy.uint64)
@@ -260,6 +281,29 @@ def test_flash_kernel_dropout_mask_is_bit_exact(d, t_less, offset):
     expected = dropout_keep(dropout, (b, h, t, t)) & visible
     numpy.testing.assert_array_equal(asnumpy(o)[..., :t].astype(F64) != 0, expected)
     _, _, dv = attention_backward(*device, o, lse, device[2], True, 0.1, dropout)
+    numpy.testing.assert_array_equal(asnumpy(dv)[..., :t].astype(F64) != 0,
+                                     expected.transpose(0, 1, 3, 2))
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("col_start", [8, 9])       # key runs from a multiple of 4, and not
+def test_flash_kernel_dropout_of_a_block_at_positions_is_bit_exact(col_start):
+    """A block of a 96-token sequence (48 queries, 40 keys, each two runs of positions), not
+    causal: forward and backward drop exactly what the twin drops at those positions."""
+    rows, cols = position_maps(col_start)
+    b, h, t, s, d = 2, 3, 48, 40, 64
+    q, _, _ = qkv(b, h, t, s, d, seed=5)
+    _, k, _ = qkv(b, h, s, s, d, seed=6)
+    eye = numpy.broadcast_to(numpy.eye(s, d), (b, h, s, d)).astype(bfloat16)
+    do = numpy.broadcast_to(numpy.eye(t, d), (b, h, t, d)).astype(bfloat16)
+    dropout = host_dropout(0.5, 5, offset=2 ** 20, head_offset=1, batch_offset=1)._replace(
+        rows=xp.asarray(rows), cols=xp.asarray(cols), t_global=96, s_global=96)
+    device = [xp.asarray(a) for a in (q, k, eye, do)]
+    o, lse = attention_forward(*device[:3], False, 0.1, dropout)
+    expected = dropout_keep(dropout, (b, h, t, s))
+    numpy.testing.assert_array_equal(asnumpy(o)[..., :s].astype(F64) != 0, expected)
+    _, _, dv = attention_backward(*device[:3], o, lse, device[3], False, 0.1, dropout)
     numpy.testing.assert_array_equal(asnumpy(dv)[..., :t].astype(F64) != 0,
                                      expected.transpose(0, 1, 3, 2))
 
