@@ -291,9 +291,6 @@ def check_parallel_flags(p, args):
         p.error(f"argument {'--pp-schedule' if args.pp_schedule else '--microbatches'}: it "
                 "applies to a pipeline: give --pp 2 or more (without one, --grad-accum takes "
                 "micro-batches)")
-    if args.pp > 1 and args.cp > 1:
-        p.error("argument --cp: a pipeline's stages take whole sequences (its first stage "
-                "embeds positions 0..T-1): use --pp or --cp, not both")
     if args.cp > 1 and args.seq_len < 2 * args.cp:
         p.error(f"argument --cp: each of the {args.cp} ranks holds two chunks of a sequence: "
                 f"--seq-len {args.seq_len} is shorter than {2 * args.cp}")
@@ -433,8 +430,10 @@ def make_mesh(args, world):
     sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
     names = tuple(name for name in ("dp", "pp", "cp", "tp") if sizes[name] > 1 or
                   name in ("dp", "tp"))
-    mesh = cupytp.DeviceMesh(tuple(sizes[n] for n in names), names)
-    return Split(mesh, sizes, ContextParallel(mesh) if cp > 1 else None)
+    split = Split(cupytp.DeviceMesh(tuple(sizes[n] for n in names), names), sizes)
+    if cp > 1:          # the sequence split over the stage mesh (a pipeline lays it out there)
+        split.cp = ContextParallel(split.stage_mesh)
+    return split
 
 
 def pipeline_schedule(args, dp):

@@ -114,8 +114,9 @@ class GPT2Transformer(nn.Module):
             positions = self.positions(ids.shape[1], ids.mesh, start)
         return self.drop(self.wte(ids) + self.wpe(positions))
 
-    def run_block(self, block, x):
-        """`block(x)`, recomputed in backward with `recompute`."""
+    def run_block(self, block, x, positions=None):
+        """`block(x)`, recomputed in backward with `recompute` (GPT-2's blocks take no
+        positions: its embedding adds them)."""
         return nn.recompute(block, x) if self.recompute else block(x)
 
     def positions(self, t, mesh, start=0):

@@ -171,9 +171,10 @@ class LlamaModel(nn.Module):
                 x = self.run_layer(layer, x, positions)
         return self.norm(x)
 
-    def embed(self, ids):
+    def embed(self, ids, positions=None):
         """The token embeddings of ids (B, T): (B, T, C), Replicated along tp, or sharded on
-        the sequence there with sequence parallelism (`DEmbedding.sequence_parallel`)."""
+        the sequence there with sequence parallelism (`DEmbedding.sequence_parallel`). No
+        positions are added: the layers' rotary angles take them."""
         x = self.embed_tokens(ids)                                  # Partial if vocab-parallel
         return x.redistribute(tuple(Replicated() if p.is_partial() else p for p in x.placements))
 

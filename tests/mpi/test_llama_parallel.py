@@ -174,6 +174,21 @@ def test_pipeline_trains_like_one_rank(world):
         assert_trains_alike(train_pipeline(pipe), dense_run(config=config))
 
 
+@pytest.mark.parametrize("schedule,name", [("1f1b", "llama"), ("zb_h1", "qwen2")])
+def test_pipeline_times_context_parallel(world, schedule, name):
+    """A (pp, cp, tp) = (2, 2, 1) mesh: each stage's attention a ring over cp, the pipeline
+    laying out every micro-batch's sequence in the ring's order (T = 13: uneven chunks) and
+    giving every stage its positions (the rotary angles), gradients summed over cp."""
+    if world.world_size != 4:
+        pytest.skip("needs 4 ranks")
+    mesh = cupytp.DeviceMesh((2, 2, 1), ("pp", "cp", "tp"))
+    config = CONFIGS[name]
+    model = build(mesh["cp", "tp"], config=config)      # cp applied, gradients not summed yet:
+    ContextParallel(mesh["cp", "tp"]).apply(model)      # the pipeline sums them over cp
+    pipe = pipeline(model, mesh, schedule=schedule, microbatches=2)
+    assert_trains_alike(train_pipeline(pipe), dense_run(config=config))
+
+
 @pytest.mark.parametrize("schedule,name,sequence_parallel", [("1f1b", "llama", False),
                                                             ("interleaved_1f1b", "qwen2", True)])
 def test_pipeline_times_tensor_parallel(world, schedule, name, sequence_parallel):

@@ -16,7 +16,7 @@ from cupytp import checkpoint
 from cupytp.debug import CommTracer
 from cupytp.models.gpt2 import GPT2, GPT2Config
 from cupytp.optim import AdamW, GradScaler, clip_grad_norm_, decay_groups
-from cupytp.parallel import pipeline
+from cupytp.parallel import ContextParallel, pipeline
 from cupytp.parallel.pipeline import PipelineError, format_schedule
 from cupytp.tensor import Replicated, default_generator, local_mesh
 from dense_reference import full, lay_out
@@ -282,6 +282,36 @@ def test_pp_x_dp_trains_like_one_rank(four, data_parallel, schedule):
                     data_parallel=data_parallel)
     if data_parallel == "fully_shard":
         assert all(p.placements[0].is_shard() for p in pipe.parameters() if p.ndim == 2)
+    assert_trains_like_one_rank(pipe, CONFIG)
+
+
+@pytest.mark.parametrize("schedule,data_parallel", [("1f1b", "replicate"), ("zb_h1", "replicate"),
+                                                    ("interleaved_1f1b", "replicate")])
+@pytest.mark.parametrize("config", [CONFIG, UNTIED], ids=["tied", "untied"])
+def test_pp_x_cp_trains_like_one_rank(four, schedule, data_parallel, config):
+    """A (pp, cp, tp) mesh of 2 x 2 x 1: each stage's attention a ring over cp (T = 8 in zigzag
+    chunks of 2), the sequence and its positions laid out by the pipeline, dropout 0.1 drawn
+    by position, gradients summed over cp (the last stage's tied copy's too)."""
+    mesh = cupytp.DeviceMesh((2, 2, 1), ("pp", "cp", "tp"))
+    stage_mesh = mesh["cp", "tp"]
+    model = gpt2(config, stage_mesh)
+    ContextParallel(stage_mesh).apply(model)
+    pipe = pipeline(model, mesh, schedule=schedule, microbatches=2, data_parallel=data_parallel)
+    assert pipe.context is not None and pipe.context.mesh == stage_mesh
+    assert_trains_like_one_rank(pipe, config)
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_pp_x_cp_x_dp_fully_sharded_trains_like_one_rank(world, dp):
+    """(pp, dp, cp) = (2, dp, 2) on 4 or 8 ranks: stages fully sharded over dp, their shards'
+    gradients all-reduced over cp."""
+    if world.world_size != 4 * dp:
+        pytest.skip(f"needs {4 * dp} ranks")
+    mesh = cupytp.DeviceMesh((2, dp, 2, 1), ("pp", "dp", "cp", "tp"))
+    stage_mesh = mesh["dp", "cp", "tp"]
+    model = gpt2(CONFIG, stage_mesh)
+    ContextParallel(stage_mesh).apply(model)
+    pipe = pipeline(model, mesh, schedule="1f1b", microbatches=2, data_parallel="fully_shard")
     assert_trains_like_one_rank(pipe, CONFIG)
 
 

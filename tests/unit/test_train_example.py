@@ -149,13 +149,15 @@ def test_pipelines_train_alike(tmp_path):
 
 def test_sequence_splits_train_alike_with_dropout(tmp_path):
     """The sequence split over context-parallel ranks (ring attention) with tensor and sequence
-    parallelism, and with fully sharded data parallelism beside it: with dropout 0.1 the same
-    losses as one rank (masks drawn by token position and global index)."""
+    parallelism, with fully sharded data parallelism beside it, and inside a pipeline's stages:
+    with dropout 0.1 the same losses as one rank (masks drawn by token position and global
+    index)."""
     assert_splits_train_alike(tmp_path, SPLIT + ["--model", "tiny", "--dropout", "0.1"], {
         "whole": (1, ["--batch-size", "8"]),
         "cp x tp sequence parallel": (4, ["--batch-size", "8", "--cp", "2", "--tp", "2",
                                           "--sequence-parallel"]),
-        "cp x fsdp": (4, ["--batch-size", "4", "--cp", "2", "--fsdp"])})
+        "cp x fsdp": (4, ["--batch-size", "4", "--cp", "2", "--fsdp"]),
+        "pp x cp": (4, ["--batch-size", "8", "--pp", "2", "--cp", "2"])})
 
 
 def test_llama_trains_alike_and_samples(tmp_path):
@@ -325,7 +327,6 @@ def script(monkeypatch):
 @pytest.mark.parametrize("args,message", [
     (["--sequence-parallel"], "argument --sequence-parallel: it shards the sequence over the "
                               "tensor-parallel ranks: give --tp 2 or more"),
-    (["--pp", "2", "--cp", "2"], "argument --cp: a pipeline's stages take whole sequences"),
     (["--microbatches", "4"], "argument --microbatches: it applies to a pipeline: give --pp 2"),
     (["--pp-schedule", "zb_h1"], "argument --pp-schedule: it applies to a pipeline: give --pp 2"),
     (["--pp", "2", "--pp-schedule", "2f2b"], "argument --pp-schedule: invalid choice: '2f2b'"),

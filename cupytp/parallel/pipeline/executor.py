@@ -81,6 +81,8 @@ class StepRun:
         starts = numpy.cumsum([0] + self.sizes)
         self.rows = [slice(a, b) for a, b in zip(starts[:-1], starts[1:])]
         self.inputs, self.targets = inputs, targets
+        context = pipe.context      # the sequence split over cp: the stages take its tokens'
+        self.positions = () if context is None else (context.positions(inputs.shape[1]),)
         self.weights = _loss_weights(targets, self.rows, pipe._parts.ignore_index)
         signature = (tuple(inputs.shape), str(inputs.dtype), tuple(targets.shape),
                      str(targets.dtype), pipe.training)
@@ -160,7 +162,7 @@ class StepRun:
         else:
             x = self._received_input(s, k)
         with self.draws[s].microbatch(k) as drawing, separate_casts():    # each micro-batch's
-            out = stage(x)                          # backward walks (and frees) its own casts
+            out = stage(x, *self.positions)         # backward walks (and frees) its own casts
         drawn, learned = default_generator.offset - drawing.start, self.shapes["draws"][s]
         if drawn != learned:
             raise RuntimeError(f"its forward drew {drawn} random counters over the whole batch "
@@ -310,7 +312,7 @@ class StepRun:
                             x = DTensor._make(backend.xp.zeros(layout.local_shape, dtype), layout)
                         with _named_errors(s, pipe.pp_rank, "the forward (learning shapes)", k), \
                                 drawing.microbatch(k):
-                            out = pipe._stage[s](x)
+                            out = pipe._stage[s](x, *self.positions)
                             if s == schedule.stages - 1:
                                 targets = self._laid_out(self.targets[rows])
                                 shapes["loss"] = str(pipe._parts.loss(out, targets).dtype)
@@ -362,10 +364,11 @@ class StepRun:
             t.grad = None
             return local
 
-        def add(t, local):      # the last stage's sums over its dp batch: reduced over dp
-            placements = list(grad_placements(self._tied_placements(t)))   # here, to t's
-            if "dp" in t.mesh.dim_names:    # gradient, which data parallelism reduced already
-                placements[t.mesh.dim_names.index("dp")] = Partial()
+        def add(t, local):      # the last stage's sums over its share of the batch's tokens:
+            placements = list(grad_placements(self._tied_placements(t)))   # reduced over dp
+            for name in ("dp", "cp"):       # and cp here, to t's gradient, which data
+                if name in t.mesh.dim_names:    # parallelism reduced already
+                    placements[t.mesh.dim_names.index(name)] = Partial()
             g = DTensor._make(local, t.layout.with_placements(tuple(placements)))
             g = g.redistribute(grad_placements(t.placements))
             if t.grad is None:
@@ -420,13 +423,15 @@ class StepRun:
 
     def _laid_out(self, array):
         """A micro-batch's rows on the stage mesh: Shard(0) on "dp", Replicated on the rest;
-        this rank keeps its own block."""
+        this rank keeps its own block. Under context parallelism its sequence in the ring's
+        order, Shard(1) along cp."""
         mesh = self.pipe.stage_mesh
         placements = tuple(Shard(0) if name == "dp" else Replicated() for name in mesh.dim_names)
         layout = Layout(mesh, array.shape, placements)
         offsets, shape = layout.local_block()
         block = array[tuple(slice(o, o + n) for o, n in zip(offsets, shape))]
-        return DTensor._make(backend.xp.ascontiguousarray(backend.asarray(block)), layout)
+        x = DTensor._make(backend.xp.ascontiguousarray(backend.asarray(block)), layout)
+        return x if self.pipe.context is None else self.pipe.context.shard(x)
 
 
 @contextlib.contextmanager

@@ -34,7 +34,9 @@ def pipeline(model, mesh, dim="pp", schedule="1f1b", microbatches=1, virtual_sta
     or "zb_h1", or a Schedule; `microbatches` per step. `layers`: blocks per stage (default:
     balanced by parameter count). `data_parallel` on the mesh's "dp" dimension: "replicate"
     (each stage's gradients all-reduced in buckets by `replicate`) or "fully_shard" (each stage
-    sharded by `fully_shard`)."""
+    sharded by `fully_shard`). Context parallelism composes: a model whose attention runs as a
+    ring (`ContextParallel(stage_mesh).apply(model)` first) gets each micro-batch's sequence in
+    the ring's order with its positions, and its gradients summed over "cp" as over "dp"."""
     return Pipeline(model, mesh, dim, schedule, microbatches, virtual_stages, layers,
                     data_parallel, parts)
 
@@ -73,6 +75,7 @@ class Pipeline(Module):
         set_(self, "pp_group", mesh.get_process_group(dim))
         set_(self, "pp_mesh", mesh[dim])
         set_(self, "pp_rank", mesh.get_local_rank(dim))
+        set_(self, "context", _context_of(model, self.stage_mesh))
         set_(self, "schedule", schedule)
         set_(self, "stats", None)
         set_(self, "_parts", parts)
@@ -151,6 +154,24 @@ def _parts_of(model):
     return model.pipeline_parts()
 
 
+def _context_of(model, stage_mesh):
+    """The ContextParallel the model's attention runs as a ring on (None without), which must
+    split the sequence over the stage mesh."""
+    contexts = {id(c): c for c in (getattr(m, "context_parallel", None) for m in model.modules())
+                if c is not None}
+    if not contexts:
+        return None
+    if len(contexts) > 1:
+        raise ValueError("pipeline: the model's attentions run as rings of different "
+                         "ContextParallel objects: apply one to the whole model")
+    (context,) = contexts.values()
+    if context.mesh != stage_mesh:
+        raise ValueError(f"pipeline: the model's ContextParallel splits the sequence over "
+                         f"{context.mesh}, not over the stage mesh {stage_mesh} (the mesh "
+                         "without the pipeline dimension): make it on that mesh")
+    return context
+
+
 def _bounds(model, parts, stages, layers):
     """(start, stop) of every stage's blocks, after checking that every parameter of the model
     belongs to some stage."""
@@ -192,10 +213,15 @@ def _to_stage_mesh(tensor, stage_mesh):
 
 def _data_parallel(stage, stage_mesh, mode):
     """The one place the pipeline applies data parallelism to a stage, over the stage mesh's
-    "dp" dimension when it has one: "replicate" (gradients all-reduced in buckets as backward
-    completes them) or "fully_shard" (the stage sharded over "dp")."""
-    if "dp" in stage_mesh.dim_names:
-        (fully_shard if mode == "fully_shard" else replicate)(stage, stage_mesh, dim="dp")
+    "dp" and "cp" dimensions where it has them (each holds its own share of the batch's
+    tokens): "replicate" (gradients all-reduced in buckets as backward completes them) or
+    "fully_shard" (the stage sharded over "dp", its shards' gradients all-reduced over "cp")."""
+    summed = tuple(d for d in ("dp", "cp") if d in stage_mesh.dim_names)
+    if mode == "fully_shard":
+        fully_shard(stage, stage_mesh, dim="dp",
+                    replicate_dim=tuple(d for d in summed if d != "dp") or None)
+    elif summed:
+        replicate(stage, stage_mesh, dim=summed)
 
 
 def _host_or_device(array, what):

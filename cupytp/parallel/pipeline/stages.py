@@ -21,7 +21,9 @@ class DecoderParts:
 
     embed: inputs -> hidden state, run by the first stage; embed_modules: the modules it uses.
     layers: the name of the ModuleList of blocks; run_layer(block, hidden) -> hidden (default:
-    block(hidden); a model that recomputes its blocks passes its own).
+    block(hidden); a model that recomputes its blocks passes its own). Under context
+    parallelism both are called with the tokens' positions as well (embed(inputs, positions),
+    run_layer(block, hidden, positions)).
     head: hidden -> outputs (the final norm, the LM head's logits), run by the last stage;
     head_modules: the modules it uses.
     loss: (outputs, targets) -> the mean loss over the targets that count (those other than
@@ -134,7 +136,8 @@ class PipelineStage(Module):
     """Stage `index` of the pipeline: the blocks `start:stop` of the decoder, after its
     embeddings if it is the first stage, before its head if it is the last. `forward(x)` takes
     the first stage's inputs (token ids) or the previous stage's hidden state and returns the
-    next stage's input, or the last stage's outputs (logits)."""
+    next stage's input, or the last stage's outputs (logits); `positions`: the tokens'
+    positions where the sequence is split over cp (ContextParallel.positions), else None."""
 
     def __init__(self, model, parts, index, count, start, stop):
         super().__init__()
@@ -148,12 +151,13 @@ class PipelineStage(Module):
         blocks = resolve(model, parts.layers)
         object.__setattr__(self, "_blocks", [vars(blocks)[str(i)] for i in range(start, stop)])
 
-    def forward(self, x):
+    def forward(self, x, positions=None):
         parts = self._parts
+        at = () if positions is None else (positions,)
         if self.is_first:
-            x = parts.embed(x)
+            x = parts.embed(x, *at)
         for block in self._blocks:
-            x = block(x) if parts.run_layer is None else parts.run_layer(block, x)
+            x = block(x) if parts.run_layer is None else parts.run_layer(block, x, *at)
         return parts.head(x) if self.is_last else x
 
     def __repr__(self):
