@@ -74,6 +74,12 @@ class Profile:
             self.totals.clear()
             self.watch_modules()
 
+    def print_totals(self, steps, tp):
+        """Each module's time per step (ms, inclusive of what it calls)."""
+        print(f"per step, tp={tp}, device synchronized around each entry (ms, inclusive):")
+        for name, total in sorted(self.totals.items(), key=lambda kv: -kv[1]):
+            print(f"  {name:24} {1e3 * total / steps:8.1f}")
+
     def watch_modules(self):
         call = nn.Module.__call__
         nn.Module.__call__ = lambda module, *a, **k: self(type(module).__name__, call, module,
@@ -91,34 +97,11 @@ def main():
     p.add_argument("--bias", type=int, default=None, choices=[0, 1],
                    help="0: no biases in the linear layers and LayerNorms")
     p.add_argument("--eval", action="store_true", help="also time the evaluation forward")
-    p.add_argument("--tp", type=int, default=None)
-    p.add_argument("--B", type=int, default=8)
-    p.add_argument("--T", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
-                   help="fp16: with dynamic loss scaling")
-    p.add_argument("--fsdp", action="store_true", help="fully shard over the dp ranks")
-    p.add_argument("--bucket-mib", type=float, default=25.0,
-                   help="replicated data parallelism: the all-reduce bucket size")
     p.add_argument("--untied", action="store_true", help="an LM head of its own (as the "
                    "FSDP anchor's model)")
-    p.add_argument("--grad-clip", type=float, default=1.0, help="0: no clipping (as the anchors)")
-    p.add_argument("--no-cuda-graph", action="store_true", help="run every step eagerly")
-    p.add_argument("--recompute", action="store_true", help="recompute each block's activations "
-                   "in backward (less memory)")
-    p.add_argument("--profile", action="store_true", help="eager, synchronized per module")
-    p.add_argument("--label", default="", help="a name for this run in the RESULT line")
+    step_arguments(p, batch=8, length=1024, dtype="fp32", grad_clip=1.0)
     args = p.parse_args()
-    info = cupytp.init()
-    if args.profile and backend.on_gpu:
-        memory.record_origins()     # to say below what stays allocated between steps
-    if info.rank == 0:
-        print(cudnn_attention.describe())
-    tp = args.tp or info.world_size
-    dp = info.world_size // tp
-    mesh = cupytp.DeviceMesh((dp, tp), ("dp", "tp"))
-    cupytp.manual_seed(0)
+    info, mesh, tp, dp = parallel_setup(args)
     overrides = {k: v for k, v in (("n_layer", args.layers), ("n_embd", args.embd),
                                    ("n_head", args.heads), ("vocab_size", args.vocab),
                                    ("dropout", args.dropout),
@@ -127,10 +110,7 @@ def main():
     config = preset(args.model, tie_word_embeddings=not args.untied, **overrides)
     with cupytp.deferred_init():
         model = GPT2(config, mesh, recompute=args.recompute)
-    if args.fsdp:
-        fully_shard(model, mesh, param_dtype=args.dtype)
-    elif dp > 1:
-        replicate(model, mesh, bucket_bytes=int(args.bucket_mib * 2 ** 20))
+    data_parallel(model, mesh, args)
     cupytp.materialize(model)
     if info.rank == 0 and isinstance(model, DataParallelModule):
         print(model.dp_summary())
@@ -145,9 +125,7 @@ def main():
     if info.rank != 0:
         return
     if args.profile:
-        print(f"per step, tp={tp}, device synchronized around each entry (ms, inclusive):")
-        for name, total in sorted(profile.totals.items(), key=lambda kv: -kv[1]):
-            print(f"  {name:20} {1e3 * total / args.steps:8.1f}")
+        profile.print_totals(args.steps, tp)
         print("pool memory per phase (GiB): peak in the first step, the last, any; allocated "
               "at the end of the last")
         for name, steps in profile.memory.items():
@@ -174,6 +152,53 @@ def main():
               f"peak_alloc_GiB={eval_stats['allocated_bytes_peak'] / 2 ** 30:.2f} "
               f"peak_reserved_GiB={eval_stats['reserved_bytes_peak'] / 2 ** 30:.2f} "
               f"loss={eval_loss:.3f}", flush=True)
+
+
+def step_arguments(p, batch, length, dtype, grad_clip):
+    """The arguments of both training benchmarks (this one and train_llama.py): the mesh, the
+    batch, the steps timed, the dtype, data parallelism, clipping, capture, recomputation,
+    profiling and the label; `batch`, `length`, `dtype` and `grad_clip` their defaults."""
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (default all)")
+    p.add_argument("--B", type=int, default=batch)
+    p.add_argument("--T", type=int, default=length)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--dtype", default=dtype, choices=["fp32", "bf16", "fp16"],
+                   help="fp16: with dynamic loss scaling")
+    p.add_argument("--fsdp", action="store_true", help="fully shard over the dp ranks")
+    p.add_argument("--bucket-mib", type=float, default=25.0,
+                   help="replicated data parallelism: the all-reduce bucket size")
+    p.add_argument("--grad-clip", type=float, default=grad_clip,
+                   help="0: no clipping (as the anchors)")
+    p.add_argument("--no-cuda-graph", action="store_true", help="run every step eagerly")
+    p.add_argument("--recompute", action="store_true", help="recompute each block's activations "
+                   "in backward (less memory)")
+    p.add_argument("--profile", action="store_true", help="eager, synchronized per module")
+    p.add_argument("--label", default="", help="a name for this run in the RESULT line")
+
+
+def parallel_setup(args):
+    """(info, mesh, tp, dp): the ranks started, the attention backend said, the (dp, tp) mesh
+    of --tp (default every rank), the seed set."""
+    info = cupytp.init()
+    if args.profile and backend.on_gpu:
+        memory.record_origins()     # to say what stays allocated between steps
+    if info.rank == 0:
+        print(cudnn_attention.describe())
+    tp = args.tp or info.world_size
+    dp = info.world_size // tp
+    mesh = cupytp.DeviceMesh((dp, tp), ("dp", "tp"))
+    cupytp.manual_seed(0)
+    return info, mesh, tp, dp
+
+
+def data_parallel(model, mesh, args):
+    """The model fully sharded over dp with --fsdp, else replicated there (gradients summed in
+    buckets of --bucket-mib) when dp > 1."""
+    if args.fsdp:
+        fully_shard(model, mesh, param_dtype=args.dtype)
+    elif mesh.size("dp") > 1:
+        replicate(model, mesh, bucket_bytes=int(args.bucket_mib * 2 ** 20))
 
 
 def random_batches(mesh, vocab_size, args, count):

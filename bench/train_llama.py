@@ -22,12 +22,11 @@ import sys
 os.environ.setdefault("CUPY_TF32", "1")     # fp32 matmuls on tensor cores, as the anchor does
 
 import cupytp  # noqa: E402
-from cupytp.launchers import cudnn_attention  # noqa: E402
 from cupytp.models.llama import Llama, preset  # noqa: E402
 from cupytp.optim import AdamW, decay_groups  # noqa: E402
-from cupytp.parallel import fully_shard, replicate  # noqa: E402
 from step_timing import BF16_PEAK_FLOPS, time_steps  # noqa: E402
-from train_gpt2 import Profile, random_batches, training_step  # noqa: E402
+from train_gpt2 import (  # noqa: E402
+    Profile, data_parallel, parallel_setup, random_batches, step_arguments, training_step)
 
 
 def main():
@@ -35,35 +34,15 @@ def main():
     p.add_argument("--model", default="1.5B", help="a Llama preset (tiny, 125M, 1B, 1.5B, 8B)")
     p.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
     p.add_argument("--tied", action="store_true", help="tie the LM head to the embedding")
-    p.add_argument("--tp", type=int, default=None)
-    p.add_argument("--B", type=int, default=4)
-    p.add_argument("--T", type=int, default=2048)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
-    p.add_argument("--fsdp", action="store_true", help="fully shard over the dp ranks")
-    p.add_argument("--grad-clip", type=float, default=0.0, help="0: none (as the anchor)")
-    p.add_argument("--no-cuda-graph", action="store_true", help="run every step eagerly")
-    p.add_argument("--recompute", action="store_true", help="recompute each layer in backward")
-    p.add_argument("--profile", action="store_true", help="eager, synchronized per module")
-    p.add_argument("--label", default="", help="a name for this run in the RESULT line")
+    step_arguments(p, batch=4, length=2048, dtype="bf16", grad_clip=0.0)
     args = p.parse_args()
-    info = cupytp.init()
-    if info.rank == 0:
-        print(cudnn_attention.describe())
-    tp = args.tp or info.world_size
-    dp = info.world_size // tp
-    mesh = cupytp.DeviceMesh((dp, tp), ("dp", "tp"))
-    cupytp.manual_seed(0)
+    info, mesh, tp, dp = parallel_setup(args)
     overrides = {"tie_word_embeddings": args.tied}
     if args.layers:
         overrides["num_hidden_layers"] = args.layers
     config = preset(args.model, **overrides)
     model = Llama(config, mesh, recompute=args.recompute)
-    if args.fsdp:
-        fully_shard(model, mesh, param_dtype=args.dtype)
-    elif dp > 1:
-        replicate(model, mesh)          # gradients summed over dp
+    data_parallel(model, mesh, args)
     optimizer = AdamW(decay_groups(model.parameters(), 0.1), lr=1e-4)
     profile = Profile(args.profile)
     eager = args.no_cuda_graph or args.profile
@@ -73,9 +52,7 @@ def main():
     if info.rank != 0:
         return
     if args.profile:
-        print(f"per step, tp={tp}, device synchronized around each entry (ms, inclusive):")
-        for name, total in sorted(profile.totals.items(), key=lambda kv: -kv[1]):
-            print(f"  {name:24} {1e3 * total / args.steps:8.1f}")
+        profile.print_totals(args.steps, tp)
     tokens_per_s = args.B * dp * args.T / timing.step_s
     mfu = config.flops_per_token(args.T) * tokens_per_s / info.world_size / BF16_PEAK_FLOPS
     print(f"RESULT cupytp llama-{args.label or args.model} graph={int(not eager)} "
