@@ -24,6 +24,7 @@ import collections
 import os
 import sys
 import time
+from typing import NamedTuple
 
 os.environ.setdefault("CUPY_TF32", "1")     # fp32 matmuls on tensor cores, as the anchors do
 
@@ -114,12 +115,8 @@ def main():
     cupytp.materialize(model)
     if info.rank == 0 and isinstance(model, DataParallelModule):
         print(model.dp_summary())
-    optimizer = AdamW(decay_groups(model.parameters(), 0.1), lr=1e-4)
-    profile = Profile(args.profile)
-    eager = args.no_cuda_graph or args.profile
-    step = training_step(model, optimizer, args, profile, eager)
-    batches = random_batches(mesh, config.vocab_size, args, 4)
-    timing = time_steps(step, batches, args.warmup, args.steps, profile.start)
+    optimizer, profile, eager, batches, timing = timed_training(model, mesh, config.vocab_size,
+                                                                args, 4)
     loss, stats = timing.loss, timing.stats
     evaluation = time_evaluation(model, args, eager, batches) if args.eval else None
     if info.rank != 0:
@@ -199,6 +196,26 @@ def data_parallel(model, mesh, args):
         fully_shard(model, mesh, param_dtype=args.dtype)
     elif mesh.size("dp") > 1:
         replicate(model, mesh, bucket_bytes=int(args.bucket_mib * 2 ** 20))
+
+
+class TimedRun(NamedTuple):
+    optimizer: object
+    profile: Profile
+    eager: bool
+    batches: list
+    timing: object
+
+
+def timed_training(model, mesh, vocab_size, args, count):
+    """AdamW over `model`, its training step (eager with --no-cuda-graph or --profile) timed
+    over `count` random batches cycled: a TimedRun."""
+    optimizer = AdamW(decay_groups(model.parameters(), 0.1), lr=1e-4)
+    profile = Profile(args.profile)
+    eager = args.no_cuda_graph or args.profile
+    step = training_step(model, optimizer, args, profile, eager)
+    batches = random_batches(mesh, vocab_size, args, count)
+    timing = time_steps(step, batches, args.warmup, args.steps, profile.start)
+    return TimedRun(optimizer, profile, eager, batches, timing)
 
 
 def random_batches(mesh, vocab_size, args, count):

@@ -23,10 +23,9 @@ os.environ.setdefault("CUPY_TF32", "1")     # fp32 matmuls on tensor cores, as t
 
 import cupytp  # noqa: E402
 from cupytp.models.llama import Llama, preset  # noqa: E402
-from cupytp.optim import AdamW, decay_groups  # noqa: E402
-from step_timing import BF16_PEAK_FLOPS, time_steps  # noqa: E402
+from step_timing import BF16_PEAK_FLOPS  # noqa: E402
 from train_gpt2 import (  # noqa: E402
-    Profile, data_parallel, parallel_setup, random_batches, step_arguments, training_step)
+    data_parallel, parallel_setup, step_arguments, timed_training)
 
 
 def main():
@@ -43,12 +42,7 @@ def main():
     config = preset(args.model, **overrides)
     model = Llama(config, mesh, recompute=args.recompute)
     data_parallel(model, mesh, args)
-    optimizer = AdamW(decay_groups(model.parameters(), 0.1), lr=1e-4)
-    profile = Profile(args.profile)
-    eager = args.no_cuda_graph or args.profile
-    step = training_step(model, optimizer, args, profile, eager)
-    batches = random_batches(mesh, config.vocab_size, args, 2)
-    timing = time_steps(step, batches, args.warmup, args.steps, profile.start)
+    _, profile, eager, _, timing = timed_training(model, mesh, config.vocab_size, args, 2)
     if info.rank != 0:
         return
     if args.profile:
