@@ -315,6 +315,42 @@ def test_pp_x_cp_x_dp_fully_sharded_trains_like_one_rank(world, dp):
     assert_trains_like_one_rank(pipe, CONFIG)
 
 
+def test_tied_copy_is_read_as_sent_under_autocast(pp_mesh):
+    """bf16 autocast, the model built deferred (the last stage's copy of the tied embedding
+    starts uninitialized): learning the shapes of a batch, in the step's autocast region, casts
+    the copy before the first stage sends its values; the step reads the values sent. Two
+    AdamW steps and an evaluation of a new batch shape give one rank's losses."""
+    config = dataclasses.replace(CONFIG, dropout=0.0)
+
+    def run(model, step):
+        adam, losses = AdamW(model.parameters(), lr=0.05), []
+        for _ in range(2):
+            with cupytp.autocast("bf16"):
+                losses.append(float(full(step(IDS, True))))
+            adam.step()
+            adam.zero_grad()
+        with cupytp.no_grad(), cupytp.autocast("bf16"):
+            losses.append(float(full(step(IDS[:4], False))))
+        return losses
+
+    cupytp.manual_seed(1)
+    dense_model, mesh = GPT2(config), local_mesh()
+
+    def dense_step(rows, training):
+        _, loss = dense_model(*(lay_out(a, mesh, (Replicated(),)) for a in (rows[:, :-1],
+                                                                           rows[:, 1:])))
+        if training:
+            loss.backward()
+        return loss
+    expected = run(dense_model, dense_step)
+    cupytp.manual_seed(1)
+    with cupytp.deferred_init():
+        model = GPT2(config)
+    pipe = cupytp.materialize(pipeline(model, pp_mesh, microbatches=1))
+    got = run(pipe, lambda rows, training: pipe.step(rows[:, :-1], rows[:, 1:]))
+    numpy.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
 # ---- checkpoints ---------------------------------------------------------------------------------
 def test_checkpoint_saved_at_pp2_loads_at_pp1_and_pp4(world, shared_dir):
     """Saved by a pp=2 pipeline (pp x dp on 4 ranks), a checkpoint holds the unpipelined names

@@ -31,7 +31,7 @@ import numpy
 
 from cupytp import backend
 from cupytp.autograd import engine
-from cupytp.ops.amp import separate_casts
+from cupytp.ops.amp import parameters_changed, separate_casts
 from cupytp.distributed.process_group import CollectiveTimeoutError, split_sizes
 from cupytp.parallel.pipeline import schedules
 from cupytp.tensor import (
@@ -354,6 +354,7 @@ class StepRun:
 
         def take(t, local):
             t.to_local()[...] = local
+            parameters_changed()    # casts made of the copy (learning the shapes) are stale
         self._move_tied(give, take, from_first=True)
 
     def _reduce_tied_grads(self):
