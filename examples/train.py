@@ -649,8 +649,8 @@ def pretrained_options(args):
 def pipelined(model, split, schedule, args):
     """`model` (deferred, on the stage mesh) cut into this rank's stages of `schedule`, each
     replicated or fully sharded over dp, then materialized."""
-    pipe = pipeline(model, split.mesh, dim="pp", schedule=schedule,
-                    data_parallel="fully_shard" if args.fsdp else "replicate")
+    sharding = {"data_parallel": "fully_shard", "param_dtype": args.dtype} if args.fsdp else {}
+    pipe = pipeline(model, split.mesh, dim="pp", schedule=schedule, **sharding)
     return cupytp.materialize(pipe)
 
 

@@ -239,6 +239,45 @@ def test_no_sync_sums_without_communicating(world):
                                       err_msg=name)
 
 
+@pytest.mark.parametrize("data_parallel", [replicate, fully_shard])
+def test_finish_gradient_sync_reduces_what_passes_without_sync_summed(world, data_parallel):
+    """Two halves of the batch with gradient sync off, then sync on and no backward (a pipeline
+    stage whose last pass gives it no gradient): finish_gradient_sync() reduces each bucket or
+    group once, into the gradients of one rank on the whole batch; called again it moves
+    nothing."""
+    mesh = dp_mesh(world)
+    model = data_parallel(gpt2(), mesh)
+    model.set_requires_gradient_sync(False)
+    with CommTracer() as summing:
+        for part in (IDS[:6], IDS[6:]):
+            _, loss = model(*(lay_out(a, mesh, (Shard(0),)) for a in (part[:, :-1],
+                                                                       part[:, 1:])))
+            (loss * 0.5).backward()
+    model.set_requires_gradient_sync(True)
+    with CommTracer() as finishing:
+        model.finish_gradient_sync()
+    with CommTracer() as again:
+        model.finish_gradient_sync()
+    reductions = ("all_reduce", "reduce_scatter")
+    assert not [r for r in summing.rows() if r.op in reductions and r.phase != "forward"]
+    assert not again.rows()
+    if world.world_size > 1:
+        ops = [r.op for r in finishing.rows() for _ in range(r.calls)]
+        if data_parallel is replicate:
+            assert ops == ["all_reduce"] * len(model.dp_schedule.buckets)
+        else:
+            assert ops == ["reduce_scatter"] * sum(1 for g in model.fsdp_groups if g.sharded)
+            assert all(g.full is None for g in model.fsdp_groups)
+    reference = gpt2()
+    _, loss = reference(*(lay_out(a, local_mesh(), (Replicated(),))
+                          for a in (IDS[:, :-1], IDS[:, 1:])))
+    loss.backward()
+    got = dict(model.named_parameters())
+    for name, p in reference.named_parameters():
+        numpy.testing.assert_allclose(full(got[name].grad), full(p.grad), rtol=1e-10,
+                                      atol=1e-13, err_msg=name)
+
+
 def test_without_an_engine_a_gradient_stays_partial(world):
     """A parameter replicated over dp meets a batch sharded over dp: its gradient is each
     rank's sum, Partial, and nothing is communicated for it; the optimizer refuses it by

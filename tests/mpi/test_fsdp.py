@@ -207,6 +207,36 @@ def test_a_step_reduces_each_group_once(world, group_bytes):
         assert calls["all_gather"] == gathers
 
 
+def test_micro_batches_reuse_parameters_kept_gathered(world):
+    """FSDP2's switches as a pipeline sets them: micro-batches with gradient sync and resharding
+    after backward off (and reshard_after_forward=False) sum their gradients with the
+    parameters gathered once; the last, with both on, reduces each group once and frees them.
+    Ten steps of 3 micro-batches end where one rank's training does (float64)."""
+    dense, _ = train(gpt2(), accum=3)
+    mesh = cupytp.DeviceMesh((world.world_size,), ("dp",))
+    model = fully_shard(gpt2(), mesh, reshard_after_forward=False)
+    optimizer = AdamW(decay_groups(model.named_parameters(), 0.1), lr=3e-3)
+    sharded = sum(1 for g in model.fsdp_groups if g.sharded)
+    for _ in range(10):
+        with CommTracer() as tracer:
+            for k in range(3):
+                rows = IDS[k::3]
+                _, loss = model(*(lay_out(a, mesh, (Shard(0),)) for a in (rows[:, :-1],
+                                                                           rows[:, 1:])))
+                model.set_requires_gradient_sync(k == 2)      # set before a new forward,
+                model.set_reshard_after_backward(k == 2)      # True would free the parameters
+                (loss * (1.0 / 3)).backward()
+                assert all((g.full is None) == (k == 2) for g in model.fsdp_groups if g.sharded)
+        if world.world_size > 1:
+            calls = {op: sum(r.calls for r in tracer.rows() if r.op == op)
+                     for op in ("all_gather", "reduce_scatter")}
+            assert calls == {"all_gather": sharded, "reduce_scatter": sharded}
+        clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+    assert_params_close({n: full(t) for n, t in model.state_dict().items()}, dense)
+
+
 def test_checkpoint_saved_sharded_loads_dense_and_tensor_parallel(world, mesh2d, shared_dir):
     mesh = cupytp.DeviceMesh((world.world_size,), ("dp",))
     config = dataclasses.replace(CONFIG, n_head=2, n_embd=10)

@@ -2,7 +2,8 @@
 ZB-H1) with 1, 2, 4 and 8 micro-batches, tied and untied embeddings, dropout 0.1, trains a GPT-2
 like one rank training the same global batch (losses and every parameter after 5 clipped AdamW
 steps, float64, 1e-12), with uneven micro-batches and recomputed blocks too; pp x tp and pp x dp
-(replicated and fully sharded) on 4 ranks; each schedule's bubble
+(replicated and fully sharded, each stage's gradients reduced once per step) on 4 ranks; each
+schedule's bubble
 measured in ticks is its table's and within 10% of its theory; CommTracer counts the
 point-to-point traffic; a checkpoint saved at pp=2 loads at pp=1 and pp=4."""
 import dataclasses
@@ -274,15 +275,45 @@ def test_pp_x_tp_trains_like_one_rank(four, schedule, microbatches):
     assert_trains_like_one_rank(pipe, CONFIG)
 
 
-@pytest.mark.parametrize("data_parallel", ["replicate", "fully_shard"])
-@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
-def test_pp_x_dp_trains_like_one_rank(four, data_parallel, schedule):
+@pytest.mark.parametrize("schedule,data_parallel,reshard_after_forward", [
+    ("1f1b", "replicate", False), ("zb_h1", "replicate", False),
+    ("1f1b", "fully_shard", False), ("zb_h1", "fully_shard", False),
+    ("interleaved_1f1b", "fully_shard", False), ("1f1b", "fully_shard", True)])
+def test_pp_x_dp_trains_like_one_rank(four, schedule, data_parallel, reshard_after_forward):
     mesh = cupytp.DeviceMesh((2, 2), ("pp", "dp"))
     pipe = pipeline(gpt2(CONFIG), mesh, schedule=schedule, microbatches=2,
-                    data_parallel=data_parallel)
+                    data_parallel=data_parallel, reshard_after_forward=reshard_after_forward)
     if data_parallel == "fully_shard":
         assert all(p.placements[0].is_shard() for p in pipe.parameters() if p.ndim == 2)
     assert_trains_like_one_rank(pipe, CONFIG)
+
+
+@pytest.mark.parametrize("data_parallel", ["replicate", "fully_shard"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1", "interleaved_1f1b"])
+def test_pp_x_dp_reduces_each_stage_once_per_step(four, schedule, data_parallel):
+    """Over 4 micro-batches, data parallelism moves each stage's gradients once per step, in
+    its last backward (earlier ones only sum them): one all-reduce per bucket, or one
+    reduce-scatter per group after one all-gather per group (the parameters gathered once are
+    kept for every micro-batch), not one per micro-batch. Untied embeddings: no tied-weight
+    traffic on dp."""
+    mesh = cupytp.DeviceMesh((2, 2), ("pp", "dp"))
+    pipe = pipeline(gpt2(UNTIED), mesh, schedule=schedule, microbatches=4,
+                    data_parallel=data_parallel)
+    pipe.step(IDS[:, :-1], IDS[:, 1:])
+    with CommTracer() as tracer:
+        pipe.step(IDS[:, :-1], IDS[:, 1:])
+    # on dp (a group keeps the name of the first mesh over its ranks), apart from the loss's
+    # float64 scalars (its sum and count, each micro-batch)
+    dp = pipe.stage_mesh.get_process_group("dp").name
+    ops = [op for _, _, op, group, nbytes, _, _ in tracer.events if group == dp and nbytes > 8]
+    calls = {op: ops.count(op) for op in ("all_reduce", "all_gather", "reduce_scatter")}
+    if data_parallel == "replicate":
+        buckets = sum(len(stage.dp_schedule.buckets) for stage in pipe.stages)
+        assert calls == {"all_reduce": buckets, "all_gather": 0, "reduce_scatter": 0}
+    else:
+        groups = sum(1 for stage in pipe.stages for g in stage.fsdp_groups if g.sharded)
+        assert calls == {"all_reduce": 0, "all_gather": groups, "reduce_scatter": groups}
+        assert all(g.full is None for stage in pipe.stages for g in stage.fsdp_groups)
 
 
 @pytest.mark.parametrize("schedule,data_parallel", [("1f1b", "replicate"), ("zb_h1", "replicate"),

@@ -100,11 +100,26 @@ class DataParallelModule:
         """Backward passes inside sum the gradients without communication; the first backward
         after it reduces them (gradient accumulation)."""
         schedule = self._dp
-        previous, schedule.sync = schedule.sync, False
+        previous = schedule.sync
+        self.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            schedule.sync = previous
+            self.set_requires_gradient_sync(previous)
+
+    def set_requires_gradient_sync(self, sync):
+        """Whether the backward passes from now on reduce the gradients (FSDP2's name). False:
+        they only sum them on each rank, as inside `no_sync()`; the first backward with True
+        reduces everything summed since."""
+        self._dp.sync = bool(sync)
+
+    def finish_gradient_sync(self):
+        """Reduce now what backward passes summed without reducing and none has reduced since
+        (nothing if nothing is left); a fully sharded model also frees its gathered parameters
+        (unless `set_reshard_after_backward(False)`). For a backward pass that may give this
+        model no gradient, as a pipeline stage's last one can: a pass that gives it one
+        reduces by itself."""
+        self._dp.finish()
 
     def dp_summary(self):
         """One line: the dims, the units that move together, the collectives of one step."""
@@ -125,6 +140,18 @@ class FSDPModule(DataParallelModule):
     def fsdp_groups(self):
         """The groups, root first, each an FSDPGroup (names of its layers, its parameters)."""
         return list(self._dp.groups)
+
+    def set_reshard_after_forward(self, reshard):
+        """Whether a group's full parameters are freed after its layers' forward (and gathered
+        again for their backward), or kept until its backward; the root group is always kept."""
+        self._dp.reshard_after_forward = bool(reshard)
+
+    def set_reshard_after_backward(self, reshard):
+        """Whether a group's full parameters are freed once its gradients are in (FSDP2's name).
+        False: they stay gathered, and later forward and backward passes (the next
+        micro-batches) reuse them without gathering again, until a backward with True ends.
+        The masters must not change meanwhile (no optimizer step)."""
+        self._dp.reshard_after_backward = bool(reshard)
 
     def fsdp_summary(self):
         """One line: layers → groups, and the collectives of one training step."""

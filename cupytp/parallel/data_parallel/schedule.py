@@ -58,6 +58,16 @@ class Schedule:
     def flush(self):
         raise NotImplementedError
 
+    def pending(self):
+        """True when backward passes without sync summed gradients that none has reduced."""
+        raise NotImplementedError
+
+    def finish(self):
+        """Outside a backward pass, with sync on: reduce what passes without it summed and no
+        pass reduced since (a pass that gives this model no gradient flushes nothing)."""
+        if self.sync and self.pending():
+            self.flush()
+
     def local_contribution(self, placements, g):
         """This rank's part of the flat gradient from a contribution `g` to a value laid out with
         `placements`: `g` laid out like it off the dp dims (moved there if it is not), and on
@@ -105,6 +115,7 @@ class ReplicateSchedule(Schedule):
                                             for d, q in enumerate(reduced))
                 set_grad_sink(p, self.receive)
         self.dp_mesh = dims.mesh[dims.names()]
+        self._summed = False        # regions hold sums of passes without sync, not reduced
         self._reset()
 
     def _reset(self):
@@ -113,6 +124,9 @@ class ReplicateSchedule(Schedule):
         self._next = 0                                    # the next bucket to launch
         self._works = []
         self._late = []                                   # (bucket, i, local) past its launch
+
+    def pending(self):
+        return self._summed
 
     def receive(self, p, g, complete):
         """The gradient sink of every parameter: contribution `g` (or None) of `p`; `complete`
@@ -184,11 +198,13 @@ class ReplicateSchedule(Schedule):
             for bucket in self.buckets:
                 for i, p in enumerate(bucket.params):
                     p.grad = bucket.view(i, self.reduced[id(p)])
+            self._summed = False
         else:
             for bucket, begun in zip(self.buckets, self._begun):
                 for i in begun:
                     p = bucket.params[i]
                     p.grad = bucket.view(i, self.partial[id(p)])
+                    self._summed = True
         self._reset()
 
 
@@ -335,7 +351,8 @@ class FSDPGroup:
             if self.state.sync:
                 self.state.reduce(self)
         self._received = False
-        self.reshard()
+        if self.state.reshard_after_backward:
+            self.reshard()
 
 
 class _Reduction:
@@ -390,6 +407,7 @@ class ShardSchedule(Schedule):
         super().__init__(dims)
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_backward = True
         self.groups = []
         self._reducing = []         # _Reductions in flight
 
@@ -398,9 +416,10 @@ class ShardSchedule(Schedule):
         """A layer of `group` starts: its parameters gathered (the next group's prefetched) and
         its attributes pointed at the gathered views."""
         if module is group.modules[0] and group is self.groups[0]:
-            for g in self.groups:       # a new forward: nothing gathered before is reused
-                g.reshard()             # (a recomputation in backward may have left views)
-                g.forward_views = None
+            for g in self.groups:       # a new forward makes views of its own; what an earlier
+                g.forward_views = None  # pass left gathered (a recomputation in backward) is
+                if self.reshard_after_backward:     # freed, unless kept on purpose
+                    g.reshard()
         if group.forward_views is None:
             anchor = next((a for a in list(args) + list(kwargs.values())
                            if isinstance(a, DTensor) and a.requires_grad), None)
@@ -446,6 +465,16 @@ class ShardSchedule(Schedule):
         if index > 1:
             self.groups[index - 1].prefetch()
 
+    def pending(self):
+        return any(group.rows is not None for group in self.groups)
+
+    def finish(self):
+        """As Schedule.finish, and the gathered parameters freed (unless kept on purpose)."""
+        super().finish()
+        if self.reshard_after_backward:
+            for group in self.groups:
+                group.reshard()
+
     def reduce(self, group):
         """Start `group`'s reduction; move those in flight one stage on (they overlapped this
         group's backward)."""
@@ -454,11 +483,16 @@ class ShardSchedule(Schedule):
 
     def flush(self):
         """End of backward: reduce what is left (gradients of parameters some layer did not
-        use), wait for every reduction, free every group."""
+        use, and, outside no_sync, what earlier passes inside it summed into a group this pass
+        gave nothing), wait for every reduction, free every group (unless
+        `reshard_after_backward` is off)."""
         for group in self.groups:
             if group._received:
                 group.finish_backward()
-            group.reshard()
+            elif self.sync and group.rows is not None:
+                self.reduce(group)
+            if self.reshard_after_backward:
+                group.reshard()
         for reduction in self._reducing:
             reduction.finish()
         self._reducing = []

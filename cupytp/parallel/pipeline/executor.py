@@ -10,6 +10,10 @@ a gradient, so the stage's backward stops there and its gradient is what goes ba
 
 Micro-batch k is rows k of an array_split of the batch, and its loss counts by its share of the
 batch's targets, so a step's loss and gradients are those of the batch without a pipeline.
+Data parallelism (replicated or fully sharded stages) reduces each stage's gradients once per
+step, in the stage's last backward (B, or ZB-H1's last W), overlapped with it: the backwards
+before it only sum them, and a fully sharded stage keeps its gathered parameters from its first
+forward to that backward (PyTorch's pipelining does the same with FSDP2).
 Random draws (dropout) are the batch's too: each stage's forwards run inside its micro-batch
 (`Microbatches` of the default generator, starting where the earlier stages' draws over the
 whole batch end), so stage s draws for micro-batch k what one pass of the whole model over the
@@ -33,6 +37,7 @@ from cupytp import backend
 from cupytp.autograd import engine
 from cupytp.ops.amp import parameters_changed, separate_casts
 from cupytp.distributed.process_group import CollectiveTimeoutError, split_sizes
+from cupytp.parallel.data_parallel import DataParallelModule, FSDPModule
 from cupytp.parallel.pipeline import schedules
 from cupytp.tensor import (
     DTensor, Microbatches, Partial, Replicated, Shard, default_generator, from_local)
@@ -90,6 +95,7 @@ class StepRun:
             pipe._shapes[signature] = self._learn_shapes()
         self.shapes = pipe._shapes[signature]
         self.x, self.out, self.deferred = {}, {}, {}
+        self.syncing = _last_backwards(self.schedule.actions[pipe.pp_rank])
         self.draws = {}               # stage -> its Microbatches of the default generator
         self.receiving = {}           # transfer (kind, stage, micro-batch) -> (Work, index)
         self.arrived = {}             # transfer -> its array, waited for
@@ -111,15 +117,22 @@ class StepRun:
         start, counts = default_generator.offset, self.shapes["draws"]
         for s in self.schedule.stages_of(pipe.pp_rank):
             self.draws[s] = Microbatches(default_generator, self.sizes, start + sum(counts[:s]))
-        batch = []
-        for action in actions:
-            if action.is_compute:
-                self._post(batch)
-                batch = []
-                self._compute(action)
-            else:
-                batch.append(action)
-        self._post(batch)
+        try:
+            if self.training:
+                for stage in pipe.stages:
+                    _gradient_sync(stage, False)
+            batch = []
+            for action in actions:
+                if action.is_compute:
+                    self._post(batch)
+                    batch = []
+                    self._compute(action)
+                else:
+                    batch.append(action)
+            self._post(batch)
+        finally:
+            for stage in pipe.stages:   # as the stages were (after a failed step as well)
+                _gradient_sync(stage, True)
         default_generator.offset = start + sum(counts)      # where the whole batch's pass ends
         for work in self.sending:
             work.wait()
@@ -134,10 +147,15 @@ class StepRun:
                schedules.BACKWARD_INPUT: self._backward_input,
                schedules.BACKWARD_WEIGHT: self._backward_weight}[action.kind]
         self._await_inputs(action)        # waiting for a peer is idle time, not the action's
+        if action in self.syncing:
+            _gradient_sync(self.pipe._stage[action.stage], True)
         start = self._now()
         with _named_errors(action.stage, self.pipe.pp_rank, _NAMES[action.kind],
                            action.microbatch):
             run(action.stage, action.microbatch)
+            if action in self.syncing and isinstance(self.pipe._stage[action.stage],
+                                                     DataParallelModule):
+                self.pipe._stage[action.stage].finish_gradient_sync()
         self.starts.append((start, action))
         if self.measure == "ticks":
             self.clock += schedules.COSTS[action.kind]
@@ -446,6 +464,25 @@ def _named_errors(stage, rank, what, microbatch):
     except Exception as err:
         raise PipelineError(f"stage {stage} (pp rank {rank}) failed in {what} of micro-batch "
                             f"{microbatch}: {type(err).__name__}: {err}") from err
+
+
+def _last_backwards(actions):
+    """Each stage's last action that computes weight gradients (B, or ZB-H1's W): the one whose
+    backward reduces the stage's gradients."""
+    last = {}
+    for action in actions:
+        if action.kind in (schedules.BACKWARD, schedules.BACKWARD_WEIGHT):
+            last[action.stage] = action
+    return set(last.values())
+
+
+def _gradient_sync(stage, sync):
+    """Whether the stage's next backward reduces its gradients and then frees the parameters a
+    fully sharded stage gathered (True), or only sums them and keeps those (False)."""
+    if isinstance(stage, DataParallelModule):
+        stage.set_requires_gradient_sync(sync)
+    if isinstance(stage, FSDPModule):
+        stage.set_reshard_after_backward(sync)
 
 
 _NAMES = {schedules.FORWARD: "the forward", schedules.BACKWARD: "the backward",

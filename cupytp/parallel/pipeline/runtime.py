@@ -23,7 +23,8 @@ DATA_PARALLEL = ("replicate", "fully_shard")
 
 
 def pipeline(model, mesh, dim="pp", schedule="1f1b", microbatches=1, virtual_stages=None,
-             layers=None, data_parallel="replicate", parts=None):
+             layers=None, data_parallel="replicate", parts=None, reshard_after_forward=False,
+             param_dtype=None):
     """Cut `model` into pipeline stages over mesh dimension `dim` and return the `Pipeline`
     holding this rank's stages; the model's other blocks are dropped on this rank.
 
@@ -34,11 +35,16 @@ def pipeline(model, mesh, dim="pp", schedule="1f1b", microbatches=1, virtual_sta
     or "zb_h1", or a Schedule; `microbatches` per step. `layers`: blocks per stage (default:
     balanced by parameter count). `data_parallel` on the mesh's "dp" dimension: "replicate"
     (each stage's gradients all-reduced in buckets by `replicate`) or "fully_shard" (each stage
-    sharded by `fully_shard`). Context parallelism composes: a model whose attention runs as a
-    ring (`ContextParallel(stage_mesh).apply(model)` first) gets each micro-batch's sequence in
-    the ring's order with its positions, and its gradients summed over "cp" as over "dp"."""
+    sharded by `fully_shard`); either reduces a stage's gradients once per step, in its last
+    backward. A fully sharded stage gathers its parameters (in `param_dtype`, default the
+    masters') once per step and keeps them until then; `reshard_after_forward=True` frees each
+    group after its forward instead (less memory, two all-gathers per group and micro-batch).
+    Context parallelism composes: a model whose
+    attention runs as a ring (`ContextParallel(stage_mesh).apply(model)` first) gets each
+    micro-batch's sequence in the ring's order with its positions, and its gradients summed
+    over "cp" as over "dp"."""
     return Pipeline(model, mesh, dim, schedule, microbatches, virtual_stages, layers,
-                    data_parallel, parts)
+                    data_parallel, parts, reshard_after_forward, param_dtype)
 
 
 class Pipeline(Module):
@@ -51,7 +57,7 @@ class Pipeline(Module):
     `pp_group` its ProcessGroup."""
 
     def __init__(self, model, mesh, dim, schedule, microbatches, virtual_stages, layers,
-                 data_parallel, parts):
+                 data_parallel, parts, reshard_after_forward, param_dtype):
         super().__init__()
         if dim not in mesh.dim_names:
             raise ValueError(f"pipeline: mesh {mesh} has no dimension {dim!r}; name the pipeline "
@@ -62,6 +68,9 @@ class Pipeline(Module):
         others = [d for d in mesh.dim_names if d != dim]
         if data_parallel == "fully_shard" and "dp" not in others:
             raise ValueError("pipeline: data_parallel='fully_shard' needs a 'dp' mesh dimension")
+        if data_parallel != "fully_shard" and (reshard_after_forward or param_dtype is not None):
+            raise ValueError("pipeline: reshard_after_forward and param_dtype are for "
+                             "data_parallel='fully_shard'")
         parts = parts if parts is not None else _parts_of(model)
         pp = mesh.size(dim)
         if not isinstance(schedule, schedules.Schedule):
@@ -94,7 +103,8 @@ class Pipeline(Module):
         holds_tie = self.pp_rank in (0, schedule.rank_of(schedule.stages - 1))
         set_(self, "_tied", [(t, t.placements) for t in tied] if holds_tie else [])
         for stage in stages.values():
-            _data_parallel(stage, self.stage_mesh, data_parallel)
+            _data_parallel(stage, self.stage_mesh, data_parallel, reshard_after_forward,
+                           param_dtype)
         own = {id(p) for p in self.parameters()}
         for tensor, _ in self._tied:    # the last stage's copy, none of its parameters, gets
             if id(tensor) not in own and is_deferred(tensor):   # its values every step: made
@@ -211,7 +221,7 @@ def _to_stage_mesh(tensor, stage_mesh):
     relayout(tensor, stage_mesh, (Replicated(),) * stage_mesh.ndim)
 
 
-def _data_parallel(stage, stage_mesh, mode):
+def _data_parallel(stage, stage_mesh, mode, reshard_after_forward, param_dtype):
     """The one place the pipeline applies data parallelism to a stage, over the stage mesh's
     "dp" and "cp" dimensions where it has them (each holds its own share of the batch's
     tokens): "replicate" (gradients all-reduced in buckets as backward completes them) or
@@ -219,7 +229,8 @@ def _data_parallel(stage, stage_mesh, mode):
     summed = tuple(d for d in ("dp", "cp") if d in stage_mesh.dim_names)
     if mode == "fully_shard":
         fully_shard(stage, stage_mesh, dim="dp",
-                    replicate_dim=tuple(d for d in summed if d != "dp") or None)
+                    replicate_dim=tuple(d for d in summed if d != "dp") or None,
+                    reshard_after_forward=reshard_after_forward, param_dtype=param_dtype)
     elif summed:
         replicate(stage, stage_mesh, dim=summed)
 
