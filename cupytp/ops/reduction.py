@@ -7,7 +7,7 @@ is reduced first under max.
 """
 import math
 
-from cupytp.launchers import has_kernel, is_device_array
+from cupytp.launchers import compute_dtype, has_kernel, is_device_array
 from cupytp.launchers.column_sum import column_sum
 from cupytp.ops.conversion import (
     Partial, Replicated, Shard, backend, convert, engine, fail, make)
@@ -52,15 +52,21 @@ def sum(x, dim=None, keepdim=False):
 
 
 def local_sum(v, dims, keepdim):
-    """xp.sum, except that a sum of a contiguous GPU float array over leading dimensions (a bias
-    gradient) runs as the column-sum kernel, many times faster than CuPy's strided reduction."""
+    """xp.sum, except that a sum of a contiguous float array over leading dimensions (a bias
+    gradient) runs as `column_sum`: on a GPU its kernel, many times faster than CuPy's strided
+    reduction, on the CPU its NumPy twin; both add 16-bit values in float32 and round once.
+    Other sums of 16-bit arrays on the CPU add in float32 too (NumPy's own sum of bfloat16
+    rounds every partial sum: a bias gradient over 2048 rows came out 5-20% off)."""
     lead = len(dims)
-    if not (is_device_array(v) and 0 < lead < v.ndim and dims == tuple(range(lead))
-            and has_kernel(v.dtype) and backend.c_contiguous(v)):
-        return backend.xp.sum(v, axis=dims, keepdims=keepdim)
-    rest = v.shape[lead:]
-    out = column_sum(v.reshape(-1, math.prod(rest)))
-    return out.reshape(((1,) * lead if keepdim else ()) + rest)
+    if 0 < lead < v.ndim and dims == tuple(range(lead)) and has_kernel(v.dtype) and \
+            backend.c_contiguous(v):
+        rest = v.shape[lead:]
+        out = column_sum(v.reshape(-1, math.prod(rest)))
+        return out.reshape(((1,) * lead if keepdim else ()) + rest)
+    if not is_device_array(v) and v.dtype.itemsize == 2 and has_kernel(v.dtype):
+        return backend.xp.sum(v, axis=dims, keepdims=keepdim,
+                              dtype=compute_dtype(v.dtype)).astype(v.dtype)
+    return backend.xp.sum(v, axis=dims, keepdims=keepdim)
 
 
 def leading_sum_placements(placements, ndim):

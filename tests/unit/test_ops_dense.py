@@ -106,6 +106,25 @@ def test_reductions(name, dim, keepdim):
     numpy.testing.assert_allclose(out, expected, rtol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("dim", [(0, 1), 1])
+def test_16_bit_sums_add_in_float32(dtype, dim):
+    """A sum of 16-bit values adds them in float32 and rounds once (the GPU's column-sum
+    kernel and its twin, or a float32 sum): 4096 values near 1 along the leading dimensions (a
+    bias gradient, whose sums a 16-bit accumulator stalls at 256), or along the middle one; the
+    engine's broadcast sums (the gradient of a bias added to (B, T, C)) alike."""
+    if backend.on_gpu and dim == 1:
+        pytest.skip("on a GPU a sum over other than leading dimensions is CuPy's")
+    x = numpy.abs(r(64, 64, 3)) + 0.5
+    low = backend.dtype(dtype)
+    expected = x.astype(low).astype(numpy.float64).sum(axis=dim)
+    got = value(ops.sum(dt(x.astype(low), grad=False), dim)).astype(numpy.float64)
+    numpy.testing.assert_allclose(got, expected, rtol=2 ** -7)
+    bias = dt(numpy.zeros(3).astype(low))
+    (dt(x.astype(low), grad=False) + bias).sum().backward()
+    numpy.testing.assert_allclose(value(bias.grad).astype(numpy.float64), numpy.full(3, 4096.0))
+
+
 def test_shape_ops():
     x = r(2, 3, 4)
     numpy.testing.assert_allclose(gradcheck(lambda v: v.reshape(6, 4), x), x.reshape(6, 4))
