@@ -10,9 +10,8 @@ tokens; a pipeline splits it into --microbatches), with bf16 autocast over fp32 
 clipping and AdamW, every step eager. Prints one RESULT line per run: tokens/s, ms per step, the
 pool's peak memory, and for a pipeline the bubble measured on one more step (the device
 synchronized around each action, so that step is slower; not timed) beside the schedule's
-simulated and theoretical bubbles. The fused sublayers compute their weights' gradients with
-their inputs', so ZB-H1's W actions hold little of a fused block's backward: `--no-fusion` runs
-the blocks as chains of ops, whose weight products wait for W.
+simulated and theoretical bubbles. `--no-fusion` runs the blocks as chains of ops (ZB-H1's W
+actions hold the weights' products either way).
 """
 import argparse
 import gc

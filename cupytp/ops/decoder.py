@@ -57,7 +57,7 @@ from cupytp.ops.elementwise import silu_mul
 from cupytp.ops.functional import (
     attention_setup, rms_norm, scaled_dot_product_attention, unpacked)
 from cupytp.ops.fused import (
-    _all_reduced, _bias_as, _grad_as, _input_backward, _input_info, _project, _recorded, _reduces,
+    _all_reduced, _bias_as, _grad_as, _input_grad, _input_info, _project, _recorded, _reduces,
     _rows, _weight_grads)
 from cupytp.ops.linalg import column_input, einsum, local_einsum, matmul
 from cupytp.ops.rotary import rotary
@@ -248,20 +248,25 @@ def _fused_mlp(x, residual, params, norm, plan):
         normed.out = None                       # made again in backward
     out = make(_project(swiglu(h), wd, None, residual, tp, None)[0], residual.mesh, residual.shape,
                residual.placements)
-    x_info = _input_info(x, x_local, normed)
+    x_info = _input_info(x, x_local, normed, tp)
     x_local = None if normed is not None else x_local
 
-    def grads_of(g):
+    def input_part(g):
         gy = _grad_as(g, h.dtype)
         dy = local_einsum("xz", "yz", "xy", gy, wd)                        # (rows, F')
         dh, y = swiglu_backward(h, dy, recompute=True)
+        dh = dh.reshape(dh.shape[0], -1)                                   # (rows, 2 F')
+        return _input_grad(dh, wgu2, x_info), (gy, dh, y)
+
+    def weight_part(state):
+        gy, dh, y = state
         gwd, _ = _weight_grads(y, gy, down_weight, None)
-        inputs = _read_again(x_local, normed)
-        gx, gwgu, gbgu = _input_backward(dh.reshape(dh.shape[0], -1), inputs, wgu2, x_info,
-                                         gate_up_weight, gate_up_bias, tp)
-        return (gx, None if gwgu is None else gwgu.reshape(wgu.shape),
+        inputs = _rows(_read_again(x_local, normed))
+        gwgu, gbgu = _weight_grads(inputs, dh, gate_up_weight, gate_up_bias)
+        return (None if gwgu is None else gwgu.reshape(wgu.shape),
                 None if gbgu is None else gbgu.reshape(gate_up_bias.local_shape), gwd)
-    return _recorded(out, (x, residual, *params), grads_of, "swiglu_mlp", placements, normed)
+    return _recorded(out, (x, residual, *params), input_part, weight_part, "swiglu_mlp",
+                     placements, normed)
 
 
 def _fused_attention(x, residual, params, rope, num_heads, num_kv_heads, norm, plan):
@@ -297,13 +302,12 @@ def _fused_attention(x, residual, params, rope, num_heads, num_kv_heads, norm, p
     a = o.transpose(0, 2, 1, 3).reshape(rows * t, heads * d)               # (B T, H' D)
     out = make(_project(a, wo, None, residual, tp, None)[0], residual.mesh, residual.shape,
                residual.placements)
-    x_info = _input_info(x, x_local, normed)
+    x_info = _input_info(x, x_local, normed, tp)
     x_local = None if normed is not None else x_local
 
-    def grads_of(g):
+    def input_part(g):
         gy = _grad_as(g, a.dtype)
         ga = local_einsum("xz", "yz", "xy", gy, wo)                        # (B T, H' D)
-        gwo, _ = _weight_grads(a, gy, o_weight, None)
         dq, dkv = xp.empty_like(q), xp.empty_like(kv)
         dq4, dkv5 = dq.reshape(q4.shape), dkv.reshape(kv5.shape)
         do = ga.reshape(rows, t, heads, d).astype(o.dtype, copy=False).transpose(0, 2, 1, 3)
@@ -312,21 +316,31 @@ def _fused_attention(x, residual, params, rope, num_heads, num_kv_heads, norm, p
                                    groups=groups)
         rotary_kernel.rotary(dq4, cos, sin, start, inverse=True, out=dq4)
         rotary_kernel.rotary(dkv5[:, :, 0], cos, sin, start, inverse=True, out=dkv5[:, :, 0])
+        return _attention_input_grad(dq, dkv, wq, wkv2, x_info, normed is not None), \
+            (gy, dq, dkv)
+
+    def weight_part(state):
+        gy, dq, dkv = state
+        gwo, _ = _weight_grads(a, gy, o_weight, None)
         inputs = _rows(_read_again(x_local, normed))
-        needed, dtype, layout = x_info
-        gx = reducing = None
-        if needed:      # dq wq^T + dkv wkv^T, the second adding the first in its epilogue,
-            wide = compute_dtype(dtype)                 # both unrounded (the norm takes fp32)
-            first = local_einsum("xz", "yz", "xy", dq, wq, wide)
-            gx = matmul_bias(dkv, wkv2.T, None, first)
-            gx = gx.reshape(rows, t, gx.shape[-1])
-            gx = gx if normed is not None else converted(gx, dtype)
-            if _reduces(tp, layout.mesh):
-                reducing = _all_reduced(gx, tp, layout, async_op=True)
         gwq, gbq = _weight_grads(inputs, dq, q_weight, q_bias)
         gwkv, gbkv = _weight_grads(inputs, dkv, kv_weight, kv_bias)
-        gx = gx if reducing is None else reducing.wait()
-        return (gx, gwq, gbq, None if gwkv is None else gwkv.reshape(wkv.shape),
+        return (gwq, gbq, None if gwkv is None else gwkv.reshape(wkv.shape),
                 None if gbkv is None else gbkv.reshape(kv_bias.local_shape), gwo)
-    return _recorded(out, (x, residual, *params), grads_of, "grouped_attention", placements,
-                     normed)
+    return _recorded(out, (x, residual, *params), input_part, weight_part,
+                     "grouped_attention", placements, normed)
+
+
+def _attention_input_grad(dq, dkv, wq, wkv2, x, normed):
+    """`fused._input_grad` for attention's two products: dq wq^T + dkv wkv^T, the second adding
+    the first in its epilogue, both unrounded where a norm's backward follows (it takes
+    fp32)."""
+    needed, dtype, layout, tp = x
+    if not needed:
+        return lambda: None
+    first = local_einsum("xz", "yz", "xy", dq, wq, compute_dtype(dtype))
+    gx = matmul_bias(dkv, wkv2.T, None, first).reshape(layout.local_shape)
+    gx = gx if normed else converted(gx, dtype)
+    if not _reduces(tp, layout.mesh):
+        return lambda: gx
+    return _all_reduced(gx, tp, layout, async_op=True).wait

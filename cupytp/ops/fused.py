@@ -231,20 +231,20 @@ def _weight_grads(x, g, weight, bias):
     return local_einsum("xy", "xz", "yz", x, g, weight.dtype), None
 
 
-def _input_backward(g, x_local, w, x, weight, bias, tp):
-    """(x's gradient, the first weight's, its bias's) of the first product x_local @ w (+ bias)
-    given its output's gradient g (rows, N); `x`: (requires a gradient?, dtype, layout) of the
-    input; `bias` None where the bias's gradient comes from elsewhere. x's gradient is
-    all-reduced along `tp` while the weight's is computed."""
-    needed, dtype, layout = x
-    gx = reducing = None
-    w = w.reshape(w.shape[0], -1)
-    if needed:
-        gx = local_einsum("xz", "yz", "xy", g, w, dtype).reshape(x_local.shape)
-        if _reduces(tp, layout.mesh):
-            reducing = _all_reduced(gx, tp, layout, async_op=True)
-    gw, gb = _weight_grads(_rows(x_local), g, weight, bias)
-    return (gx if reducing is None else reducing.wait()), gw, gb
+def _input_grad(g, w, x):
+    """A function giving x's local gradient through the first product x_local @ w, from its
+    output's gradient g (rows, N); `x`: (requires a gradient?, dtype, layout, tp) of the input
+    (None where none is needed). Where tensor parallelism splits the product, x's gradient is
+    all-reduced along `tp`: started here, waited for when the function is called, so that the
+    weights' products run meanwhile."""
+    needed, dtype, layout, tp = x
+    if not needed:
+        return lambda: None
+    gx = local_einsum("xz", "yz", "xy", g, w.reshape(w.shape[0], -1), dtype)
+    gx = gx.reshape(layout.local_shape)
+    if not _reduces(tp, layout.mesh):
+        return lambda: gx
+    return _all_reduced(gx, tp, layout, async_op=True).wait
 
 
 def _grad_as(g, dtype):
@@ -252,34 +252,56 @@ def _grad_as(g, dtype):
     return _rows(g if g.dtype == dtype else converted(g, dtype))
 
 
-def _recorded(out, inputs, grads_of, name, placements, normed):
-    """`out` with the fused node recorded: `grads_of(g)` gives the local gradients of the first
-    product's input and the four parameters (None where not needed), the residual's is the
-    output's; `placements`: the parameters' (and the norm's) gradient placements; `normed`: the
-    _Norm in front, or None. The closure keeps layouts, not x or the residual (the residual
-    stream is not held for backward)."""
+def _recorded(out, inputs, input_part, weight_part, name, placements, normed):
+    """`out` with the fused node recorded. Its backward has two parts: `input_part(g)` gives,
+    from the output's local gradient g, a function returning the first product's input
+    gradient (None where none is needed; see `_input_grad`) and the state from which
+    `weight_part(state)` gives the parameters' local gradients (None where not needed); the
+    residual's gradient is the output's, and the norm's backward follows x's. A whole backward
+    runs the weights' products while x's gradient is all-reduced; a split one (the node
+    `splits`: ZB-H1's I and W) gives x's and the residual's gradients, and computes the norm's
+    parameters' with them, when those are asked for, and runs the weights' products only when
+    the parameters' gradients are. `placements`: the parameters' (and the norm's) gradient
+    placements; `normed`: the _Norm in front, or None. The closure keeps layouts, not x or the
+    residual (the residual stream is not held for backward)."""
     x, residual, *params = inputs
     x_layout, layout, residual_needed = x.layout, residual.layout, residual.requires_grad
     strict, joined, x_dtype = range(layout.mesh.ndim), x is residual, x.dtype
     norms = () if normed is None else normed.params
     inputs = inputs + norms
+    owed = []      # a split backward's later part: (its first part's gradients, the state)
 
-    def backward(g):
-        g = linear_grad(g, layout.placements, strict=strict)
-        gx, *grads = grads_of(g._local)
-        g_residual = g if residual_needed else None
+    def first_part(g, gx):
+        """[x's gradient, the residual's] and the norm's parameters' local gradients, from g
+        and x's local gradient gx (before the norm's backward)."""
+        g_residual, norm_grads = (g if residual_needed else None), []
         if normed is not None:
             add = g._local if joined and residual_needed and g.dtype == x_dtype and \
                 backend.c_contiguous(g._local) else None
             gx, *norm_grads = normed.backward(gx, add)
-            grads += norm_grads
             g_residual = None if add is not None else g_residual
-        return (None if gx is None else make(gx, x_layout.mesh, x_layout.shape,
-                                             x_layout.placements),
-                g_residual,
-                *[None if local is None else make(local, p.mesh, p.shape, grad_placements)
-                  for local, p, grad_placements in zip(grads, params + list(norms), placements)])
-    return engine.record(out, inputs, backward, name)
+        gx = None if gx is None else make(gx, x_layout.mesh, x_layout.shape, x_layout.placements)
+        return [gx, g_residual], norm_grads
+
+    def made(weight_grads, norm_grads):
+        return [None if local is None else make(local, p.mesh, p.shape, grad_placements)
+                for local, p, grad_placements in zip(list(weight_grads) + norm_grads,
+                                                     params + list(norms), placements)]
+
+    def backward(g, needs=None):
+        if owed:                                    # the parameters' part of a split backward
+            (first, norm_grads), state = owed.pop()
+            return (*first, *made(weight_part(state), norm_grads))
+        g = linear_grad(g, layout.placements, strict=strict)
+        gx_of, state = input_part(g._local)
+        later = needs is not None and not any(needs[2:])
+        weight_grads = None if later else weight_part(state)
+        first = first_part(g, gx_of())
+        if later:
+            owed.append((first, state))
+            return (*first[0], *[None] * (len(params) + len(norms)))
+        return (*first[0], *made(weight_grads, first[1]))
+    return engine.record(out, inputs, backward, name, splits=True)
 
 
 def mlp_residual(x, residual, fc_weight, fc_bias, proj_weight, proj_bias, norm=None,
@@ -308,24 +330,30 @@ def mlp_residual(x, residual, fc_weight, fc_bias, proj_weight, proj_bias, norm=N
     out = make(local, residual.mesh, residual.shape, residual.placements)
     if not saved:
         return out
-    x_info = _input_info(x, x_local, normed)
+    x_info = _input_info(x, x_local, normed, tp)
 
-    def grads_of(g):
+    def input_part(g):
         gy = _grad_as(g, u.dtype) if drop is None else drop.backward(g, mask, u.dtype)
-        gw2, gb2 = _weight_grads(u, gy, proj_weight, proj_bias)
         needs_b1 = fc_bias is not None and fc_bias.requires_grad
-        dh, gb1 = matmul_gelu_grad(gy, w2.T, pre, needs_b1)
-        gx, gw1, _ = _input_backward(dh, x_local, w1, x_info, fc_weight, None, tp)
-        return gx, gw1, gb1 if gb1 is None else gb1.astype(fc_bias.dtype, copy=False), gw2, gb2
-    return _recorded(out, (x, residual, *params), grads_of, "mlp_residual", placements, normed)
+        dh, gb1 = matmul_gelu_grad(gy, w2.T, pre, needs_b1)     # gb1 in dh's epilogue
+        return _input_grad(dh, w1, x_info), (gy, dh, gb1)
+
+    def weight_part(state):
+        gy, dh, gb1 = state
+        gw2, gb2 = _weight_grads(u, gy, proj_weight, proj_bias)
+        gw1, _ = _weight_grads(_rows(x_local), dh, fc_weight, None)
+        return gw1, gb1 if gb1 is None else gb1.astype(fc_bias.dtype, copy=False), gw2, gb2
+    return _recorded(out, (x, residual, *params), input_part, weight_part, "mlp_residual",
+                     placements, normed)
 
 
-def _input_info(x, x_local, normed):
-    """(is the first product's input gradient needed, its dtype, x's layout): with a norm in
-    front, the gradient of the norm's output, in the products' dtype."""
+def _input_info(x, x_local, normed, tp):
+    """(is the first product's input gradient needed, its dtype, x's layout, the
+    tensor-parallel mesh dim or None): with a norm in front, the gradient of the norm's output,
+    in the products' dtype."""
     if normed is None:
-        return x.requires_grad, x.dtype, x.layout
-    return True, x_local.dtype, x.layout
+        return x.requires_grad, x.dtype, x.layout, tp
+    return True, x_local.dtype, x.layout, tp
 
 
 def _bias_as(bias, dtype):
@@ -378,18 +406,22 @@ def attention_residual(x, residual, qkv_weight, qkv_bias, proj_weight, proj_bias
     out = make(local, residual.mesh, residual.shape, residual.placements)
     if not saved:
         return out
-    x_info = _input_info(x, x_local, normed)
+    x_info = _input_info(x, x_local, normed, tp)
 
-    def grads_of(g):
+    def input_part(g):
         gy = _grad_as(g, a.dtype) if drop is None else drop.backward(g, mask, a.dtype)
         ga = local_einsum("xz", "yz", "xy", gy, wp)
-        gwp, gbp = _weight_grads(a, gy, proj_weight, proj_bias)
         grad = backend.xp.empty_like(qkv)
         do = ga.reshape(rows, t, heads, d).astype(o.dtype, copy=False).transpose(0, 2, 1, 3)
         kernels.attention_backward(*views, o, lse, do, True, scale, attention_drop,
                                    grads=unpacked(grad.reshape(rows, t, 3, heads, d)))
-        gx, gwq, gbq = _input_backward(grad, x_local, wq, x_info, qkv_weight, qkv_bias, tp)
-        return (gx, None if gwq is None else gwq.reshape(wq.shape),
+        return _input_grad(grad, wq, x_info), (gy, grad)
+
+    def weight_part(state):
+        gy, grad = state
+        gwp, gbp = _weight_grads(a, gy, proj_weight, proj_bias)
+        gwq, gbq = _weight_grads(_rows(x_local), grad, qkv_weight, qkv_bias)
+        return (None if gwq is None else gwq.reshape(wq.shape),
                 None if gbq is None else gbq.reshape(qkv_bias.local_shape), gwp, gbp)
-    return _recorded(out, (x, residual, *params), grads_of, "attention_residual", placements,
-                     normed)
+    return _recorded(out, (x, residual, *params), input_part, weight_part,
+                     "attention_residual", placements, normed)

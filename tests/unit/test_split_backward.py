@@ -56,15 +56,21 @@ def test_two_parts_give_what_one_backward_gives(fused, recompute):
         numpy.testing.assert_array_equal(g, e)
 
 
-def test_weight_products_run_only_in_the_deferred_part(monkeypatch):
-    """With the chain of ops (no fused sublayers), every weight's gradient product waits:
-    the first part computes none of them."""
-    with ops.fusion(False):
+@pytest.mark.parametrize("fused", [False, True])
+def test_weight_products_run_only_in_the_deferred_part(fused):
+    """As chains of ops or as fused sublayers, every weight's gradient product waits: the
+    first part computes none of them. A fused sublayer (the MLP: float64 attention runs its
+    chain) gives all its parameters, its LayerNorm's too, their gradients in the deferred
+    part."""
+    with ops.fusion(fused):
         model, x, w, loss = blocks()
         deferred = engine.backward(loss, one(), inputs=[x])
     matrices = [p for name, p in model.named_parameters() if name.endswith("weight")
                 and p.ndim >= 2] + [w]
     assert all(p.grad is None for p in matrices)
+    if fused:
+        mlps = [p for block in model for p in block.mlp.parameters() + block.ln_2.parameters()]
+        assert all(p.grad is None for p in mlps)
     assert x.grad is not None
     deferred.run()
     assert all(p.grad is not None for p in matrices)
