@@ -21,19 +21,16 @@ registered, a call costs one list test.
 """
 import functools
 import inspect
-import time
 
 import numpy
 
 from cupytp import backend, env
+from cupytp.distributed import host
+from cupytp.distributed.host import CollectiveTimeoutError  # noqa: F401 (raised by the groups)
 
 REDUCE_OPS = frozenset(("sum", "avg", "max", "min", "prod"))
 SUPPORTED_DTYPES = frozenset(backend.dtype(name) for name in
                              ("bf16", "fp16", "fp32", "fp64", "int32", "int64", "uint8"))
-
-
-class CollectiveTimeoutError(RuntimeError):
-    """A collective did not complete within the group's timeout."""
 
 
 def default_timeout():
@@ -506,13 +503,17 @@ class ProcessGroup:
             backend.synchronize()
 
     def broadcast_object(self, obj, src=0):
-        """A small picklable object from rank `src` to all ranks (host, over MPI)."""
+        """A small picklable object from rank `src` to all ranks (host, over MPI, under the
+        group's timeout)."""
         self._check_peer("broadcast_object", src)
-        return self.host_comm.bcast(obj, root=src) if self.size > 1 else obj
+        return host.broadcast_object(self.host_comm, obj, src, self.timeout,
+                                     self.describe("broadcast_object"))
 
     def all_gather_object(self, obj):
-        """Every rank's small picklable object, in group order (host, over MPI)."""
-        return self.host_comm.allgather(obj) if self.size > 1 else [obj]
+        """Every rank's small picklable object, in group order (host, over MPI, under the
+        group's timeout)."""
+        return host.all_gather_object(self.host_comm, obj, self.timeout,
+                                      self.describe("all_gather_object"))
 
     def send_object(self, obj, dst):
         """Send a small picklable object to rank `dst` (host, over MPI, not waiting for it to
@@ -594,18 +595,9 @@ _OBJECT_TAG = 7501         # host messages of send_object / recv_object
 
 
 def poll(test, group, op):
-    """Call `test()` until it returns True, yielding the core between tries (other ranks may
-    share it); past the group's timeout, a CollectiveTimeoutError naming `op`."""
-    deadline = time.monotonic() + group.timeout
-    spins = 0
-    while not test():
-        spins += 1
-        if spins > 64:  # let other ranks on the same cores run
-            time.sleep(1e-5 if spins < 4096 else 1e-3)
-        if time.monotonic() > deadline:
-            raise CollectiveTimeoutError(
-                f"{group.describe(op)} did not complete within {group.timeout:g} s "
-                "(CUPYTP_TIMEOUT): a rank skipped it, called another collective, or is stuck")
+    """Call `test()` until it returns True; past the group's timeout, a CollectiveTimeoutError
+    naming `op` on the group."""
+    host.poll(test, group.timeout, group.describe(op))
 
 
 def _object_pending(request, group, op, received=None):

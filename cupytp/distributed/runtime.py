@@ -12,6 +12,7 @@ import traceback
 from dataclasses import dataclass
 
 from cupytp import backend, memory
+from cupytp.distributed import host
 from cupytp.distributed.process_group import add_observer, debug_enabled, default_timeout
 
 ABORT_GRACE = 1.0       # seconds between printing an uncaught error and aborting the job
@@ -105,18 +106,26 @@ def world_comm():
 
 
 def all_gather_object(obj):
-    """Every rank's small picklable `obj`, in rank order, on every rank (host, over MPI)."""
-    return world_comm().allgather(obj)
+    """Every rank's small picklable `obj`, in rank order, on every rank (host, over MPI, under
+    the timeout)."""
+    return host.all_gather_object(world_comm(), obj, _runtime.timeout,
+                                  _over_world("all_gather_object"))
 
 
 def broadcast_object(obj, src=0):
-    """Rank `src`'s small picklable `obj` on every rank (host, over MPI)."""
-    return world_comm().bcast(obj, root=src)
+    """Rank `src`'s small picklable `obj` on every rank (host, over MPI, under the timeout)."""
+    return host.broadcast_object(world_comm(), obj, src, _runtime.timeout,
+                                 _over_world("broadcast_object"))
 
 
 def barrier():
-    """Return once every rank of the job has called barrier() (host only: no device work)."""
-    world_comm().Barrier()
+    """Return once every rank of the job has called barrier() (host only: no device work;
+    under the timeout)."""
+    host.barrier(world_comm(), _runtime.timeout, _over_world("barrier"))
+
+
+def _over_world(op):
+    return f"{op} over the world ({_runtime.world_size} ranks, this is rank {_runtime.rank})"
 
 
 def self_group():
@@ -144,7 +153,8 @@ def new_group(color, key, name):
     the earlier one: one communicator per set of ranks.
     """
     info = get_runtime()
-    sub = _world_comm.Split(color, key)
+    host.barrier(_world_comm, info.timeout, _over_world(f"creating process group {name!r}"))
+    sub = _world_comm.Split(color, key)     # every rank is here: the split cannot wait forever
     ranks = tuple(sub.allgather(info.rank))
     if ranks in _groups:
         sub.Free()

@@ -8,11 +8,11 @@ from cupytp import backend
 from launch import enough_devices, mpiexec, under_mpiexec
 
 
-def hanging_job(script):
-    """The output of a 2-rank job of `script` with a 2 s timeout, checked to have failed soon
-    after the timeout with the timeout's error."""
+def hanging_job(script, *args):
+    """The output of a 2-rank job of `script` (with `args`) with a 2 s timeout, checked to have
+    failed soon after the timeout with the timeout's error."""
     start = time.monotonic()
-    result = mpiexec(2, [script], timeout=120, env={"CUPYTP_TIMEOUT": "2"})
+    result = mpiexec(2, [script, *args], timeout=120, env={"CUPYTP_TIMEOUT": "2"})
     output = result.stdout + result.stderr
     assert result.returncode != 0, output
     assert "did not complete within 2 s" in output, output
@@ -24,6 +24,18 @@ def hanging_job(script):
 def test_skipped_collective_ends_job_with_error():
     output = hanging_job("tests/scripts/skip_collective.py")
     assert "all_reduce on group 'world'" in output, output
+
+
+@pytest.mark.skipif(under_mpiexec(), reason="launches its own mpiexec job")
+@pytest.mark.parametrize("exchange,named", [
+    ("all_gather_object", "all_gather_object on group 'world'"),
+    ("broadcast_object", "broadcast_object over the world (2 ranks"),
+    ("mesh", "creating process group")])
+def test_skipped_host_exchange_ends_job_with_error(exchange, named):
+    """Objects gathered or broadcast on the host, and the creation of a mesh's groups, run
+    under the same timeout as the collectives."""
+    output = hanging_job("tests/scripts/skip_host_exchange.py", exchange)
+    assert named in output, output
 
 
 @pytest.mark.skipif(under_mpiexec(), reason="launches its own mpiexec job")
