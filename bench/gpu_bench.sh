@@ -3,7 +3,7 @@
 # from the shared anchors folder into .carry/anchors, named in the device tool's carry), in the
 # same call; the anchors do not clip gradients, so neither do these runs.
 # Usage: bench/gpu_bench.sh [check] [comm] [train1] [train2] [train] [host] [fsdp] [ddp] [build]
-# [small] [eval] [dropout] [targets] [profile] [profile2] [profile3] [pipeline] [long] (default: train
+# [small] [eval] [dropout] [targets] [profile] [profile2] [profile3] [pipeline] [long] [cp] (default: train
 # host; train = train1 train2, the 1-GPU and the TP=2 pairs; fsdp: fully_shard beside PyTorch FSDP2 with bf16
 # parameters and fp32 reduction, untied models; ddp: replicated data parallelism of 124M
 # (scaling over one GPU, share of the all-reduce hidden) beside PyTorch DDP; build: the
@@ -17,7 +17,8 @@
 # schedule at pp=2 beside tp=2 and fully_shard over 2 GPUs on a 24 x 2048 GPT, with the
 # schedules' measured and theoretical bubbles; long: one GPU, peak memory and activation memory
 # per token at T = 16k and 32k of 124M with and without recompute and of the Llama 1B shape with
-# it, the PyTorch SDPA model of the same shape beside, drawn into $OUT/long_context.png). A
+# it, the PyTorch SDPA model of the same shape beside, drawn into $OUT/long_context.png; cp: two
+# GPUs, the longest sequence and tokens/s of 124M with recompute at cp=1 and cp=2). A
 # cuDNN frontend wheel carried in .carry/wheels is installed first (the machines have no
 # internet), so that attention can run through cuDNN. Logs under $OUT; the last thing printed is
 # the table of bench/compare.py.
@@ -173,6 +174,13 @@ for part in $what; do
           --anchor-timeout 90 --T 8192,16384,32768
       grep -h -e ^RESULT -e ^ANCHOR -e ^PEAK -e ^SLOPE "$out"/long_*.log | tee "$out/long.txt"
       python3 bench/plot_benchmarks.py long "$out/long.txt" --out "$out/long_context.png" ;;
+    cp)     # two GPUs: context parallelism's targets. 124M with recompute, one sequence per
+            # step, on one GPU (cp=1) and on both (cp=2) at doubling lengths: the longest each
+            # trains (an OOM line past it) and tokens/s where both run
+      lc="python3 bench/long_context.py --model 124M --recompute --steps 3 --warmup 1"
+      run long_cp1 timeout 280 mpiexec -n 1 $lc --T 16384,32768,65536,131072,262144
+      run long_cp2 timeout 280 mpiexec -n 2 $lc --cp 2 --T 16384,32768,65536,131072,262144,524288
+      grep -h ^RESULT "$out"/long_cp1.log "$out"/long_cp2.log | tee "$out/cp.txt" ;;
     host)   # the eager tiny step in HOST_ROUNDS rounds (default 5), ours and PyTorch's taking
             # turns, so that both meet the machine's spells of host noise; the median round counts
       ours=(); theirs=()

@@ -101,7 +101,7 @@ def column_sum_numpy(x, y=None, dtype=None):
     end."""
     _check(_signature(x), _signature(y))
     compute = compute_dtype(x.dtype)
-    v = x.astype(compute)
+    v = x.astype(compute, copy=False)
     if y is not None:
         v = v * y.astype(compute)
     v = v.reshape(-1, x.shape[-1] if x.ndim else 1)
