@@ -74,16 +74,24 @@ def _direct_ok(current, target, mesh_dim, dims):
 
 def redistribute(x, placements, async_op=False):
     """`x` (a DTensor) with `placements`, one per mesh dimension; its backward redistributes
-    the gradient back to x's placements (Partial made Replicated). With `async_op=True`, a Work
-    whose wait() gives the DTensor."""
+    the gradient back to x's placements (Partial made Replicated) along the mesh dimensions
+    this changed; along the others a Partial gradient of a Replicated x stays Partial (lazy
+    reduction: a batch's sum over data-parallel ranks is reduced where something needs it, by
+    the data-parallel engine for a parameter). With `async_op=True`, a Work whose wait() gives
+    the DTensor."""
     source = x.layout
     local, layout = redistribute_local(x._local, source, placements, async_op)
+    back = grad_placements(source.placements)
+    kept = tuple(before == after and not before.is_shard()
+                 for before, after in zip(source.placements, placements))
 
     def backward(g):
         if any(p.is_partial() and p.op != "sum" for p in source.placements):
             raise RuntimeError("no gradient through the reduction of a Partial(max) value; "
                                "detach() it (as cross_entropy does with its max)")
-        return (redistribute(g, grad_placements(source.placements)),)
+        target = tuple(p if keep and p == Partial() else b
+                       for p, b, keep in zip(g.placements, back, kept))
+        return (redistribute(g, target),)
 
     def finish(local):
         return engine.record(type(x)._make(local, layout), (x,), backward, "redistribute")

@@ -1,8 +1,11 @@
-"""Every redistribute transition, forward and backward, on 1-D and 2-D meshes, uneven sizes."""
+"""Every redistribute transition, forward and backward, on 1-D and 2-D meshes, uneven sizes;
+a Partial gradient along a mesh dimension the redistribution left alone stays Partial."""
 import numpy
 import pytest
 
+import cupytp
 from cupytp import backend
+from cupytp.debug import CommTracer
 from cupytp.tensor import Partial, Replicated, Shard
 from dense_reference import full, lay_out, placements_for, rng_array
 
@@ -51,3 +54,22 @@ def test_partial_max(mesh1d):
     m = x.max(1)
     assert m.placements == (Partial("max"),)
     numpy.testing.assert_allclose(full(m), value.max(1), rtol=1e-13)
+
+
+def test_a_partial_gradient_stays_partial_where_nothing_changed(world):
+    """x Replicated on a (dp, tp) mesh, redistributed along tp alone, meets a batch sharded along
+    dp: its gradient comes back as each dp rank's sum, Partial along dp, with no dp collective
+    in the backward (a parameter's is reduced by the data-parallel engine, with the others),
+    and right."""
+    if world.world_size % 2:
+        pytest.skip("needs an even number of ranks")
+    mesh = cupytp.DeviceMesh((2, world.world_size // 2), ("dp", "tp"))
+    value, weights = rng_array((6, 4), 4), rng_array((4, 6, 4), 5)
+    x = lay_out(value, mesh, (Replicated(), Replicated()), requires_grad=True)
+    y = x.redistribute((Replicated(), Shard(0)))
+    with CommTracer() as tracer:
+        (y * lay_out(weights, mesh, (Shard(0), Replicated()))).sum().backward()
+    dp = mesh.get_process_group("dp").name
+    assert not [r for r in tracer.rows() if r.group == dp and r.phase == "backward"]
+    assert x.grad.placements == (Partial(), Replicated())
+    numpy.testing.assert_allclose(full(x.grad), weights.sum(0), rtol=1e-13, atol=1e-13)
