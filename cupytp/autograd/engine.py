@@ -167,12 +167,14 @@ def _topological_order(roots, done=None):
     return order[::-1]
 
 
-def queue_callback(callback):
+def queue_callback(callback, once=False):
     """Run `callback()` once the backward pass in progress has handed out its last gradient
-    (before backward() returns). Called from a node's backward."""
+    (before backward() returns). Called from a node's backward. `once`: unless this pass has
+    queued it already."""
     if not in_backward():
         raise RuntimeError("queue_callback outside a backward pass")
-    _state.callbacks.append(callback)
+    if not (once and callback in _state.callbacks):
+        _state.callbacks.append(callback)
 
 
 def backward(root, grad, inputs=None):

@@ -20,9 +20,10 @@ stream: the vocab-parallel embeddings reduce-scatter their output on the sequenc
 the layout rules: a column-parallel product all-gathers its sequence-sharded input (its
 gradient reduce-scattered back), a row-parallel output is reduce-scattered into the
 sequence-sharded residual (Partial → Shard), and a norm's weight gradient, Partial along tp,
-is all-reduced when accumulated (every plan marks the parameters Replicated along tp:
-`reduce_grad_over`; so are those of key/value heads kept whole on every rank). The same bytes
-move as without it.
+is all-reduced there (every plan marks the parameters Replicated along tp: `reduce_grad_over`;
+so are those of key/value heads kept whole on every rank): at the end of the backward pass,
+all of them in one flat all-reduce, or, under replicated data parallelism, in its buckets,
+reduced over tp and dp together. The same bytes move as without it.
 """
 from fnmatch import fnmatchcase
 
@@ -53,16 +54,22 @@ def relayout(tensor, mesh, placements):
     tensor.layout = layout
 
 
-def _apply_style(module, name, mesh, style, sequence_parallel=False):
+def _apply_style(module, name, mesh, style, sequence_parallel=False, inside=None):
+    """Lay `module` out by `style`. `inside`: a set, for a child of a module laid out by its own
+    plan, that collects the ids of the tensors it keeps whole ("replicate"): in a split layer
+    their gradients are Partial along tp (each rank's share: key/value heads kept whole)."""
     if style not in STYLES:
         raise ValueError(f"plan style {style!r} for {name!r} is not one of {STYLES}")
     if style == "auto":
         if not hasattr(module, "parallel_plan"):
             raise ValueError(f"{name!r} ({type(module).__name__}) has no plan of its own: give "
                              "it a style such as 'colwise' or 'rowwise'")
+        whole = set()
         for child, child_style in module.parallel_plan().items():
             _apply_style(getattr(module, child), f"{name}.{child}", mesh, child_style,
-                         sequence_parallel)
+                         sequence_parallel, whole)
+        if inside is not None:
+            inside.update(whole)
     else:
         layout = getattr(module, "parallel_layout", None)
         try:
@@ -75,6 +82,8 @@ def _apply_style(module, name, mesh, style, sequence_parallel=False):
         for tensor, placement in zip(tensors, placements):
             if tensor is not None:
                 relayout(tensor, mesh, tp_placements(mesh, placement))
+                if style == "replicate" and inside is not None:
+                    inside.add(id(tensor))
         if style == "vocab":
             module.sequence_parallel = sequence_parallel
     if isinstance(module, DAttention):
@@ -91,17 +100,18 @@ def parallelize_module(model, mesh, plan, sequence_parallel=False):
     for _, tensor in list(model.named_parameters()) + list(model.named_buffers()):
         relayout(tensor, mesh, replicated)
     modules = list(model.named_modules())
+    whole = set()                   # kept whole inside a split layer
     for pattern, style in plan.items():
         matched = [(name, module) for name, module in modules if fnmatchcase(name, pattern)]
         if not matched:
             raise ValueError(f"plan entry {pattern!r} matches no module; module names look like "
                              f"{[name for name, _ in modules[1:4]]}")
         for name, module in matched:
-            _apply_style(module, name, mesh, style, sequence_parallel)
+            _apply_style(module, name, mesh, style, sequence_parallel, whole)
     tp = tp_dim(mesh)           # a parameter replicated along tp may meet activations split
     for p in model.parameters():    # there (sequence parallelism; key/value heads kept whole):
         if p.placements[tp].is_replicated():    # its Partial gradient is TP's to reduce
-            reduce_grad_over(p, (tp,))
+            reduce_grad_over(p, (tp,), partial=sequence_parallel or id(p) in whole)
     return model
 
 

@@ -15,6 +15,7 @@ import numpy
 from cupytp import backend
 from cupytp.autograd import engine
 from cupytp.tensor.deferred import is_deferred
+from cupytp.tensor.layout import Layout
 from cupytp.tensor.placement import Replicated, describe
 from cupytp.tensor.redistribute import grad_placements, redistribute, redistribute_local
 
@@ -173,8 +174,13 @@ class DTensor:
         target = leaf_grad_placements(self.placements, grad.placements, self.mesh.shape)
         reduced = _grad_reductions.get(id(self))
         if reduced is not None and reduced[0]() is self:
-            target = tuple(grad_placements((t,))[0] if d in reduced[1] else t
-                           for d, t in enumerate(target))
+            if engine.in_backward():        # reduced at the end of the pass, with the others
+                if any(target[d].is_partial() for d in reduced[1]):
+                    _pending_reductions.append(self)
+                    engine.queue_callback(_reduce_pending, once=True)
+            else:
+                target = tuple(grad_placements((t,))[0] if d in reduced[1] else t
+                               for d, t in enumerate(target))
         if self.grad is not None and self.grad.placements != target:
             target = _either_partial(target, self.grad.placements)
             if self.grad.placements != target:      # Replicated -> Partial: no data moves
@@ -221,18 +227,64 @@ def set_grad_sink(tensor, sink):
 _grad_reductions = {}   # id(tensor) -> (weak ref to it, mesh dims its Partial gradients leave)
 
 
-def reduce_grad_over(tensor, dims):
-    """Reduce `tensor`'s Partial gradient contributions along mesh dims `dims` (indices) as they
-    are accumulated: the conjugate collective of a layout in which a replicated parameter meets
-    activations sharded there (sequence parallelism's norms and biases along tp), chosen by the
-    plan that makes that layout (`cupytp.parallel`). Partial contributions along other dims stay
-    Partial for the data-parallel engine; a gradient sink takes precedence."""
+def reduce_grad_over(tensor, dims, partial=False):
+    """Reduce `tensor`'s Partial gradient along mesh dims `dims` (indices): the conjugate
+    collective of a layout in which a replicated parameter meets activations sharded there
+    (sequence parallelism's norms and biases along tp), chosen by the plan that makes that
+    layout (`cupytp.parallel`). Contributions of a backward pass stay Partial until the pass
+    ends; then every such gradient of one layout is reduced in one collective, through a flat
+    buffer (`_reduce_pending`). Partial contributions along other dims stay Partial for the
+    data-parallel engine; a gradient sink takes precedence. `partial`: the plan's layout makes
+    every contribution Partial along `dims`, so a data-parallel engine reduces them there
+    together with its own dims, in its buckets (`grad_reduction`)."""
     key = id(tensor)
 
     def forget(ref):
         if _grad_reductions.get(key, (None,))[0] is ref:
             del _grad_reductions[key]
-    _grad_reductions[key] = (weakref.ref(tensor, forget), frozenset(dims))
+    _grad_reductions[key] = (weakref.ref(tensor, forget), frozenset(dims), bool(partial))
+
+
+def grad_reduction(tensor):
+    """(dims, partial) that `reduce_grad_over` gave `tensor`, or None."""
+    entry = _grad_reductions.get(id(tensor))
+    return None if entry is None or entry[0]() is not tensor else entry[1:]
+
+
+_pending_reductions = []    # tensors whose gradient the pass in progress left Partial there
+
+
+def _reduce_pending():
+    """End of a backward pass: each gradient left Partial along the dims `reduce_grad_over`
+    names, reduced there; those of one mesh, placements and dtype together, as one flat buffer
+    (one all-reduce per mesh dimension, not one per parameter), each `.grad` keeping its
+    memory. Every rank of those dims holds the same tensors in the same order."""
+    tensors = list(dict.fromkeys(_pending_reductions))
+    _pending_reductions.clear()
+    groups = {}
+    for tensor in tensors:
+        grad, entry = tensor.grad, _grad_reductions.get(id(tensor))
+        if grad is None or entry is None:
+            continue
+        target = tuple(grad_placements((p,))[0] if d in entry[1] else p
+                       for d, p in enumerate(grad.placements))
+        if target != grad.placements:
+            key = (grad.mesh, grad.placements, target, grad.dtype)
+            groups.setdefault(key, []).append(tensor)
+    for (mesh, placements, target, dtype), members in groups.items():
+        if any(p.is_shard() for p in placements):   # not a flat buffer's: one by one
+            for tensor in members:
+                tensor.grad = tensor.grad.redistribute(target)
+            continue
+        xp = backend.xp
+        flat = xp.concatenate([t.grad._local.reshape(-1) for t in members])
+        flat, _ = redistribute_local(flat, Layout(mesh, (flat.size,), placements), target)
+        start = 0
+        for tensor in members:
+            local = tensor.grad._local
+            local[...] = flat[start:start + local.size].reshape(local.shape)
+            start += local.size
+            tensor.grad = DTensor._make(local, tensor.grad.layout.with_placements(target))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -19,7 +19,7 @@ from cupytp.parallel import ContextParallel, pipeline
 from cupytp.tensor import Replicated, Shard
 from split_model import (
     BATCH, LLAMA, QWEN2, assert_trains_alike, batch, build, dense_run, train, train_pipeline)
-from test_sequence_parallel import calls, tp_group, wire_bytes
+from test_sequence_parallel import calls, traced_rows, wire_bytes
 
 CONFIGS = {"llama": LLAMA, "qwen2": QWEN2}
 
@@ -48,46 +48,44 @@ def test_sequence_parallel_trains_like_one_rank(mesh, name, recompute):
 
 
 def layer_rows(model, mesh):
-    """The tracer's rows of the decoder layers' collectives on the tp group in one training
-    step on 12 tokens (even shards: every rank moves the same bytes)."""
-    ids, targets, _ = batch(mesh, tokens=BATCH[:, :13])
-    with CommTracer() as tracer:
-        _, loss = model(ids, targets)
-        loss.backward()
-    return [r for r in json.loads(tracer.to_json())["rows"]
-            if "LlamaDecoderLayer" in r["module"] and r["group"] == tp_group(mesh)]
+    """The tracer's rows on the tp group of one training step on 12 tokens (even shards: every
+    rank moves the same bytes): the decoder layers', and those of the end of the backward pass
+    (module "-", phase "other": the gradients reduced there)."""
+    rows = traced_rows(model, mesh)
+    return ([r for r in rows if "LlamaDecoderLayer" in r["module"]],
+            [r for r in rows if r["module"] == "-" and r["phase"] == "other"])
 
 
 def test_sequence_parallel_gathers_once_per_sublayer(mesh1d):
     """Per layer and direction, each sublayer all-gathers its input once (attention's q and
     k|v products share one gather; its backward, one reduce-scatter of their summed gradient)
     and reduce-scatters its output once, the same bytes on the wire as tensor parallelism's two
-    all-reduces; the gradients all-reduced over tp are the RMSNorms' weights and, where
-    key/value heads are replicated (tp = 4), kv_proj's weight and bias."""
+    all-reduces. The gradients Partial along tp (the RMSNorms' weights under sequence
+    parallelism and, where key/value heads are replicated (tp = 4), kv_proj's weight and bias)
+    are all-reduced at the end of the backward pass, all in one collective."""
     n = mesh1d.size("tp")
     if n == 1:
         pytest.skip("needs 2 ranks")
     config, layers, itemsize = QWEN2, QWEN2.num_hidden_layers, 8
     c, kv = config.hidden_size, 2 * config.num_key_value_heads * config.head_size
     replicated = [c * kv, kv] if config.num_key_value_heads % n else []   # kv_proj's gradients
-    plain = layer_rows(build(mesh1d, config=config), mesh1d)
-    split = layer_rows(build(mesh1d, sequence_parallel=True, config=config), mesh1d)
+    plain, plain_end = layer_rows(build(mesh1d, config=config), mesh1d)
+    split, split_end = layer_rows(build(mesh1d, sequence_parallel=True, config=config), mesh1d)
     assert {r["op"] for r in plain} == {"all_reduce"}
     assert (calls(plain, "forward", "all_reduce"), calls(plain, "backward", "all_reduce")) == \
-        (2 * layers, (2 + len(replicated)) * layers)
+        (2 * layers, 2 * layers)
+    assert [(r["op"], r["calls"], r["bytes"]) for r in plain_end] == \
+        ([("all_reduce", 1, sum(replicated) * layers * itemsize)] if replicated else [])
     for sublayer in ("self_attn", "mlp"):
         rows = [r for r in split if r["module"].endswith(sublayer)]
         for phase in ("forward", "backward"):
             assert calls(rows, phase, "all_gather") == calls(rows, phase, "reduce_scatter") == \
                 layers, (sublayer, phase)
-    assert calls(split, "forward", "all_reduce") == 0
-    gradients = [r for r in split if r["op"] == "all_reduce"]
-    assert sum(r["calls"] for r in gradients) == (2 + len(replicated)) * layers
-    assert sum(r["bytes"] for r in gradients) == (2 * c + sum(replicated)) * layers * itemsize
-    kv_gradients = {"op": "all_reduce", "bytes": sum(replicated) * layers * itemsize}
-    moved = [r for r in split if r["op"] != "all_reduce"]
-    assert sum(wire_bytes(r, n) for r in moved) == pytest.approx(
-        sum(wire_bytes(r, n) for r in plain) - wire_bytes(kv_gradients, n))
+    assert "all_reduce" not in {r["op"] for r in split}
+    assert [(r["op"], r["calls"], r["bytes"]) for r in split_end] == \
+        [("all_reduce", 1, (2 * c * layers + c + sum(replicated) * layers) * itemsize)]
+    assert sum(wire_bytes(r, n) for r in split) == pytest.approx(
+        sum(wire_bytes(r, n) for r in plain))
 
 
 # ---- context parallelism -----------------------------------------------------------------------

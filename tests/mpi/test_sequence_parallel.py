@@ -53,15 +53,22 @@ def wire_bytes(row, ranks):
     return factor * row["bytes"]
 
 
-def block_rows(model, mesh):
-    """The tracer's rows of the blocks (module GPT2.transformer.DBlock...) of one training
-    step on 12 tokens (even shards: every rank moves the same bytes), on the tp group."""
+def traced_rows(model, mesh):
+    """The tracer's rows on the tp group of one training step on 12 tokens (even shards: every
+    rank moves the same bytes)."""
     ids, targets, _ = batch(mesh, tokens=BATCH[:, :13])
     with CommTracer() as tracer:
         _, loss = model(ids, targets)
         loss.backward()
-    return [r for r in json.loads(tracer.to_json())["rows"]
-            if r["module"].startswith("GPT2.transformer.DBlock") and r["group"] == tp_group(mesh)]
+    return [r for r in json.loads(tracer.to_json())["rows"] if r["group"] == tp_group(mesh)]
+
+
+def block_rows(model, mesh):
+    """traced_rows' rows of the blocks (module GPT2.transformer.DBlock...), and those of the
+    end of the backward pass (module "-", phase "other": the gradients reduced there)."""
+    rows = traced_rows(model, mesh)
+    return ([r for r in rows if r["module"].startswith("GPT2.transformer.DBlock")],
+            [r for r in rows if r["module"] == "-" and r["phase"] == "other"])
 
 
 def calls(rows, phase, op):
@@ -71,26 +78,51 @@ def calls(rows, phase, op):
 def test_sequence_parallel_moves_the_same_bytes_per_block(mesh1d):
     """Per block: tensor parallelism all-reduces twice forward and twice backward; sequence
     parallelism all-gathers and reduce-scatters instead (forward and backward, twice each),
-    the same bytes on the wire, and all-reduces the gradients of the two LayerNorms' weight and
-    bias and of the two row-parallel biases (C each), Partial along tp once the rows they sum
-    over are split."""
+    the same bytes on the wire. The gradients of the two LayerNorms' weight and bias and of the
+    two row-parallel biases (C each), Partial along tp once the rows they sum over are split,
+    are all-reduced at the end of the backward pass, every block's and the final LayerNorm's in
+    one collective."""
     tensor_parallel(mesh1d)
     n, layers, itemsize = mesh1d.size("tp"), CONFIG.n_layer, 8
-    plain = block_rows(build(mesh1d), mesh1d)
-    split = block_rows(build(mesh1d, sequence_parallel=True), mesh1d)
-    assert {r["op"] for r in plain} == {"all_reduce"}
+    plain, plain_end = block_rows(build(mesh1d), mesh1d)
+    split, split_end = block_rows(build(mesh1d, sequence_parallel=True), mesh1d)
+    assert {r["op"] for r in plain} == {"all_reduce"} and not plain_end
     assert (calls(plain, "forward", "all_reduce"), calls(plain, "backward", "all_reduce")) == \
         (2 * layers, 2 * layers)
     for phase in ("forward", "backward"):
         assert calls(split, phase, "all_gather") == calls(split, phase, "reduce_scatter") == \
             2 * layers
-    assert calls(split, "forward", "all_reduce") == 0
-    gradients = [r for r in split if r["op"] == "all_reduce"]
-    assert sum(r["calls"] for r in gradients) == 6 * layers
-    assert sum(r["bytes"] for r in gradients) == 6 * layers * CONFIG.n_embd * itemsize
-    activations = [r for r in split if r["op"] != "all_reduce"]
-    assert sum(wire_bytes(r, n) for r in activations) == \
+    assert "all_reduce" not in {r["op"] for r in split}
+    assert [(r["op"], r["calls"], r["bytes"]) for r in split_end] == \
+        [("all_reduce", 1, (6 * layers + 2) * CONFIG.n_embd * itemsize)]
+    assert sum(wire_bytes(r, n) for r in split) == \
         pytest.approx(sum(wire_bytes(r, n) for r in plain))
+
+
+def test_replicated_data_parallel_reduces_the_norms_in_its_buckets(world):
+    """On a (dp, tp) = (2, 2) mesh, replicated data parallelism over sequence parallelism packs
+    the parameters whose gradients are Partial along tp (norms, row-parallel biases, the
+    position table) into buckets all-reduced over dp and tp together: one tp all-reduce per
+    such bucket in a step, none per parameter, and one dp all-reduce per bucket. (That training
+    is one rank's: test_sequence_parallel_gpt2_trains_like_one_rank on the 2-D mesh.)"""
+    if world.world_size != 4:
+        pytest.skip("needs 4 ranks")
+    mesh = cupytp.DeviceMesh((2, 2), ("dp", "tp"))
+    model = build(mesh, sequence_parallel=True)
+    schedule = model.dp_schedule
+    joint = [b for b in schedule.buckets if schedule.bucket_dims[b.index] is not schedule.dims]
+    tp = mesh.dim_names.index("tp")
+    assert joint and {id(p) for b in joint for p in b.params} == \
+        {id(p) for p in model.parameters() if p.placements[tp].is_replicated()}
+    ids, targets, _ = batch(mesh, tokens=BATCH[:, :13])
+    with CommTracer() as tracer:
+        _, loss = model(ids, targets)
+        loss.backward()
+    groups = {mesh.get_process_group(d).name: d for d in ("dp", "tp")}
+    reductions = [(groups.get(group), phase) for phase, _, op, group, nbytes, _, _ in
+                  tracer.events if op == "all_reduce" and nbytes > 8 and phase != "forward"]
+    assert sorted(reductions) == sorted([("dp", "backward")] * len(schedule.buckets) +
+                                        [("tp", "backward")] * len(joint)), tracer.table()
 
 
 def test_column_parallel_gathers_a_sequence_sharded_input(world):

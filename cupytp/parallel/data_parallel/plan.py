@@ -114,27 +114,29 @@ def plan_groups(model, group_bytes):
     return groups
 
 
-def plan_buckets(params, bucket_bytes):
+def plan_buckets(params, bucket_bytes, kind=None):
     """`params` (tied ones once) in reverse order, packed into consecutive buckets of one dtype
-    and up to `bucket_bytes` of local gradient each (a larger parameter alone): a list of lists
-    of parameters. Backward finishes the gradients of a model's last parameters first, so the
+    (and one `kind(p)`, where given: the mesh dims a bucket is reduced over) and up to
+    `bucket_bytes` of local gradient each (a larger parameter alone): a list of lists of
+    parameters. Backward finishes the gradients of a model's last parameters first, so the
     first bucket is ready first."""
     _check_bytes("bucket_bytes", bucket_bytes)
-    buckets, current, size = [], [], 0
-    seen = set()
+    buckets, current, size = {}, {}, {}
+    seen, order = set(), []
     for p in reversed(list(params)):
         if id(p) in seen:
             continue
         seen.add(id(p))
+        key = (p.dtype, None if kind is None else kind(p))
         nbytes = p.to_local().nbytes
-        if current and (size + nbytes > bucket_bytes or p.dtype != current[0].dtype):
-            buckets.append(current)
-            current, size = [], 0
-        current.append(p)
-        size += nbytes
-    if current:
-        buckets.append(current)
-    return buckets
+        if current.get(key) and size[key] + nbytes > bucket_bytes:
+            order.append(current.pop(key))
+        if not current.get(key):
+            current[key], size[key] = [], 0
+        current[key].append(p)
+        size[key] += nbytes
+    order += [ps for ps in current.values() if ps]
+    return order
 
 
 def _check_bytes(name, value):

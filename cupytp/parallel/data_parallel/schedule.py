@@ -29,6 +29,7 @@ from cupytp import backend
 from cupytp.autograd import engine
 from cupytp.launchers import cast
 from cupytp.parallel.data_parallel.buffers import ShardRows, Slot, add_grad, gather_row
+from cupytp.parallel.data_parallel.plan import DPDims
 from cupytp.tensor import DTensor, Partial, Replicated, Shard
 from cupytp.tensor.dtensor import set_grad_sink
 from cupytp.tensor.layout import Layout
@@ -68,19 +69,20 @@ class Schedule:
         if self.sync and self.pending():
             self.flush()
 
-    def local_contribution(self, placements, g):
+    def local_contribution(self, placements, g, dims=None):
         """This rank's part of the flat gradient from a contribution `g` to a value laid out with
-        `placements`: `g` laid out like it off the dp dims (moved there if it is not), and on
-        the dp dims Partial or Replicated; None where a Replicated one counts on another rank
-        (see DPDims.counts_once)."""
-        key = (placements, g.placements)
+        `placements`: `g` laid out like it off the reduced dims (`dims`, a DPDims; default the
+        data-parallel ones; moved there if it is not), and on them Partial or Replicated; None
+        where a Replicated one counts on another rank (see DPDims.counts_once)."""
+        dims = dims or self.dims
+        key = (placements, g.placements, dims.all)
         known = self._targets.get(key)
         if known is None:
             target = list(grad_placements(placements))
-            for d in self.dims.all:
+            for d in dims.all:
                 target[d] = g.placements[d] if g.placements[d].is_partial() else Replicated()
             target = tuple(target)
-            known = self._targets[key] = (target, self.dims.counts_once(target))
+            known = self._targets[key] = (target, dims.counts_once(target))
         target, counts = known
         local = g.to_local()
         if target != g.placements:
@@ -99,22 +101,29 @@ def _all_reduced(mesh, flat, async_op=False, in_place=False):
 # ---- replicated parameters ----------------------------------------------------------------------
 class ReplicateSchedule(Schedule):
     """Bucketed, overlapped all-reduce of replicated parameters' gradients (module docstring).
-    `buckets`: Bucket objects in launch order."""
+    `buckets`: Bucket objects in launch order; `joint`: per bucket, the mesh dims besides the
+    data-parallel ones its all-reduce spans (those a plan reduces a layout's Partial
+    gradients over, `grad_reduction`: sequence parallelism's norms along tp), or ()."""
 
-    def __init__(self, dims, buckets):
+    def __init__(self, dims, buckets, joint=None):
         super().__init__(dims)
         self.buckets = buckets
+        self.bucket_dims, self.meshes = [], []
+        for extra in joint or [()] * len(buckets):
+            names = dims.names() + tuple(dims.mesh.dim_names[d] for d in extra)
+            self.bucket_dims.append(DPDims(dims.mesh, replicate=names) if extra else dims)
+            self.meshes.append(dims.mesh[names])
         self.where = {}
         self.reduced, self.partial = {}, {}     # id(param) -> its gradient's placements
         for bucket in buckets:
+            summed = self.bucket_dims[bucket.index].all
             for i, p in enumerate(bucket.params):
                 self.where[id(p)] = (bucket, i)
                 reduced = grad_placements(p.placements)
                 self.reduced[id(p)] = reduced
-                self.partial[id(p)] = tuple(Partial() if d in dims.all else q
+                self.partial[id(p)] = tuple(Partial() if d in summed else q
                                             for d, q in enumerate(reduced))
                 set_grad_sink(p, self.receive)
-        self.dp_mesh = dims.mesh[dims.names()]
         self._summed = False        # regions hold sums of passes without sync, not reduced
         self._reset()
 
@@ -135,7 +144,7 @@ class ReplicateSchedule(Schedule):
         bucket, i = self.where[id(p)]
         k = bucket.index
         if g is not None:
-            local = self.local_contribution(p.placements, g)
+            local = self.local_contribution(p.placements, g, self.bucket_dims[k])
             local = None if local is None else local.reshape(-1)     # regions are flat
             if k < self._next:                  # its bucket is on its way already
                 self._late.append((bucket, i, local))
@@ -159,7 +168,7 @@ class ReplicateSchedule(Schedule):
         self._begun[bucket.index].add(i)
         p, region = bucket.params[i], bucket.region(i)
         old = p.grad
-        kept = old is not None and self.dims.counts_once(old.placements)
+        kept = old is not None and self.bucket_dims[bucket.index].counts_once(old.placements)
         if kept and old is not bucket.view(i, old.placements):
             cast.assign(region, old.to_local().reshape(-1), add=False)
         elif not kept:
@@ -177,8 +186,8 @@ class ReplicateSchedule(Schedule):
             if i not in self._begun[bucket.index]:
                 self._begin(bucket, i, None)
         bucket.region(0)        # the buffer exists
-        self._works.append(_all_reduced(self.dp_mesh, bucket.buffer, async_op=True,
-                                       in_place=True))
+        self._works.append(_all_reduced(self.meshes[bucket.index], bucket.buffer,
+                                        async_op=True, in_place=True))
         self._next = bucket.index + 1
 
     def flush(self):
@@ -194,7 +203,7 @@ class ReplicateSchedule(Schedule):
                 region = bucket.region(i)
                 local = backend.xp.zeros(region.shape, bucket.dtype) if local is None else \
                     backend.xp.ascontiguousarray(local)
-                cast.assign(region, _all_reduced(self.dp_mesh, local), add=True)
+                cast.assign(region, _all_reduced(self.meshes[bucket.index], local), add=True)
             for bucket in self.buckets:
                 for i, p in enumerate(bucket.params):
                     p.grad = bucket.view(i, self.reduced[id(p)])
