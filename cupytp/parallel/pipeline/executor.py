@@ -147,15 +147,15 @@ class StepRun:
                schedules.BACKWARD_INPUT: self._backward_input,
                schedules.BACKWARD_WEIGHT: self._backward_weight}[action.kind]
         self._await_inputs(action)        # waiting for a peer is idle time, not the action's
-        if action in self.syncing:
-            _gradient_sync(self.pipe._stage[action.stage], True)
+        stage, syncing = self.pipe._stage[action.stage], action in self.syncing
+        if syncing:
+            _gradient_sync(stage, True)
         start = self._now()
         with _named_errors(action.stage, self.pipe.pp_rank, _NAMES[action.kind],
                            action.microbatch):
             run(action.stage, action.microbatch)
-            if action in self.syncing and isinstance(self.pipe._stage[action.stage],
-                                                     DataParallelModule):
-                self.pipe._stage[action.stage].finish_gradient_sync()
+            if syncing and isinstance(stage, DataParallelModule):
+                stage.finish_gradient_sync()    # what its last pass did not reduce
         self.starts.append((start, action))
         if self.measure == "ticks":
             self.clock += schedules.COSTS[action.kind]
