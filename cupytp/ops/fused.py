@@ -297,8 +297,9 @@ def _recorded(out, inputs, input_part, weight_part, name, placements, normed):
         later = needs is not None and not any(needs[2:])
         weight_grads = None if later else weight_part(state)
         first = first_part(g, gx_of())
-        if later:
-            owed.append((first, state))
+        if later:               # keep for later only what this call does not hand out
+            unasked = [None if asked else grad for grad, asked in zip(first[0], needs)]
+            owed.append(((unasked, first[1]), state))
             return (*first[0], *[None] * (len(params) + len(norms)))
         return (*first[0], *made(weight_grads, first[1]))
     return engine.record(out, inputs, backward, name, splits=True)
