@@ -57,8 +57,8 @@ from cupytp.ops.elementwise import silu_mul
 from cupytp.ops.functional import (
     attention_setup, rms_norm, scaled_dot_product_attention, unpacked)
 from cupytp.ops.fused import (
-    _all_reduced, _bias_as, _grad_as, _input_grad, _input_info, _project, _recorded, _reduces,
-    _rows, _weight_grads)
+    _bias_as, _grad_as, _input_grad, _input_info, _project, _recorded, _reduced_later, _rows,
+    _weight_grads)
 from cupytp.ops.linalg import column_input, einsum, local_einsum, matmul
 from cupytp.ops.rotary import rotary
 
@@ -340,7 +340,4 @@ def _attention_input_grad(dq, dkv, wq, wkv2, x, normed):
         return lambda: None
     first = local_einsum("xz", "yz", "xy", dq, wq, compute_dtype(dtype))
     gx = matmul_bias(dkv, wkv2.T, None, first).reshape(layout.local_shape)
-    gx = gx if normed else converted(gx, dtype)
-    if not _reduces(tp, layout.mesh):
-        return lambda: gx
-    return _all_reduced(gx, tp, layout, async_op=True).wait
+    return _reduced_later(gx if normed else converted(gx, dtype), layout, tp)

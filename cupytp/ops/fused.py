@@ -241,7 +241,13 @@ def _input_grad(g, w, x):
     if not needed:
         return lambda: None
     gx = local_einsum("xz", "yz", "xy", g, w.reshape(w.shape[0], -1), dtype)
-    gx = gx.reshape(layout.local_shape)
+    return _reduced_later(gx.reshape(layout.local_shape), layout, tp)
+
+
+def _reduced_later(gx, layout, tp):
+    """A function giving x's local gradient gx, all-reduced along `tp` where that dim has more
+    than one rank: the all-reduce starts now, on the communication stream, and is waited for
+    when the function is called."""
     if not _reduces(tp, layout.mesh):
         return lambda: gx
     return _all_reduced(gx, tp, layout, async_op=True).wait

@@ -54,10 +54,10 @@ def relayout(tensor, mesh, placements):
     tensor.layout = layout
 
 
-def _apply_style(module, name, mesh, style, sequence_parallel=False, inside=None):
-    """Lay `module` out by `style`. `inside`: a set, for a child of a module laid out by its own
-    plan, that collects the ids of the tensors it keeps whole ("replicate"): in a split layer
-    their gradients are Partial along tp (each rank's share: key/value heads kept whole)."""
+def _apply_style(module, name, mesh, style, sequence_parallel=False, nested=False):
+    """Lay `module` out by `style`; returns the ids of the tensors kept whole ("replicate") by
+    the plan of a module split by its own ("auto": `nested` children): their gradients are
+    Partial along tp (each rank's share: key/value heads kept whole)."""
     if style not in STYLES:
         raise ValueError(f"plan style {style!r} for {name!r} is not one of {STYLES}")
     if style == "auto":
@@ -66,10 +66,8 @@ def _apply_style(module, name, mesh, style, sequence_parallel=False, inside=None
                              "it a style such as 'colwise' or 'rowwise'")
         whole = set()
         for child, child_style in module.parallel_plan().items():
-            _apply_style(getattr(module, child), f"{name}.{child}", mesh, child_style,
-                         sequence_parallel, whole)
-        if inside is not None:
-            inside.update(whole)
+            whole |= _apply_style(getattr(module, child), f"{name}.{child}", mesh, child_style,
+                                  sequence_parallel, nested=True)
     else:
         layout = getattr(module, "parallel_layout", None)
         try:
@@ -78,18 +76,17 @@ def _apply_style(module, name, mesh, style, sequence_parallel=False, inside=None
             placements = None
         if placements is None:
             raise ValueError(f"{name!r} ({type(module).__name__}) has no {style!r} layout")
-        tensors = [module.weight, getattr(module, "bias", None)]
+        tensors = [t for t in (module.weight, getattr(module, "bias", None)) if t is not None]
         for tensor, placement in zip(tensors, placements):
-            if tensor is not None:
-                relayout(tensor, mesh, tp_placements(mesh, placement))
-                if style == "replicate" and inside is not None:
-                    inside.add(id(tensor))
+            relayout(tensor, mesh, tp_placements(mesh, placement))
+        whole = {id(t) for t in tensors} if style == "replicate" and nested else set()
         if style == "vocab":
             module.sequence_parallel = sequence_parallel
     if isinstance(module, DAttention):
         check_heads(module)
     elif isinstance(module, GroupedQueryAttention):
         module.check_tp(mesh.shape[tp_dim(mesh)])
+    return whole
 
 
 def parallelize_module(model, mesh, plan, sequence_parallel=False):
@@ -107,7 +104,7 @@ def parallelize_module(model, mesh, plan, sequence_parallel=False):
             raise ValueError(f"plan entry {pattern!r} matches no module; module names look like "
                              f"{[name for name, _ in modules[1:4]]}")
         for name, module in matched:
-            _apply_style(module, name, mesh, style, sequence_parallel, whole)
+            whole |= _apply_style(module, name, mesh, style, sequence_parallel)
     tp = tp_dim(mesh)           # a parameter replicated along tp may meet activations split
     for p in model.parameters():    # there (sequence parallelism; key/value heads kept whole):
         if p.placements[tp].is_replicated():    # its Partial gradient is TP's to reduce

@@ -271,7 +271,7 @@ def _reduce_pending():
         if target != grad.placements:
             key = (grad.mesh, grad.placements, target, grad.dtype)
             groups.setdefault(key, []).append(tensor)
-    for (mesh, placements, target, dtype), members in groups.items():
+    for (mesh, placements, target, _), members in groups.items():
         if any(p.is_shard() for p in placements):   # not a flat buffer's: one by one
             for tensor in members:
                 tensor.grad = tensor.grad.redistribute(target)

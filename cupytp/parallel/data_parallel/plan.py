@@ -121,7 +121,7 @@ def plan_buckets(params, bucket_bytes, kind=None):
     parameters. Backward finishes the gradients of a model's last parameters first, so the
     first bucket is ready first."""
     _check_bytes("bucket_bytes", bucket_bytes)
-    buckets, current, size = {}, {}, {}
+    current, size = {}, {}          # kind -> the bucket being filled, its bytes
     seen, order = set(), []
     for p in reversed(list(params)):
         if id(p) in seen:

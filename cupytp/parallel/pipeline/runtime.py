@@ -39,10 +39,9 @@ def pipeline(model, mesh, dim="pp", schedule="1f1b", microbatches=1, virtual_sta
     backward. A fully sharded stage gathers its parameters (in `param_dtype`, default the
     masters') once per step and keeps them until then; `reshard_after_forward=True` frees each
     group after its forward instead (less memory, two all-gathers per group and micro-batch).
-    Context parallelism composes: a model whose
-    attention runs as a ring (`ContextParallel(stage_mesh).apply(model)` first) gets each
-    micro-batch's sequence in the ring's order with its positions, and its gradients summed
-    over "cp" as over "dp"."""
+    Context parallelism composes: a model whose attention runs as a ring
+    (`ContextParallel(stage_mesh).apply(model)` first) gets each micro-batch's sequence in the
+    ring's order with its positions, and its gradients summed over "cp" as over "dp"."""
     return Pipeline(model, mesh, dim, schedule, microbatches, virtual_stages, layers,
                     data_parallel, parts, reshard_after_forward, param_dtype)
 
