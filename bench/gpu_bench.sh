@@ -18,7 +18,8 @@
 # schedules' measured and theoretical bubbles; long: one GPU, peak memory and activation memory
 # per token at T = 16k and 32k of 124M with and without recompute and of the Llama 1B shape with
 # it, the PyTorch SDPA model of the same shape beside, drawn into $OUT/long_context.png; cp: two
-# GPUs, the longest sequence and tokens/s of 124M with recompute at cp=1 and cp=2). A
+# GPUs, the longest sequence and tokens/s of 124M with recompute at cp=1 and cp=2 under one
+# memory cap, and tp=2 with and without sequence parallelism). A
 # cuDNN frontend wheel carried in .carry/wheels is installed first (the machines have no
 # internet), so that attention can run through cuDNN. Logs under $OUT; the last thing printed is
 # the table of bench/compare.py.
@@ -175,12 +176,21 @@ for part in $what; do
       grep -h -e ^RESULT -e ^ANCHOR -e ^PEAK -e ^SLOPE "$out"/long_*.log | tee "$out/long.txt"
       python3 bench/plot_benchmarks.py long "$out/long.txt" --out "$out/long_context.png" ;;
     cp)     # two GPUs: context parallelism's targets. 124M with recompute, one sequence per
-            # step, on one GPU (cp=1) and on both (cp=2) at doubling lengths: the longest each
-            # trains (an OOM line past it) and tokens/s where both run
-      lc="python3 bench/long_context.py --model 124M --recompute --steps 3 --warmup 1"
-      run long_cp1 timeout 280 mpiexec -n 1 $lc --T 16384,32768,65536,131072,262144
-      run long_cp2 timeout 280 mpiexec -n 2 $lc --cp 2 --T 16384,32768,65536,131072,262144,524288
-      grep -h ^RESULT "$out"/long_cp1.log "$out"/long_cp2.log | tee "$out/cp.txt" ;;
+            # step, each rank's pool capped at CP_LIMIT GiB (default 32) so that both splits
+            # have the same memory on any card: the longest length each trains (OOM past it)
+            # and tokens/s at the lengths both run; then tp=2 with and without sequence
+            # parallelism (no recompute, no cap); drawn into $out/long_context_2gpu.png
+      lc="python3 bench/long_context.py --model 124M --steps 3 --warmup 1"
+      limit="--recompute --memory-limit ${CP_LIMIT:-32}"
+      run long_cp1 timeout 200 mpiexec -n 1 $lc $limit \
+          --T 32768,65536,81920,98304,114688,131072,147456
+      run long_cp2 timeout 280 mpiexec -n 2 $lc $limit --cp 2 \
+          --T 32768,65536,98304,163840,196608,229376,262144
+      run long_tp2 timeout 100 mpiexec -n 2 $lc --tp 2 --T 16384,32768,65536
+      run long_tp2_sp timeout 100 mpiexec -n 2 $lc --tp 2 --sequence-parallel --T 16384,32768,65536
+      grep -h ^RESULT "$out"/long_cp1.log "$out"/long_cp2.log "$out"/long_tp2.log \
+          "$out"/long_tp2_sp.log | tee "$out/cp.txt"
+      python3 bench/plot_benchmarks.py long "$out/cp.txt" --out "$out/long_context_2gpu.png" ;;
     host)   # the eager tiny step in HOST_ROUNDS rounds (default 5), ours and PyTorch's taking
             # turns, so that both meet the machine's spells of host noise; the median round counts
       ours=(); theirs=()

@@ -18,8 +18,10 @@ ranks. One RESULT line per length: tokens/s and step time (eager steps, forward,
 AdamW, device synchronized around the timed steps), the pool's peak, what lives between steps
 (parameters, gradients, optimizer states), and activation memory per token: the peak above
 that, divided by this rank's tokens. A length that runs out of memory prints OOM and the next
-one runs. The model's context (GPT-2's block_size, a Llama's max_position_embeddings) is each
-length, so GPT-2's position table grows with it, as in the PyTorch anchor of the same shape.
+one runs; `--memory-limit` caps what each rank's pool may reserve, so that cp=1 and cp=2 (or two
+GPUs of different sizes) find their longest length under the same memory. The model's context
+(GPT-2's block_size, a Llama's max_position_embeddings) is each length, so GPT-2's position table
+grows with it, as in the PyTorch anchor of the same shape.
 
 `--anchor DIR` (one rank): first, before any memory of ours is held, runs the PyTorch model of the
 same shape at each length (PyTorch eager, SDPA flash attention, no recomputation: it has none):
@@ -79,6 +81,9 @@ def parse():
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--memory-limit", type=float, default=None, metavar="GIB",
+                   help="GiB the pool may reserve on each rank (cupytp.set_memory_limit): runs "
+                   "at cp=1 and cp=2, or on different GPUs, compared at the same memory")
     p.add_argument("--anchor", default=None,
                    help="folder of torch_tp_gpt2.py and torch_llama.py (one rank)")
     p.add_argument("--anchor-timeout", type=float, default=600,
@@ -88,6 +93,8 @@ def parse():
         args.spec = model_spec(args.model)
     except ValueError as error:
         p.error(f"argument --model: {error}")
+    if args.memory_limit is not None and args.memory_limit <= 0:
+        p.error(f"argument --memory-limit: {args.memory_limit} GiB is not a positive size")
     if args.anchor is not None:
         try:
             script = anchor_command(args.spec, args.anchor, args.B, 1, args.dtype)[1]
@@ -224,6 +231,8 @@ def main():
     if args.anchor is not None and info.world_size > 1:
         raise SystemExit("--anchor runs the one-GPU PyTorch model: launch one rank")
     mesh = cupytp.DeviceMesh((dp, args.cp, args.tp), ("dp", "cp", "tp"))
+    if args.memory_limit is not None:
+        cupytp.set_memory_limit(int(args.memory_limit * GIB))
     if info.rank == 0:
         print(cudnn_attention.describe(), flush=True)
     # the anchors first, while this process holds no memory beyond its context (run after the

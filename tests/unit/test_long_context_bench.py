@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from cupytp import backend
 from cupytp.models import model_spec
 from launch import REPO, mpiexec, under_mpiexec
 
@@ -117,9 +118,19 @@ def test_the_anchor_of_gpt2_has_its_shape():
      "argument --anchor: torch_llama.py trains in bf16 only: leave --dtype bf16"),
     (["--anchor", "."], "argument --anchor: . has no torch_tp_gpt2.py"),
     (["--T", "1k"], "argument --T: '1k' is not a comma-separated list of positive"),
+    (["--memory-limit", "0"], "argument --memory-limit: 0.0 GiB is not a positive size"),
 ])
 def test_bad_input_is_one_error_before_any_work(args, error):
     done = bench(args)
     errors = [line for line in done.stderr.splitlines() if "error:" in line]
     assert done.returncode == 2 and len(errors) == 1 and error in errors[0], done.stderr
     assert "RESULT" not in done.stdout and "Traceback" not in done.stderr
+
+
+@pytest.mark.skipif(not backend.on_gpu, reason="the pool (and its limit) serves GPU arrays")
+def test_a_memory_limit_makes_the_longer_length_run_out_of_memory():
+    done = bench(["--model", "tiny", "--T", "32,16384", "--memory-limit", "0.05"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT")]
+    assert len(lines) == 2 and RESULT.match(lines[0]) and " T=32 " in lines[0]
+    assert " T=16384 OOM (out of device memory" in lines[1], lines[1]
