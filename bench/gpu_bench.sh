@@ -178,18 +178,22 @@ for part in $what; do
     cp)     # two GPUs: context parallelism's targets. 124M with recompute, one sequence per
             # step, each rank's pool capped at CP_LIMIT GiB (default 32) so that both splits
             # have the same memory on any card: the longest length each trains (OOM past it)
-            # and tokens/s at the lengths both run; then tp=2 with and without sequence
-            # parallelism (no recompute, no cap); drawn into $out/long_context_2gpu.png
+            # and tokens/s at the lengths both run, cp=2 replicated and fully sharded over cp;
+            # then tp=2 with and without sequence parallelism (no recompute, no cap); drawn
+            # into $out/long_context_2gpu.png
       lc="python3 bench/long_context.py --model 124M --steps 3 --warmup 1"
       limit="--recompute --memory-limit ${CP_LIMIT:-32}"
-      run long_cp1 timeout 200 mpiexec -n 1 $lc $limit \
-          --T 32768,65536,81920,98304,114688,131072,147456
-      run long_cp2 timeout 280 mpiexec -n 2 $lc $limit --cp 2 \
-          --T 32768,65536,98304,163840,196608,229376,262144
-      run long_tp2 timeout 100 mpiexec -n 2 $lc --tp 2 --T 16384,32768,65536
-      run long_tp2_sp timeout 100 mpiexec -n 2 $lc --tp 2 --sequence-parallel --T 16384,32768,65536
-      grep -h ^RESULT "$out"/long_cp1.log "$out"/long_cp2.log "$out"/long_tp2.log \
-          "$out"/long_tp2_sp.log | tee "$out/cp.txt"
+      run long_cp1 timeout 150 mpiexec -n 1 $lc $limit --T 65536,98304,114688,122880,131072
+      run long_cp2 timeout 150 mpiexec -n 2 $lc $limit --cp 2 --T 65536,98304,196608,212992
+      run long_cp2_fsdp timeout 250 mpiexec -n 2 $lc $limit --cp 2 --fsdp \
+          --T 65536,98304,196608,212992,229376,245760,262144
+      if [ -n "${CP_TP:-1}" ]; then
+        run long_tp2 timeout 100 mpiexec -n 2 $lc --tp 2 --T 16384,32768,65536
+        run long_tp2_sp timeout 100 mpiexec -n 2 $lc --tp 2 --sequence-parallel \
+            --T 16384,32768,65536
+      fi
+      cat "$out"/long_cp1.log "$out"/long_cp2.log "$out"/long_cp2_fsdp.log "$out"/long_tp2*.log \
+          2>/dev/null | grep ^RESULT | tee "$out/cp.txt"
       python3 bench/plot_benchmarks.py long "$out/cp.txt" --out "$out/long_context_2gpu.png" ;;
     host)   # the eager tiny step in HOST_ROUNDS rounds (default 5), ours and PyTorch's taking
             # turns, so that both meet the machine's spells of host noise; the median round counts

@@ -46,7 +46,7 @@ from cupytp import backend, memory, ops
 from cupytp.launchers import cudnn_attention
 from cupytp.models import model_spec
 from cupytp.optim import AdamW
-from cupytp.parallel import ContextParallel, apply_tensor_parallel, replicate
+from cupytp.parallel import ContextParallel, apply_tensor_parallel, fully_shard, replicate
 from cupytp.tensor import Replicated, Shard, from_local
 
 GIB = 2 ** 30
@@ -78,6 +78,10 @@ def parse():
                    help="tensor parallelism with the activations sharded on the sequence")
     p.add_argument("--no-load-balance", action="store_true", help="contiguous chunks over cp")
     p.add_argument("--recompute", action="store_true", help="recompute each block in backward")
+    p.add_argument("--fsdp", action="store_true",
+                   help="parameters, gradients and optimizer states sharded over cp (over dp "
+                   "without cp), as torchtitan shards them over its dp×cp ranks; replicated "
+                   "over the other batch dimension")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
@@ -129,7 +133,11 @@ def build(args, mesh, length):
         context = ContextParallel(mesh, load_balance=not args.no_load_balance)
         context.apply(model)
     summed = tuple(d for d in ("dp", "cp") if mesh.size(d) > 1)    # gradients summed there
-    if summed:
+    if args.fsdp:
+        shard = "cp" if "cp" in summed else "dp"
+        fully_shard(model, mesh, dim=shard,
+                    replicate_dim=tuple(d for d in summed if d != shard) or None)
+    elif summed:
         replicate(model, mesh, dim=summed)
     cupytp.materialize(model)
     return model, context, spec.config.vocab_size
@@ -251,7 +259,8 @@ def main():
         if info.rank == 0:
             print(f"RESULT cupytp long-context {args.model} dtype={args.dtype} dp={dp} "
                   f"cp={args.cp} tp={args.tp} sp={int(args.sequence_parallel)} "
-                  f"recompute={int(args.recompute)} B={args.B} T={length} {line}", flush=True)
+                  f"recompute={int(args.recompute)} fsdp={int(args.fsdp)} B={args.B} T={length} "
+                  f"{line}", flush=True)
     if info.rank != 0:
         return
     print_slope("cupytp", ours)             # before the anchors: a cut-off run keeps it

@@ -134,7 +134,8 @@ def plot_attention(plt, found, path):
 
 
 LONG_RESULT = re.compile(r"^RESULT cupytp long-context (?P<model>\S+) .*?\bcp=(?P<cp>\d+) "
-                         r"tp=(?P<tp>\d+) sp=(?P<sp>\d) recompute=(?P<recompute>\d) .*?"
+                         r"tp=(?P<tp>\d+) sp=(?P<sp>\d) recompute=(?P<recompute>\d) "
+                         r"(?:fsdp=(?P<fsdp>\d) )?.*?"
                          r"\bT=(?P<T>\d+) (?P<rest>.*)$")
 PYTORCH = "PyTorch SDPA, no recompute"
 
@@ -153,7 +154,8 @@ def long_context_runs(text):
                 label for label, on in ((f", cp={found['cp']}", found["cp"] != "1"),
                                         (f", tp={found['tp']}", found["tp"] != "1"),
                                         ("+sp", found["sp"] == "1"),
-                                        (", recompute", found["recompute"] == "1")) if on)
+                                        (", recompute", found["recompute"] == "1"),
+                                        (", fsdp", found["fsdp"] == "1")) if on)
             peak = re.search(r"peak_alloc_GiB=([\d.]+)", found["rest"])
         elif line.startswith("ANCHOR") and model is not None and re.search(r"\bT=\d", line):
             length = int(re.search(r"\bT=(\d+)", line)[1])

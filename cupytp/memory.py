@@ -13,7 +13,12 @@ Sizes and segments, as PyTorch's CUDACachingAllocator chooses them:
   2 MiB. Small and large blocks never share a segment, so small ones do not fragment large ones;
 - a free block is split when the rest would be at least 512 B (small) or 1 MiB (large), and a
   freed block merges with the free neighbours of its segment: when no free block is large
-  enough for a request, before a new segment is taken (see `_FreeList`).
+  enough for a request, before a new segment is taken (see `_FreeList`);
+- oversize blocks (256 MiB and up: a long sequence's logits and their gradient) are never split
+  and serve only requests at most 20 MiB smaller (PyTorch's `max_split_size` rule, on by
+  default here). Carved up, a freed logits segment would be pinned by the next pass's
+  activations (or the optimizer's first states), and every step would take new ones; whole, it
+  serves the next logits, or goes back when memory runs short.
 
 Finding a block: the free blocks of one stream and one size class are bucketed by size, so a
 loop that allocates the same sizes every step finds each in one dict lookup; otherwise best fit
@@ -49,6 +54,8 @@ HUGE_REQUEST = 10 * MiB         # requests from here on get a segment of their o
 HUGE_ROUNDING = 2 * MiB         # ... rounded up to a multiple of this
 LARGE_SEGMENT = 20 * MiB        # other large requests share segments of this size
 LARGE_SPLIT = 1 * MiB           # a large block is split only when the rest is at least this
+OVERSIZE = 256 * MiB            # blocks this large are never split ...
+OVERSIZE_SLACK = 20 * MiB       # ... and serve only requests less than this smaller
 
 CUDA_ERROR_MEMORY_ALLOCATION = 2
 
@@ -141,9 +148,12 @@ class _FreeList:
         return block
 
     def _best_fit(self, size):
+        """The smallest free block of at least `size` that may serve it: below OVERSIZE for a
+        request below it, else less than OVERSIZE_SLACK larger than the request."""
         buckets, sizes = self.buckets, self.sizes
+        bound = OVERSIZE if size < OVERSIZE else size + OVERSIZE_SLACK
         i = bisect_left(sizes, size)
-        while i < len(sizes):
+        while i < len(sizes) and sizes[i] < bound:
             bucket = buckets[sizes[i]]
             if bucket:
                 return bucket.popitem()[0]
@@ -279,7 +289,8 @@ class CachingAllocator:
                 block = self._new_segment(size, small, stream)
             else:
                 self._hits += 1
-            if block.size - size >= (ALIGNMENT if small else LARGE_SPLIT):
+            if block.size - size >= (ALIGNMENT if small else LARGE_SPLIT) and \
+                    block.size < OVERSIZE:
                 self._split(block, size)
             block.free = False
             size = block.size

@@ -30,7 +30,8 @@ def build(mesh=None, sequence_parallel=False, cp=None, recompute=False, fsdp=Fal
           config=CONFIG):
     """The model of `config` (float64) on `mesh` (None: one rank), tensor-parallel over its
     "tp" dim (the same parameters on every mesh: GPT-2 pads its vocabulary alike everywhere,
-    and the Llama family does not pad), its gradients summed over dp and cp."""
+    and the Llama family does not pad), its gradients summed over dp and cp. `fsdp`: True
+    shards the parameters over dp, a dim's name over that dim; the other batch dims replicate."""
     cupytp.manual_seed(0)
     model = dense_model(config, mesh, recompute).to("fp64")
     if mesh is not None:
@@ -40,7 +41,9 @@ def build(mesh=None, sequence_parallel=False, cp=None, recompute=False, fsdp=Fal
         batch_dims = tuple(d for d in mesh.dim_names                        # gradients summed
                            if d == "dp" or (d == "cp" and cp is not None))
         if fsdp:
-            fully_shard(model, mesh, replicate_dim=tuple(d for d in batch_dims if d != "dp"))
+            shard = "dp" if fsdp is True else fsdp
+            fully_shard(model, mesh, dim=shard,
+                        replicate_dim=tuple(d for d in batch_dims if d != shard) or None)
         elif batch_dims:
             replicate(model, mesh, dim=batch_dims)
     return model

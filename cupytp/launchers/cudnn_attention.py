@@ -1,6 +1,7 @@
 """cuDNN's fused attention (the cuDNN frontend's SDPA graphs) on CuPy arrays, with the contract of
 `flash_attention` (same arguments, o laid out (B, T, H, D), lse (B, H, T) float32) but no dropout
-(cuDNN draws its own mask, which would differ from the framework's), T == S only, and of grouped
+(cuDNN draws its own mask, which would differ from the framework's), T == S under a causal mask
+(both align it top-left then; T != S without one: a ring's blocks of another rank), and of grouped
 query heads only the plain grouping (query head h reads key/value head h // (H / Hk)), where the
 frontend builds such graphs (checked once).
 
@@ -36,13 +37,14 @@ def choice():
     return env.get("CUPYTP_ATTENTION")
 
 
-def applies(q, k, dropout_p, groups=None):
+def applies(q, k, dropout_p, groups=None, causal=True):
     """True when cuDNN runs this attention (see the module docstring); `groups`: the
-    HeadGroups the query heads read k and v by (None: as many heads as q's)."""
+    HeadGroups the query heads read k and v by (None: as many heads as q's); `causal`: whether
+    a causal mask applies (then only T == S)."""
     wanted = choice()
     if wanted in ("flash", "matmul") or dropout_p > 0 or not is_device_array(q):
         return False
-    if q.shape[2] != k.shape[2] or not _plain(q, k, groups):
+    if (causal and q.shape[2] != k.shape[2]) or not _plain(q, k, groups):
         return False
     if q.dtype not in DTYPES or q.shape[-1] not in HEAD_DIMS or not (q.size and k.size):
         return False

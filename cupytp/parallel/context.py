@@ -198,17 +198,20 @@ class _Flash:
         self.groups = groups
 
     def forward(self, q, k, v, causal, scale, dropout):
-        return self._kernels(q, k, dropout).attention_forward(q, k, v, causal, scale, dropout,
-                                                              groups=self.groups)
+        return self._kernels(q, k, dropout, causal).attention_forward(
+            q, k, v, causal, scale, dropout, groups=self.groups)
 
     def backward(self, q, k, v, o, lse, do, causal, scale, dropout):
-        return self._kernels(q, k, dropout).attention_backward(
+        return self._kernels(q, k, dropout, causal).attention_backward(
             q, k, v, o, backend.xp.ascontiguousarray(lse), do, causal, scale, dropout,
             groups=self.groups)
 
-    def _kernels(self, q, k, dropout):
+    def _kernels(self, q, k, dropout, causal):
+        """cuDNN's for the causal diagonal block and for the other ranks' blocks (unmasked,
+        queries and keys of different lengths) where it applies, else the RawKernel's."""
         return cudnn_attention if cudnn_attention.applies(
-            q, k, 0.0 if dropout is None else dropout.p, self.groups) else flash_attention
+            q, k, 0.0 if dropout is None else dropout.p, self.groups, causal) else \
+            flash_attention
 
 
 # ---- the ring -----------------------------------------------------------------------------------

@@ -243,6 +243,18 @@ def test_context_parallel_with_fully_sharded_data_parallel(world):
     assert_trains_alike(train(model, mesh, cp), dense_run())
 
 
+@pytest.mark.parametrize("dims", [(1, 2), (2, 2)])
+def test_parameters_fully_sharded_over_cp(world, dims):
+    """The parameters, gradients and optimizer states sharded over cp itself (torchtitan's FSDP
+    over its dp×cp ranks), a (dp, cp, tp) mesh with dp replicated: one rank's training."""
+    needs(world, dims[0] * dims[1])
+    mesh = cupytp.DeviceMesh(dims + (world.world_size // (dims[0] * dims[1]),),
+                             ("dp", "cp", "tp"))
+    cp = ContextParallel(mesh)
+    model = build(mesh, cp=cp, fsdp="cp")
+    assert_trains_alike(train(model, mesh, cp), dense_run())
+
+
 def test_ring_messages_per_layer(world):
     """Per attention layer and step: cp − 1 key/value blocks forward; backward cp − 1 blocks
     again and cp of their gradients (the last one home); each the size of its rank's block, the

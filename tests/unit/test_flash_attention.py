@@ -360,6 +360,30 @@ def test_cudnn_attention_matches_twin(b, h, t, d, causal, dtype):
 
 @pytest.mark.gpu
 @requires_gpu
+@pytest.mark.parametrize("t,s", [(96, 160), (160, 96)])
+def test_cudnn_attention_of_unequal_lengths_unmasked_matches_twin(t, s, monkeypatch):
+    """A ring's block of another rank: queries and keys of different lengths, no mask (with a
+    causal mask cuDNN is not chosen: its diagonal would align differently)."""
+    pytest.importorskip("cudnn")
+    monkeypatch.setenv("CUPYTP_ATTENTION", "cudnn")          # small: auto would take flash
+    host = [a.astype(F64) for a in qkv(2, 3, t, s, 64, seed=t)]
+    device = [xp.asarray(a.astype(bfloat16)) for a in host]
+    assert cudnn_attention.applies(*device[:2], 0.0, causal=False)
+    assert not cudnn_attention.applies(*device[:2], 0.0, causal=True)
+    g = numpy.random.default_rng(3).standard_normal((2, 3, t, 64))
+    o, lse = cudnn_attention.attention_forward(*device, False, 0.125)
+    grads = cudnn_attention.attention_backward(*device, o, lse, xp.asarray(g.astype(bfloat16)),
+                                               False, 0.125)
+    o_twin, lse_twin = attention_forward_numpy(*host, False, 0.125)
+    assert relative_error(o, o_twin) < 1e-2
+    numpy.testing.assert_allclose(asnumpy(lse), lse_twin, rtol=1e-3, atol=1e-3)
+    twin = attention_backward_numpy(*host, o_twin, lse_twin, g, False, 0.125)
+    for name, got, want in zip("qkv", grads, twin):
+        assert relative_error(got, want) < 2e-2, f"d{name}"
+
+
+@pytest.mark.gpu
+@requires_gpu
 def test_cudnn_raw_entry_gives_the_public_executes_bits():
     """The frontend the GPU machines carry has the raw-address entry, and it computes what the
     public execute computes."""

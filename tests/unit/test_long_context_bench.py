@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(under_mpiexec(), reason="launches its own jobs")
 SCRIPT = "bench/long_context.py"
 RESULT = re.compile(
     r"RESULT cupytp long-context (?P<model>\S+) dtype=(?:fp32|bf16) dp=1 cp=(?P<cp>\d) tp=1 "
-    r"sp=0 recompute=(?P<recompute>\d) B=1 T=(?P<T>\d+) tok/s=(?P<tok_s>\d+) "
+    r"sp=0 recompute=(?P<recompute>\d) fsdp=(?P<fsdp>\d) B=1 T=(?P<T>\d+) tok/s=(?P<tok_s>\d+) "
     r"step_ms=(?P<ms>[\d.]+) peak_alloc_GiB=(?P<peak>[\d.]+) state_GiB=(?P<state>[\d.]+) "
     r"act_KiB_per_token=(?P<per_token>[\d.]+)$")
 # torch_llama.py's stand-in: its ANCHOR line holds T, its arguments and a peak of T/16 GiB; at
@@ -53,7 +53,7 @@ def bench(args, ranks=1):
                           timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO)))
 
 
-def results(done, model, lengths, cp=1, recompute=0):
+def results(done, model, lengths, cp=1, recompute=0, fsdp=0):
     """The RESULT lines of a finished run, checked: one per length, in order, each
     self-consistent (tokens/s is the tokens of a step over its time; the peak holds the
     state)."""
@@ -61,8 +61,8 @@ def results(done, model, lengths, cp=1, recompute=0):
     found = [RESULT.match(line) for line in done.stdout.splitlines()
              if line.startswith("RESULT")]
     assert all(found), done.stdout
-    assert [(m["model"], int(m["cp"]), int(m["recompute"]), int(m["T"])) for m in found] == \
-        [(model, cp, recompute, t) for t in lengths]
+    assert [(m["model"], int(m["cp"]), int(m["recompute"]), int(m["fsdp"]), int(m["T"]))
+            for m in found] == [(model, cp, recompute, fsdp, t) for t in lengths]
     for m in found:
         ms, tok_s = float(m["ms"]), int(m["tok_s"])
         assert ms > 0 and tok_s == pytest.approx(int(m["T"]) * 1e3 / ms, rel=0.02)
@@ -79,6 +79,11 @@ def test_gpt2_runs_each_length():
 def test_llama_runs_each_length_over_two_context_parallel_ranks_recomputed():
     done = bench(["--model", "llama-tiny", "--T", "32,64", "--cp", "2", "--recompute"], ranks=2)
     results(done, "llama-tiny", [32, 64], cp=2, recompute=1)
+
+
+def test_gpt2_runs_over_two_context_parallel_ranks_fully_sharded_over_them():
+    done = bench(["--model", "tiny", "--T", "32,64", "--cp", "2", "--fsdp"], ranks=2)
+    results(done, "tiny", [32, 64], cp=2, fsdp=1)
 
 
 def test_the_anchor_of_a_llama_has_its_shape_and_its_peaks_are_compared(tmp_path):

@@ -132,6 +132,52 @@ def test_large_blocks_split_only_when_at_least_1_mib_remains(pool, device):
     assert pool.stats()["allocated_bytes"] == 20 * MiB
 
 
+def test_oversize_blocks_are_never_split_and_serve_only_requests_near_their_size(pool, device):
+    logits = pool.malloc(1024 * MiB)
+    pool.free(logits)
+    activation = pool.malloc(100 * MiB)            # not carved from the free 1 GiB block
+    state = pool.malloc(2 * MiB)
+    assert device.mallocs == 3 and activation.address != logits.address
+    near = pool.malloc(1024 * MiB - 19 * MiB)      # less than 20 MiB smaller: served, whole
+    assert near.address == logits.address and near.size == 1024 * MiB and device.mallocs == 3
+    pool.free(near)
+    assert pool.malloc(1024 * MiB - 20 * MiB).address != logits.address    # too small for it
+    pool.free(activation)
+    assert pool.malloc(60 * MiB).address == activation.address   # below 256 MiB: split as any
+    big = pool.malloc(300 * MiB)
+    pool.free(big)
+    assert pool.malloc(290 * MiB).address == big.address and pool.malloc(10 * MiB).address \
+        != big.address + 290 * MiB
+    assert state.size == 2 * MiB
+
+
+def test_steps_with_long_logits_keep_two_logits_segments(pool, device):
+    """A long sequence's step: the logits and their gradient (oversize), activations made
+    after them, the optimizer's states made at the end of the first step. Carved up, a freed
+    logits block would be pinned by them and the step would need a third; whole, two serve."""
+    def step(states):
+        saved = [pool.malloc(60 * MiB) for _ in range(4)]          # block inputs kept
+        logits = pool.malloc(2048 * MiB)
+        grad = pool.malloc(2048 * MiB)
+        pool.free(logits)
+        pool.free(grad)
+        for block in saved:                        # backward: recomputed activations
+            work = [pool.malloc(200 * MiB), pool.malloc(500 * MiB)]
+            pool.free(block)
+            for w in work:
+                pool.free(w)
+        if not states:
+            states.extend(pool.malloc(100 * MiB) for _ in range(2))
+    states = []
+    for _ in range(2):
+        step(states)
+    settled = (device.mallocs, pool.stats()["reserved_bytes"])
+    for _ in range(3):
+        step(states)
+    assert (device.mallocs, pool.stats()["reserved_bytes"]) == settled
+    assert 2 * 2048 * MiB < pool.stats()["reserved_bytes"] < 3 * 2048 * MiB
+
+
 def test_small_and_large_blocks_never_share_a_segment(pool, device):
     large = pool.malloc(3 * MiB)
     small = pool.malloc(4 * KiB)
@@ -348,7 +394,8 @@ def test_random_operations_against_a_model():
             kind = rng.random()
             nbytes = int(rng.integers(0, 64 * KiB) if kind < 0.6 else
                          rng.integers(64 * KiB, 4 * MiB) if kind < 0.9 else
-                         rng.integers(4 * MiB, 24 * MiB))
+                         rng.integers(4 * MiB, 24 * MiB) if kind < 0.98 else
+                         rng.integers(200 * MiB, 400 * MiB))
             stream = int(rng.integers(3))
             block = pool.malloc(nbytes, stream)
             allocations += 1
