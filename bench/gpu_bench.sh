@@ -187,7 +187,7 @@ for part in $what; do
       run long_cp2 timeout 150 mpiexec -n 2 $lc $limit --cp 2 --T 65536,98304,196608,212992
       run long_cp2_fsdp timeout 250 mpiexec -n 2 $lc $limit --cp 2 --fsdp \
           --T 65536,98304,196608,212992,229376,245760,262144
-      if [ -n "${CP_TP:-1}" ]; then
+      if [ -n "${CP_TP-1}" ]; then   # CP_TP= (empty) skips them
         run long_tp2 timeout 100 mpiexec -n 2 $lc --tp 2 --T 16384,32768,65536
         run long_tp2_sp timeout 100 mpiexec -n 2 $lc --tp 2 --sequence-parallel \
             --T 16384,32768,65536
