@@ -183,10 +183,9 @@ for part in $what; do
             # into $out/long_context_2gpu.png
       lc="python3 bench/long_context.py --model 124M --steps 3 --warmup 1"
       limit="--recompute --memory-limit ${CP_LIMIT:-32}"
-      run long_cp1 timeout 150 mpiexec -n 1 $lc $limit --T 65536,98304,114688,122880,131072
-      run long_cp2 timeout 150 mpiexec -n 2 $lc $limit --cp 2 --T 65536,98304,196608,212992
-      run long_cp2_fsdp timeout 250 mpiexec -n 2 $lc $limit --cp 2 --fsdp \
-          --T 65536,98304,196608,212992,229376,245760,262144
+      run long_cp1 timeout 150 mpiexec -n 1 $lc $limit --T 65536,98304,114688,122880
+      run long_cp2 timeout 200 mpiexec -n 2 $lc $limit --cp 2 --T 65536,98304,114688,212992,229376
+      run long_cp2_fsdp timeout 200 mpiexec -n 2 $lc $limit --cp 2 --fsdp --T 229376,245760,262144
       if [ -n "${CP_TP-1}" ]; then   # CP_TP= (empty) skips them
         run long_tp2 timeout 100 mpiexec -n 2 $lc --tp 2 --T 16384,32768,65536
         run long_tp2_sp timeout 100 mpiexec -n 2 $lc --tp 2 --sequence-parallel \

@@ -454,8 +454,7 @@ class _Ring:
         """(o (B, H, T, D) in the accumulation dtype, lse (B, H, T)) of this rank's queries q
         against every rank's keys and values, starting from its own `kv` (B, T, 2, Hk, D)."""
         xp = backend.xp
-        o = xp.zeros(q.shape, dtype=self.acc)
-        lse = xp.full(q.shape[:3], -xp.inf, dtype=self.acc)
+        o = lse = None
         for step, (source, blocks) in enumerate(self.steps):
             arriving = self.pass_on(kv, source) if step + 1 < len(self.steps) else None
             k, v = _heads_first(kv[:, :, 0]), _heads_first(kv[:, :, 1])
@@ -463,9 +462,17 @@ class _Ring:
                 o_block, lse_block = self.kernels.forward(
                     q[:, :, rows], k[:, :, cols], v[:, :, cols], diagonal, self.scale,
                     self.block_dropout(rows, source, cols))
+                if o is None and _covers(rows, q.shape[2]):     # the first block: no merge
+                    o, lse = (a.astype(self.acc, copy=False) for a in (o_block, lse_block))
+                    continue
+                if o is None:
+                    o = xp.zeros(q.shape, dtype=self.acc)
+                    lse = xp.full(q.shape[:3], -xp.inf, dtype=self.acc)
                 merge(o[:, :, rows], lse[:, :, rows], o_block, lse_block)
             if arriving is not None:
                 kv = arriving.wait()
+        if o is None:                           # no key reached any query
+            o, lse = xp.zeros(q.shape, dtype=self.acc), xp.full(q.shape[:3], -xp.inf, self.acc)
         return o, lse
 
     def backward(self, q, kv, o, lse, do):
@@ -473,7 +480,7 @@ class _Ring:
         rank's `kv` from every rank's queries): the blocks go around the ring again, each
         followed by its gradient, which every rank adds to and which is home after cp steps."""
         xp = backend.xp
-        dq = xp.zeros(q.shape, dtype=self.acc)
+        dq = None
         travelling = None                       # the gradient of the block in hand, in flight
         for step, (source, blocks) in enumerate(self.steps):
             arriving = self.pass_on(kv, source) if step + 1 < len(self.steps) else None
@@ -484,7 +491,12 @@ class _Ring:
                     q[:, :, rows], k[:, :, cols], v[:, :, cols], o[:, :, rows],
                     lse[:, :, rows], do[:, :, rows], diagonal, self.scale,
                     self.block_dropout(rows, source, cols))
-                dq[:, :, rows] += dq_block
+                if dq is None and _covers(rows, q.shape[2]):    # the first block: no sum
+                    dq = dq_block.astype(self.acc, copy=False)
+                else:
+                    if dq is None:
+                        dq = xp.zeros(q.shape, dtype=self.acc)
+                    dq[:, :, rows] += dq_block
                 dkv[:, cols, 0] += _heads_first(dk_block)
                 dkv[:, cols, 1] += _heads_first(dv_block)
             if travelling is not None:
@@ -492,7 +504,14 @@ class _Ring:
             travelling = self.pass_on(dkv, source)
             if arriving is not None:
                 kv = arriving.wait()
+        if dq is None:
+            dq = xp.zeros(q.shape, dtype=self.acc)
         return dq, travelling.wait()            # this rank's own block's, home after cp steps
+
+
+def _covers(rows, length):
+    """True when the slice `rows` spans all `length` rows."""
+    return rows.indices(length) == (0, length, 1)
 
 
 def _heads_first(a):
