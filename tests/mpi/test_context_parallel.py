@@ -15,6 +15,7 @@ import pytest
 import cupytp
 from cupytp import backend, ops
 from cupytp.debug import CommTracer
+from cupytp.launchers import cudnn_attention
 from cupytp.parallel import ContextParallel
 from cupytp.tensor import Replicated, Shard, local_mesh
 from dense_reference import full, lay_out, rng_array
@@ -122,13 +123,19 @@ def test_ring_attention_in_microbatches_draws_the_whole_batch(world, split):
         numpy.testing.assert_allclose(got[1], whole[1][:, order], rtol=1e-11, atol=1e-13)
 
 
-@pytest.mark.parametrize("t,dropout", [(11, 0.0), (11, 0.3), (32, 0.3)])
-def test_ring_attention_on_the_flash_kernels(world, t, dropout):
+@pytest.mark.parametrize("t,dropout,attention", [(11, 0.0, "auto"), (11, 0.3, "auto"),
+                                                 (32, 0.3, "auto"), (32, 0.0, "cudnn")])
+def test_ring_attention_on_the_flash_kernels(world, t, dropout, attention, monkeypatch):
     """bf16 with head size 64 takes the flash kernels (their NumPy twin here): the ring's
     merged blocks agree with one rank's flash attention to bf16's rounding, gradients too, with
     dropout drawn by each block's query and key positions (T = 32: chunks of 4s, whose keys
-    share Philox calls in the kernels) as the whole sequence's attention draws it."""
+    share Philox calls in the kernels) as the whole sequence's attention draws it. On a GPU
+    with the cuDNN frontend, CUPYTP_ATTENTION=cudnn runs the causal diagonal blocks and the
+    other ranks' unmasked blocks of unequal lengths there."""
     needs(world, 2)
+    if attention == "cudnn" and backend.on_gpu and cudnn_attention._frontend(False) is None:
+        pytest.skip("needs the cuDNN frontend")
+    monkeypatch.setenv("CUPYTP_ATTENTION", attention)
     mesh = cp_mesh(world)
     cp = ContextParallel(mesh)
     b, h, d = 1, 2, 64
