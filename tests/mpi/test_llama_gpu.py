@@ -41,6 +41,8 @@ def batch(step, mesh):
 def train(mesh, captured, steps=6):
     cupytp.manual_seed(5)
     model = Llama(CONFIG, mesh)
+    if mesh.ndim == 2:
+        replicate(model, mesh)          # the batch is split over dp: its gradients summed there
     optimizer = AdamW(decay_groups(model.parameters(), 0.1), lr=1e-3)
 
     def step(x, y):
