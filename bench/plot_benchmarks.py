@@ -10,11 +10,13 @@ The numbers come from the markdown tables themselves (nothing is measured or typ
   (column "flash vs torch flash").
 
 `python bench/plot_benchmarks.py long LOG... [--out PNG]` draws long_context.png from the logs
-of bench/long_context.py (its RESULT and ANCHOR lines, e.g. gpu_bench.sh long's): peak memory
-against the sequence length per model, cupytp with and without recomputation and PyTorch's.
+of bench/long_context.py (its RESULT and ANCHOR lines, e.g. gpu_bench.sh long's or cp's): peak
+memory and tokens/s against the sequence length per model, one line per split of cupytp's
+(recomputation, cp, tp, sequence parallelism, fsdp) and PyTorch's.
 Needs matplotlib (`pip install matplotlib`); without it the script says so and draws nothing.
 """
 import argparse
+import math
 import re
 import sys
 from pathlib import Path
@@ -141,9 +143,9 @@ PYTORCH = "PyTorch SDPA, no recompute"
 
 
 def long_context_runs(text):
-    """{model: {series: {T: peak GiB, or None where it did not run}}} from bench/long_context.py's
-    lines: a RESULT line is cupytp's (its series named by its split and recomputation), an
-    ANCHOR line PyTorch's, of the model of the RESULT lines before it."""
+    """{model: {series: {T: (peak GiB, tokens/s), or None where it did not run}}} from
+    bench/long_context.py's lines: a RESULT line is cupytp's (its series named by its split and
+    recomputation), an ANCHOR line PyTorch's, of the model of the RESULT lines before it."""
     runs, model = {}, None
     for line in text.splitlines():
         line = line.strip()
@@ -156,36 +158,53 @@ def long_context_runs(text):
                                         ("+sp", found["sp"] == "1"),
                                         (", recompute", found["recompute"] == "1"),
                                         (", fsdp", found["fsdp"] == "1")) if on)
-            peak = re.search(r"peak_alloc_GiB=([\d.]+)", found["rest"])
+            rest = found["rest"]
         elif line.startswith("ANCHOR") and model is not None and re.search(r"\bT=\d", line):
             length = int(re.search(r"\bT=(\d+)", line)[1])
-            series, peak = PYTORCH, re.search(r"peak_mem_GiB=([\d.]+)", line)
+            series, rest = PYTORCH, line
         else:
             continue
+        peak = re.search(r"peak_(?:alloc_GiB|mem_GiB)=([\d.]+)", rest)
+        speed = re.search(r"tok/s=([\d,]+)", rest)
         runs.setdefault(model, {}).setdefault(series, {})[length] = \
-            float(peak[1]) if peak else None
+            (float(peak[1]), float(speed[1].replace(",", ""))) if peak and speed else None
     return runs
 
 
+def spaced(lengths, apart=0.3):
+    """The lengths, ascending, less those within `apart` (in log2) of the last one kept: tick
+    labels that do not overlap on a log axis."""
+    kept = []
+    for t in sorted(lengths):
+        if not kept or math.log2(t) - math.log2(kept[-1]) >= apart:
+            kept.append(t)
+    return kept
+
+
 def plot_long_context(plt, runs, path):
-    """Peak memory against T, one panel per model, one line per series; the lengths a series
-    has no number for are named in its label."""
-    figure, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4.5), squeeze=False)
-    for axis, (model, series) in zip(axes[0], runs.items()):
-        for name, peaks in series.items():
-            ran = sorted(t for t, peak in peaks.items() if peak is not None)
-            missing = sorted(t for t, peak in peaks.items() if peak is None)
-            label = name + (f" (none at T={', '.join(map(str, missing))})" if missing else "")
-            axis.plot(ran, [peaks[t] for t in ran], "--s" if name == PYTORCH else "-o",
-                      label=label)
-        lengths = sorted({t for peaks in series.values() for t in peaks})
-        axis.set(title=f"{model}: peak memory of a training step (B=1)", xlabel="sequence length T",
-                 ylabel="peak allocated (GiB)")
-        axis.set_xscale("log", base=2)
-        axis.minorticks_off()
-        axis.set_xticks(lengths, [f"{t // 1024}k" if t >= 1024 else str(t) for t in lengths])
-        axis.set_ylim(bottom=0)
-        axis.legend(fontsize=8)
+    """Peak memory (top) and tokens/s (bottom) against T, one column per model, one line per
+    series; the lengths a series has no number for are named in its label."""
+    figure, axes = plt.subplots(2, len(runs), figsize=(6 * len(runs), 8.5), squeeze=False)
+    for column, (model, series) in enumerate(runs.items()):
+        lengths = sorted({t for points in series.values() for t in points})
+        for row, (what, unit) in enumerate((("peak memory of a training step (B=1)",
+                                             "peak allocated (GiB)"),
+                                            ("speed of a training step (B=1)", "tokens/s"))):
+            axis = axes[row][column]
+            for name, points in series.items():
+                ran = sorted(t for t, point in points.items() if point is not None)
+                missing = sorted(t for t, point in points.items() if point is None)
+                label = name + (f" (none at T={', '.join(map(str, missing))})" if missing
+                                else "")
+                axis.plot(ran, [points[t][row] for t in ran],
+                          "--s" if name == PYTORCH else "-o", label=label)
+            axis.set(title=f"{model}: {what}", xlabel="sequence length T", ylabel=unit)
+            axis.set_xscale("log", base=2)
+            axis.minorticks_off()
+            shown = spaced(lengths)
+            axis.set_xticks(shown, [f"{t // 1024}k" if t >= 1024 else str(t) for t in shown])
+            axis.set_ylim(bottom=0)
+            axis.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)

@@ -21,15 +21,16 @@ RESULT = re.compile(
     r"sp=0 recompute=(?P<recompute>\d) fsdp=(?P<fsdp>\d) B=1 T=(?P<T>\d+) tok/s=(?P<tok_s>\d+) "
     r"step_ms=(?P<ms>[\d.]+) peak_alloc_GiB=(?P<peak>[\d.]+) state_GiB=(?P<state>[\d.]+) "
     r"act_KiB_per_token=(?P<per_token>[\d.]+)$")
-# torch_llama.py's stand-in: its ANCHOR line holds T, its arguments and a peak of T/16 GiB; at
-# T=96 it fails as an out-of-memory run does, at T=128 it outlasts --anchor-timeout
+# torch_llama.py's stand-in: its ANCHOR line holds T, its arguments, 10·T tokens/s and a peak of
+# T/16 GiB; at T=96 it fails as an out-of-memory run does, at T=128 it outlasts --anchor-timeout
 FAKE_ANCHOR = """import sys, time
 T = int(sys.argv[sys.argv.index("--T") + 1])
 if T == 96:
     sys.exit("torch.OutOfMemoryError: CUDA out of memory (stand-in)")
 if T == 128:
     time.sleep(60)
-print(f"ANCHOR torch-llama-eager T={T} args={' '.join(sys.argv[1:])} peak_mem_GiB={T / 16:.2f}")
+print(f"ANCHOR torch-llama-eager T={T} args={' '.join(sys.argv[1:])} tok/s={T * 10} "
+      f"peak_mem_GiB={T / 16:.2f}")
 """
 
 
@@ -95,7 +96,7 @@ def test_the_anchor_of_a_llama_has_its_shape_and_its_peaks_are_compared(tmp_path
     anchors = [line for line in lines if line.startswith("ANCHOR")]
     assert anchors[0] == ("ANCHOR torch-llama-eager T=32 args=--layers 4 --dim 128 --heads 4 "
                           "--kv-heads 2 --ffn 352 --vocab 257 --tied 1 --theta 10000.0 --B 1 "
-                          "--T 32 --steps 3 peak_mem_GiB=2.00")
+                          "--T 32 --steps 3 tok/s=320 peak_mem_GiB=2.00")
     assert anchors[2] == ("ANCHOR torch T=96: none (torch.OutOfMemoryError: CUDA out of memory "
                           "(stand-in))")
     assert anchors[3] == "ANCHOR torch T=128: none (timed out after 2 s)"
@@ -107,7 +108,7 @@ def test_the_anchor_of_a_llama_has_its_shape_and_its_peaks_are_compared(tmp_path
     runs = load("plot_benchmarks").long_context_runs(done.stdout)       # what gets drawn
     assert list(runs) == ["llama-tiny"] and list(runs["llama-tiny"]) == ["cupytp, recompute",
                                                                          PYTORCH]
-    assert runs["llama-tiny"][PYTORCH] == {32: 2.0, 64: 4.0, 96: None, 128: None}
+    assert runs["llama-tiny"][PYTORCH] == {32: (2.0, 320), 64: (4.0, 640), 96: None, 128: None}
 
 
 def test_the_anchor_of_gpt2_has_its_shape():

@@ -74,16 +74,20 @@ RESULT cupytp long-context llama-1B dtype=bf16 dp=1 cp=2 tp=1 sp=0 recompute=1 B
 tok/s=9000 step_ms=1820.4 peak_alloc_GiB=30.00 state_GiB=18.60 act_KiB_per_token=1459.2
 ANCHOR torch-llama-eager L=16 D=2048 H=32 KV=8 F=8192 V=128256 B=1 T=16384 params=1235.8M \
 step_ms=1000.0 tok/s=16,384 TFLOP/s=200.0 peak_mem_GiB=55.00 peak_reserved_GiB=60.00 loss=12.000
+RESULT cupytp long-context gpt2-124M dtype=bf16 dp=1 cp=2 tp=1 sp=0 recompute=1 fsdp=1 B=1 \
+T=65536 tok/s=110743 step_ms=591.8 peak_alloc_GiB=9.09 state_GiB=1.16 act_KiB_per_token=253.7
 """
 
 
 def test_long_context_logs_are_parsed_per_model_and_series():
     runs = plot.long_context_runs(LONG_LOGS)
     assert runs == {
-        "124M": {"cupytp, recompute": {16384: 6.5, 32768: 11.25},
-                 plot.PYTORCH: {16384: 14.1, 32768: None},
-                 "cupytp": {16384: 20.0, 32768: None}},
-        "llama-1B": {"cupytp, cp=2, recompute": {16384: 30.0}, plot.PYTORCH: {16384: 55.0}}}
+        "124M": {"cupytp, recompute": {16384: (6.5, 90000), 32768: (11.25, 60000)},
+                 plot.PYTORCH: {16384: (14.1, 109226), 32768: None},
+                 "cupytp": {16384: (20.0, 120000), 32768: None}},
+        "llama-1B": {"cupytp, cp=2, recompute": {16384: (30.0, 9000)},
+                     plot.PYTORCH: {16384: (55.0, 16384)}},
+        "gpt2-124M": {"cupytp, cp=2, recompute, fsdp": {65536: (9.09, 110743)}}}
 
 
 def test_draws_the_long_context_picture(tmp_path):
@@ -96,3 +100,9 @@ def test_draws_the_long_context_picture(tmp_path):
     empty.write_text("crashed\n")
     with pytest.raises(SystemExit):
         plot.main_long([str(empty)])
+
+
+def test_tick_labels_too_close_on_a_log_axis_are_dropped():
+    assert plot.spaced([262144, 65536, 98304, 114688, 122880, 212992]) == \
+        [65536, 98304, 122880, 212992]
+    assert plot.spaced([4096, 8192, 16384]) == [4096, 8192, 16384]
