@@ -15,9 +15,9 @@ deferred, laid out by the tensor-parallel plan, its attention a ring over cp
 (`ContextParallel`, the sequence and its positions sharded in the ring's order), replicated over
 the batch's dimensions, then each rank's blocks made. The mesh is (dp, cp, tp) over the launched
 ranks. One RESULT line per length: tokens/s and step time (eager steps, forward, backward and
-AdamW, device synchronized around the timed steps), the pool's peak, what lives between steps
-(parameters, gradients, optimizer states), and activation memory per token: the peak above
-that, divided by this rank's tokens. A length that runs out of memory prints OOM and the next
+AdamW, device synchronized around the timed steps), the pool's peaks (allocated and reserved),
+what lives between steps (parameters, gradients, optimizer states), and activation memory per
+token: the allocated peak above that, divided by this rank's tokens. A length that runs out of memory prints OOM and the next
 one runs; `--memory-limit` caps what each rank's pool may reserve, so that cp=1 and cp=2 (or two
 GPUs of different sizes) find their longest length under the same memory. The model's context
 (GPT-2's block_size, a Llama's max_position_embeddings) is each length, so GPT-2's position table
@@ -144,8 +144,8 @@ def build(args, mesh, length):
 
 
 def measure(args, mesh, length):
-    """(tokens/s, ms per step, peak GiB, state GiB, activation bytes per token of this rank)
-    for one length."""
+    """(tokens/s, ms per step, peak allocated GiB, peak reserved GiB, state GiB, activation bytes
+    per token of this rank) for one length."""
     model, context, vocab_size = build(args, mesh, length)
     optimizer = AdamW(model.parameters(), lr=1e-4)
     rng = numpy.random.default_rng(mesh.get_local_rank("dp"))
@@ -172,11 +172,12 @@ def measure(args, mesh, length):
         loss = step_once(model, optimizer, ids, targets, positions, args.dtype)
     backend.synchronize()
     elapsed = (time.perf_counter() - start) / args.steps
-    peak = memory.memory_stats()["allocated_bytes_peak"]
+    stats = memory.memory_stats()
+    peak, reserved = stats["allocated_bytes_peak"], stats["reserved_bytes_peak"]
     loss.item()
     local_tokens = args.B * length / (args.cp * (args.tp if args.sequence_parallel else 1))
-    return (args.B * dp * length / elapsed, 1e3 * elapsed, peak / GIB, state / GIB,
-            (peak - state) / local_tokens)
+    return (args.B * dp * length / elapsed, 1e3 * elapsed, peak / GIB, reserved / GIB,
+            state / GIB, (peak - state) / local_tokens)
 
 
 def anchor_command(spec, folder, batch, length, dtype):
@@ -252,9 +253,10 @@ def main():
     ours = {}
     for length in args.T:
         try:
-            tok_s, ms, peak, state, per_token = measure(args, mesh, length)
+            tok_s, ms, peak, reserved, state, per_token = measure(args, mesh, length)
             line = (f"tok/s={tok_s:.0f} step_ms={ms:.1f} peak_alloc_GiB={peak:.2f} "
-                    f"state_GiB={state:.2f} act_KiB_per_token={per_token / 1024:.1f}")
+                    f"peak_reserved_GiB={reserved:.2f} state_GiB={state:.2f} "
+                    f"act_KiB_per_token={per_token / 1024:.1f}")
             ours[length] = peak * GIB
         except (memory.OutOfMemoryError, MemoryError) as error:
             line = f"OOM ({str(error).splitlines()[0][:120]})"

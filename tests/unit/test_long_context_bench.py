@@ -19,7 +19,8 @@ SCRIPT = "bench/long_context.py"
 RESULT = re.compile(
     r"RESULT cupytp long-context (?P<model>\S+) dtype=(?:fp32|bf16) dp=1 cp=(?P<cp>\d) tp=1 "
     r"sp=0 recompute=(?P<recompute>\d) fsdp=(?P<fsdp>\d) B=1 T=(?P<T>\d+) tok/s=(?P<tok_s>\d+) "
-    r"step_ms=(?P<ms>[\d.]+) peak_alloc_GiB=(?P<peak>[\d.]+) state_GiB=(?P<state>[\d.]+) "
+    r"step_ms=(?P<ms>[\d.]+) peak_alloc_GiB=(?P<peak>[\d.]+) "
+    r"peak_reserved_GiB=(?P<reserved>[\d.]+) state_GiB=(?P<state>[\d.]+) "
     r"act_KiB_per_token=(?P<per_token>[\d.]+)$")
 # torch_llama.py's stand-in: its ANCHOR line holds T, its arguments, 10·T tokens/s and a peak of
 # T/16 GiB; at T=96 it fails as an out-of-memory run does, at T=128 it outlasts --anchor-timeout
@@ -68,6 +69,7 @@ def results(done, model, lengths, cp=1, recompute=0, fsdp=0):
         ms, tok_s = float(m["ms"]), int(m["tok_s"])
         assert ms > 0 and tok_s == pytest.approx(int(m["T"]) * 1e3 / ms, rel=0.02)
         assert float(m["peak"]) >= float(m["state"]) >= 0 and float(m["per_token"]) >= 0
+        assert float(m["reserved"]) >= float(m["peak"])
     return found
 
 
