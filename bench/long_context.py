@@ -17,11 +17,12 @@ the batch's dimensions, then each rank's blocks made. The mesh is (dp, cp, tp) o
 ranks. One RESULT line per length: tokens/s and step time (eager steps, forward, backward and
 AdamW, device synchronized around the timed steps), the pool's peaks (allocated and reserved),
 what lives between steps (parameters, gradients, optimizer states), and activation memory per
-token: the allocated peak above that, divided by this rank's tokens. A length that runs out of memory prints OOM and the next
-one runs; `--memory-limit` caps what each rank's pool may reserve, so that cp=1 and cp=2 (or two
-GPUs of different sizes) find their longest length under the same memory. The model's context
-(GPT-2's block_size, a Llama's max_position_embeddings) is each length, so GPT-2's position table
-grows with it, as in the PyTorch anchor of the same shape.
+token: the allocated peak above that, divided by this rank's tokens. A length that runs out of
+memory prints OOM and the next one runs; `--memory-limit` caps what each rank's pool may
+reserve, so that cp=1 and cp=2 (or two GPUs of different sizes) find their longest length under
+the same memory. The model's context (GPT-2's block_size, a Llama's max_position_embeddings) is
+each length, so GPT-2's position table grows with it, as in the PyTorch anchor of the same
+shape.
 
 `--anchor DIR` (one rank): first, before any memory of ours is held, runs the PyTorch model of the
 same shape at each length (PyTorch eager, SDPA flash attention, no recomputation: it has none):
