@@ -125,6 +125,41 @@ def test_replicated_data_parallel_reduces_the_norms_in_its_buckets(world):
                                         [("tp", "backward")] * len(joint)), tracer.table()
 
 
+def test_sequence_parallel_fully_sharded_over_dp_trains_like_one_rank(world):
+    """On a (dp, tp) = (2, 2) mesh the model is fully sharded over dp on top of sequence
+    parallelism: every loss and gradient of one rank's training."""
+    if world.world_size != 4:
+        pytest.skip("needs 4 ranks")
+    mesh = cupytp.DeviceMesh((2, 2), ("dp", "tp"))
+    model = build(mesh, sequence_parallel=True, fsdp=True)
+    assert_trains_alike(train(model, mesh), dense_run())
+
+
+def test_fully_shard_reduces_the_norms_once_per_group(world):
+    """Fully sharded over dp on a (dp, tp) = (2, 2) mesh: the gradients Partial along tp (norms,
+    row-parallel biases, the position table) are all-reduced over tp once per group and
+    backward pass, every such parameter of the group in one collective, before the group's
+    reduce-scatter over dp."""
+    if world.world_size != 4:
+        pytest.skip("needs 4 ranks")
+    mesh = cupytp.DeviceMesh((2, 2), ("dp", "tp"))
+    model = build(mesh, sequence_parallel=True, fsdp=True)
+    groups = model.dp_schedule.groups
+    joint = [g for g in groups if g.joint]
+    tp = mesh.dim_names.index("tp")
+    assert {id(s.master) for g in joint for s in g.slots if s.joint} == \
+        {id(p) for p in model.parameters() if p.placements[tp].is_replicated()}
+    ids, targets, _ = batch(mesh, tokens=BATCH[:, :13])
+    with CommTracer() as tracer:
+        _, loss = model(ids, targets)
+        loss.backward()
+    names = {mesh.get_process_group(d).name: d for d in ("dp", "tp")}
+    tp_reductions = [nbytes for phase, _, op, group, nbytes, _, _ in tracer.events
+                     if op == "all_reduce" and names.get(group) == "tp" and phase != "forward"
+                     and nbytes > 8]
+    assert len(tp_reductions) == len(joint), tracer.table()
+
+
 def test_column_parallel_gathers_a_sequence_sharded_input(world):
     """A column-parallel layer on x (B, T, C) sharded on T along tp — and along cp too, outside
     it, on a (cp, tp) mesh: one all-gather over tp forward, one reduce-scatter over tp

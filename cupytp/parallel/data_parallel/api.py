@@ -14,11 +14,11 @@ from cupytp.distributed import runtime
 from cupytp.distributed.device_mesh import DeviceMesh
 from cupytp.nn.module import Module
 from cupytp.parallel.data_parallel.buffers import Bucket
-from cupytp.parallel.data_parallel.plan import DPDims, plan_buckets, plan_groups, shard_dim
+from cupytp.parallel.data_parallel.plan import (
+    DPDims, joint_dims, plan_buckets, plan_groups, shard_dim)
 from cupytp.parallel.data_parallel.schedule import FSDPGroup, ReplicateSchedule, ShardSchedule
 from cupytp.parallel.tensor_parallel import relayout
 from cupytp.tensor import DTensor, Replicated, Shard
-from cupytp.tensor.dtensor import grad_reduction
 from cupytp.tensor.layout import Layout
 from cupytp.tensor.redistribute import redistribute_local
 
@@ -230,7 +230,7 @@ def _onto_mesh(model, dims, what, layout_of):
 def _replicated(model, dims, bucket_bytes):
     _onto_mesh(model, dims, "replicate", lambda p, placements: placements)
     params = [p for p in model.parameters() if p.requires_grad]
-    joint = {id(p): _joint_dims(p, dims) for p in params}
+    joint = {id(p): joint_dims(p, dims) for p in params}
     planned = plan_buckets(params, bucket_bytes, kind=lambda p: joint[id(p)])
     buckets = [Bucket(i, ps) for i, ps in enumerate(planned)]
     object.__setattr__(model, "_dp", ReplicateSchedule(dims, buckets,
@@ -238,17 +238,6 @@ def _replicated(model, dims, bucket_bytes):
     model.__class__ = type(f"Replicate{type(model).__name__}", (DataParallelModule,
                                                                   type(model)), {})
     return model
-
-
-def _joint_dims(p, dims):
-    """The mesh dims besides the data-parallel ones over which `p`'s bucket is all-reduced:
-    those along which its plan's layout makes every gradient contribution Partial
-    (`grad_reduction`: a norm under sequence parallelism, key/value heads kept whole over tp),
-    reduced in the same collective as the dp sum instead of one by one."""
-    reduction = grad_reduction(p)
-    if reduction is None or not reduction[1] or p.mesh != dims.mesh:
-        return ()
-    return tuple(sorted(d for d in reduction[0] if d not in dims.all and p.mesh.shape[d] > 1))
 
 
 def _sharded(model, dims, group_bytes, reshard_after_forward, param_dtype, reduce_dtype):

@@ -12,8 +12,11 @@ that move together (groups for sharding, buckets for replicated gradients).
 - `plan_buckets(params, bucket_bytes)`: replicated parameters packed, in the reverse of their
   order (about the order backward finishes their gradients), into buckets of up to
   `bucket_bytes` of gradient.
+- `joint_dims(p, dims)`: the mesh dims besides the data-parallel ones that `p`'s gradient is
+  summed over in the same reduction (sequence parallelism's norms along tp).
 """
 from cupytp.nn.module import ModuleList
+from cupytp.tensor.dtensor import grad_reduction
 
 
 class DPDims:
@@ -142,3 +145,15 @@ def plan_buckets(params, bucket_bytes, kind=None):
 def _check_bytes(name, value):
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def joint_dims(p, dims):
+    """The mesh dims besides the data-parallel ones (`dims`, a DPDims) over which `p`'s gradient
+    is summed together with its data-parallel reduction: those along which its plan's layout
+    makes every contribution Partial (`grad_reduction`: a norm under sequence parallelism, key/
+    value heads kept whole over tp), reduced with the others of its bucket or group instead of
+    one by one. () for the rest."""
+    reduction = grad_reduction(p)
+    if reduction is None or not reduction[1] or p.mesh != dims.mesh:
+        return ()
+    return tuple(sorted(d for d in reduction[0] if d not in dims.all and p.mesh.shape[d] > 1))

@@ -29,7 +29,7 @@ from cupytp import backend
 from cupytp.autograd import engine
 from cupytp.launchers import cast
 from cupytp.parallel.data_parallel.buffers import ShardRows, Slot, add_grad, gather_row
-from cupytp.parallel.data_parallel.plan import DPDims
+from cupytp.parallel.data_parallel.plan import DPDims, joint_dims
 from cupytp.tensor import DTensor, Partial, Replicated, Shard
 from cupytp.tensor.dtensor import set_grad_sink
 from cupytp.tensor.layout import Layout
@@ -249,8 +249,17 @@ class FSDPGroup:
         master_dtype = dtypes.pop() if dtypes else None     # a root group may be empty
         self.param_dtype = backend.dtype(state.param_dtype or master_dtype or "fp32")
         self.reduce_dtype = backend.dtype(state.reduce_dtype or master_dtype or "fp32")
+        self.joint = {}     # extra dims -> (DPDims over them too, the mesh of those, slots)
+        mesh = state.dims.mesh
         for index, slot in enumerate(self.slots):
             slot.index = index
+            slot.joint = joint_dims(slot.master, state.dims)
+            if slot.joint and slot.joint not in self.joint:
+                names = tuple(mesh.dim_names[d] for d in slot.joint)
+                self.joint[slot.joint] = (DPDims(mesh, replicate=state.dims.names() + names),
+                                          mesh[names], [])
+            if slot.joint:
+                self.joint[slot.joint][2].append(slot)
         self.places = {id(m): _member_places(m, self.slots, names == [""]) for m in modules}
         self.full = None
         self.pending = None
@@ -258,6 +267,7 @@ class FSDPGroup:
         self._views = {}            # key -> (view ref, node ref, slot index): grads to come
         self._keys = itertools.count()
         self._held = {}             # slot index -> [full gradients not yet folded]
+        self._joint_seen = set()    # slots of `joint` that received a gradient this pass
         self.rows = None            # the flat gradient (ShardRows) of this accumulation
         self._received = False
 
@@ -339,7 +349,10 @@ class FSDPGroup:
         arrive far apart, like the root's head and embedding, holds no reduce-dtype buffer in
         between); once every live view of the group has its gradient, fold and reduce them."""
         self.state.queue_flush()
-        local = self.state.local_contribution(slot.full_layout.placements, g)
+        if slot.joint:          # kept Partial there too: summed with the group's others
+            self._joint_seen.add(slot.index)
+        local = self.state.local_contribution(slot.full_layout.placements, g,
+                                              self.joint[slot.joint][0] if slot.joint else None)
         if local is not None:
             self._held.setdefault(slot.index, []).append(local)
         self._received = True
@@ -353,6 +366,7 @@ class FSDPGroup:
         """This group's gradients are in: fold them, reduce (unless inside no_sync), free the
         full parameters."""
         if self._received:
+            self._reduce_joint()
             if self.rows is None:
                 self.rows = ShardRows(self.sharded, self.replicated, self.state.dims.shard_size,
                                       self.width, self.replicated_width, self.reduce_dtype)
@@ -362,6 +376,31 @@ class FSDPGroup:
         self._received = False
         if self.state.reshard_after_backward:
             self.reshard()
+
+
+    def _reduce_joint(self):
+        """The gradients kept Partial along joint dims (sequence parallelism's norms along tp),
+        summed there in one all-reduce per set of dims: each slot's contributions added (zeros
+        where this rank counted none), packed flat in the reduce dtype."""
+        for _, mesh, slots in self.joint.values():
+            seen = [s for s in slots if s.index in self._joint_seen]
+            if not seen:
+                continue
+            xp = backend.xp
+            parts = []
+            for slot in seen:
+                held = self._held.pop(slot.index, [])
+                total = xp.zeros(slot.full_layout.local_shape, dtype=self.reduce_dtype)
+                for local in held:
+                    total += local
+                parts.append(total)
+            flat = _all_reduced(mesh, xp.concatenate([part.reshape(-1) for part in parts]),
+                                in_place=True)
+            start = 0
+            for slot, part in zip(seen, parts):
+                self._held[slot.index] = [flat[start:start + part.size].reshape(part.shape)]
+                start += part.size
+        self._joint_seen.clear()
 
 
 class _Reduction:
