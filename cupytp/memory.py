@@ -148,10 +148,10 @@ class _FreeList:
         return block
 
     def _best_fit(self, size):
-        """The smallest free block of at least `size` that may serve it: below OVERSIZE for a
-        request below it, else less than OVERSIZE_SLACK larger than the request."""
+        """The smallest free block of at least `size` that may serve it: one below OVERSIZE, or
+        an oversize one less than OVERSIZE_SLACK larger than the request."""
         buckets, sizes = self.buckets, self.sizes
-        bound = OVERSIZE if size < OVERSIZE else size + OVERSIZE_SLACK
+        bound = max(OVERSIZE, size + OVERSIZE_SLACK)
         i = bisect_left(sizes, size)
         while i < len(sizes) and sizes[i] < bound:
             bucket = buckets[sizes[i]]

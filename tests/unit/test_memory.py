@@ -151,6 +151,14 @@ def test_oversize_blocks_are_never_split_and_serve_only_requests_near_their_size
     assert state.size == 2 * MiB
 
 
+def test_a_request_just_below_the_oversize_bound_reuses_its_segment(pool, device):
+    """255.5 MiB takes a segment of 256 MiB (rounded to 2 MiB): oversize, yet the request it
+    was made for, asked again, finds it."""
+    for _ in range(3):
+        pool.free(pool.malloc(256 * MiB - 512 * KiB))
+    assert device.mallocs == 1
+
+
 def test_steps_with_long_logits_keep_two_logits_segments(pool, device):
     """A long sequence's step: the logits and their gradient (oversize), activations made
     after them, the optimizer's states made at the end of the first step. Carved up, a freed
