@@ -255,9 +255,9 @@ class FSDPGroup:
             slot.index = index
             slot.joint = joint_dims(slot.master, state.dims)
             if slot.joint and slot.joint not in self.joint:
-                names = tuple(mesh.dim_names[d] for d in slot.joint)
-                self.joint[slot.joint] = (DPDims(mesh, replicate=state.dims.names() + names),
-                                          mesh[names], [])
+                extra = tuple(mesh.dim_names[d] for d in slot.joint)
+                self.joint[slot.joint] = (DPDims(mesh, replicate=state.dims.names() + extra),
+                                          mesh[extra], [])
             if slot.joint:
                 self.joint[slot.joint][2].append(slot)
         self.places = {id(m): _member_places(m, self.slots, names == [""]) for m in modules}
@@ -376,7 +376,6 @@ class FSDPGroup:
         self._received = False
         if self.state.reshard_after_backward:
             self.reshard()
-
 
     def _reduce_joint(self):
         """The gradients kept Partial along joint dims (sequence parallelism's norms along tp),
