@@ -156,7 +156,8 @@ def parse_args(argv):
     p.add_argument("--dp", type=POSITIVE_INT, default=None,
                    help="data-parallel ranks (default world / (tp·cp·pp))")
     p.add_argument("--fsdp", action="store_true", help="shard parameters, gradients and "
-                   "optimizer states over the data-parallel ranks instead of replicating them")
+                   "optimizer states over the data-parallel ranks instead of replicating them "
+                   "(over the context-parallel ones with --cp and no other data-parallel rank)")
     p.add_argument("--data", default=None, help="a text file, or a directory of .bin token "
                    "files: llm.c's shards (*train*.bin, *val*.bin) or nanoGPT's train.bin and "
                    "val.bin (with meta.pkl for a character vocabulary); default: tiny "
@@ -367,6 +368,13 @@ class Split:
         return self.sizes["dp"]
 
     @property
+    def shard_dim(self):
+        """The dimension --fsdp shards over: dp, or, without a pipeline, cp where dp is one rank
+        (torchtitan shards over its dp×cp ranks)."""
+        cp_only = self.sizes["dp"] == 1 and self.sizes["cp"] > 1 and self.sizes["pp"] == 1
+        return "cp" if cp_only else "dp"
+
+    @property
     def stage_mesh(self):
         """The mesh of the model's parameters: without "pp" (the pipeline cuts along it)."""
         names = tuple(n for n in self.mesh.dim_names if n != "pp")
@@ -378,7 +386,7 @@ class Split:
             parts[-1] += " (sequence parallel)"
         text = "mesh " + " ".join(parts)
         if args.fsdp:
-            text += ", dp fully sharded"
+            text += f", {self.shard_dim} fully sharded"
         if self.sizes["pp"] > 1:
             text += f", pipeline {args.pp_schedule} over {args.microbatches} micro-batches"
         return text
@@ -628,7 +636,10 @@ def build_model(args, split, vocab_size, schedule):
         return model, pipelined(model, split, schedule, args)
     batch_dims = tuple(name for name in ("dp", "cp") if name in split.mesh.dim_names)
     if args.fsdp:
-        fully_shard(model, split.mesh, replicate_dim=tuple(d for d in batch_dims if d != "dp"),
+        shard = split.shard_dim
+        fully_shard(model, split.mesh, dim=shard,
+                    replicate_dim=tuple(d for d in batch_dims
+                                        if d != shard and split.sizes[d] > 1) or None,
                     param_dtype=args.dtype)
     elif any(split.sizes[name] > 1 for name in batch_dims):
         replicate(model, split.mesh, dim=batch_dims)      # gradients summed over the batch
