@@ -150,7 +150,8 @@ def test_pipelines_train_alike(tmp_path):
 def test_sequence_splits_train_alike_with_dropout(tmp_path):
     """The sequence split over context-parallel ranks (ring attention) with tensor and sequence
     parallelism, with fully sharded data parallelism beside it or over the cp ranks themselves
-    (no dp rank: --fsdp shards there), and inside a pipeline's stages:
+    (no dp rank: --fsdp shards there), fully sharded over dp beside tensor and sequence
+    parallelism with gradients accumulated over 2 micro-batches, and inside a pipeline's stages:
     with dropout 0.1 the same losses as one rank (masks drawn by token position and global
     index)."""
     assert_splits_train_alike(tmp_path, SPLIT + ["--model", "tiny", "--dropout", "0.1"], {
@@ -159,6 +160,9 @@ def test_sequence_splits_train_alike_with_dropout(tmp_path):
                                           "--sequence-parallel"]),
         "cp x fsdp": (4, ["--batch-size", "4", "--cp", "2", "--fsdp"]),
         "fsdp over cp": (2, ["--batch-size", "8", "--cp", "2", "--fsdp"]),
+        "fsdp x tp sequence parallel, accumulated": (4, ["--batch-size", "2", "--grad-accum",
+                                                         "2", "--tp", "2",
+                                                         "--sequence-parallel", "--fsdp"]),
         "pp x cp": (4, ["--batch-size", "8", "--pp", "2", "--cp", "2"])})
 
 
