@@ -32,6 +32,9 @@ comparing both peaks where both ran, and, with two lengths or more, both models'
 per token as the slope of peak memory against the length (what grows with T: activations, and
 GPT-2's position table, the same in both). An anchor that fails or runs past --anchor-timeout
 prints "none (why)".
+
+Under `bench/kernel_profile.py` the kernels count from the first length's timed steps on: profile
+one length a run (`--T 98304 --steps 1`, `--per 1`).
 """
 import argparse
 import os
