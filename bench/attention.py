@@ -206,6 +206,7 @@ def time_torch(b, h, t, d, causal, p, reps, backend_name):
 BENCH = [  # b, h, t, d, causal, p
     (8, 12, 1024, 64, True, 0.0), (8, 12, 1024, 64, False, 0.0), (8, 12, 1024, 64, True, 0.1),
     (4, 16, 2048, 128, True, 0.0), (2, 16, 4096, 64, True, 0.0),
+    (64, 6, 256, 64, True, 0.0), (64, 6, 256, 64, True, 0.2),   # the small GPT's attention
 ]
 
 
@@ -268,6 +269,17 @@ def loop(n):
         print(f"| {b},{h},{t},{d} | " + " | ".join(f"{u:.1f}" for u in times) + " |")
 
 
+def registers():
+    """Registers per thread and local (spilled) bytes of each flash kernel, as ptxas left them."""
+    for d in (64, 128):
+        for kind in ("forward", "backward"):
+            for variant in ("", "_dropout", "_dropout_at"):
+                raw = flash_attention._kernel(kind, d, bfloat16, variant).raw
+                print(f"flash_{kind}_d{d}{variant}: {raw.num_regs} registers, "
+                      f"{raw.local_size_bytes} local bytes, {raw.max_threads_per_block} threads "
+                      f"at most")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=30)
@@ -283,6 +295,7 @@ def main():
         host, device = inputs(1, 1, 8, d, bfloat16, 0)
         attention_forward(*device, True, 0.1)
     print(f"compile: {time.perf_counter() - start:.1f} s")
+    registers()
     print(cudnn_attention.describe())
     view = numpy.arange(2 * 3 * 5 * 8, dtype=numpy.float32).astype(bfloat16).reshape(2, 3, 5, 8)
     view = view.transpose(0, 2, 1, 3)

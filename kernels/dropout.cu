@@ -4,8 +4,8 @@
 // computed in the compute dtype C and rounded once to the output's dtype; scale = 1 / (1 - p).
 // x has dtype T; b, r and out have R (T, or C under autocast: an fp32 residual stream beside a
 // 16-bit product); col = i % cols. Element i (local row-major index) of counter
-// P = base + add + block.global(i) is kept iff word P mod 4 of the Philox draw at P - P mod 4 is
-// >= threshold = ceil(p 2^32) (philox.cuh's dropout rule). Its mask bit is bit i % 8 of byte i / 8
+// P = base + add + block.global(i) is kept iff 16-bit half P mod 8 of the Philox draw at
+// P - P mod 8 is >= threshold = ceil(p 2^16) (philox.cuh's dropout rule). Its mask bit is bit i % 8 of byte i / 8
 // (numpy.packbits' little bit order). Each thread owns 8 consecutive elements, one mask byte,
 // moved as one vector of 8 per array when `vectors` (the launcher found every array aligned).
 #include "common.cuh"
@@ -76,14 +76,13 @@ __device__ void dropout_forward(const T* x, const R* bias, const R* residual, R*
                 col = col + 1 == cols ? 0 : col + 1;
             }
         }
-        // two calls of four global neighbours where the group's counters are first .. first + 7
-        // with first a multiple of 4, else a call per element (draws past the tail are made and
+        // one call for eight global neighbours where the group's counters are first .. first + 7
+        // with first a multiple of 8, else a call per element (draws past the tail are made and
         // masked off)
         const unsigned long long first = counter0 + block.global(i0);
         unsigned bits = 0;
-        if (runs && block.s3 == 1 && (first & 3) == 0) {
-            bits = dropout_nibble(first, seed, threshold) |
-                   dropout_nibble(first + 4, seed, threshold) << 4;
+        if (runs && block.s3 == 1 && (first & 7) == 0) {
+            bits = dropout_byte(first, seed, threshold);
         } else {
 #pragma unroll
             for (int k = 0; k < ELEMENTS; ++k) {

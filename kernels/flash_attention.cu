@@ -16,9 +16,9 @@
 // backward's blocks, one per 64 keys of one (b, key/value head), sum dk and dv over the query
 // heads of their group (a key/value head no query head reads gets zeros).
 // Dropout on the probabilities: element (b, h, t, s) of the global (B, H_global, T, S) tensor is
-// kept by philox.cuh's dropout rule at counter base + add + ((b·H_global + h)·T + t)·S + s (word
-// P mod 4 of the draw at P - P mod 4 against `threshold` = ceil(p·2³²): cupytp.tensor.random's
-// draw, four keys to a Philox call); kept values are scaled by 1/(1-p). The `_dropout_at` kernels
+// kept by philox.cuh's dropout rule at counter base + add + ((b·H_global + h)·T + t)·S + s (half
+// P mod 8 of the draw at P - P mod 8 against `threshold` = ceil(p·2¹⁶): cupytp.tensor.random's
+// draw, eight keys to a Philox call); kept values are scaled by 1/(1-p). The `_dropout_at` kernels
 // take a block of a longer sequence: t and s are then its rows' and keys' global positions
 // (`rows`, `cols`) in a problem of t_global queries and s_global keys.
 // Inputs are strided views (D contiguous, rows 16-byte aligned); strides are in elements.
@@ -171,7 +171,7 @@ __device__ __forceinline__ void zero(float (&x)[N][4])
 // positions; without, a row's and a key's position is its index (no loads, no checks).
 template <bool MAPS>
 struct Dropout {
-    unsigned long long threshold;  // keep iff the word drawn >= threshold = ceil(p 2^32)
+    unsigned long long threshold;  // keep iff the half drawn >= threshold = ceil(p 2^16)
     float scale;                   // 1 / (1 - p)
     unsigned long long seed;
     const unsigned long long* base;  // device counter base (rewritten before CUDA-graph replays)
@@ -203,20 +203,20 @@ struct Dropout {
         return head + static_cast<unsigned long long>(row(MAPS ? min(t, t_len - 1) : t)) * s_global;
     }
 
-    // whether base + add and S let four global neighbours share a Philox call at all
+    // whether base + add and S let eight global neighbours share a Philox call at all
     __device__ __forceinline__ bool groups_possible() const
     {
-        return (*base + add) % 4 == 0 && s_global % 4 == 0;
+        return (*base + add) % 8 == 0 && s_global % 8 == 0;
     }
 
-    // whether keys l .. l + 3 (l a multiple of 4; those from s_len on are masked and not looked
-    // at) are global neighbours from a multiple of 4
+    // whether keys l .. l + 7 (l a multiple of 8; those from s_len on are masked and not looked
+    // at) are global neighbours from a multiple of 8
     __device__ __forceinline__ bool group_at(int l, int s_len) const
     {
         if (!MAPS || !cols)
             return true;
-        const int last = min(l + 3, s_len - 1);
-        return last < l || (cols[l] % 4 == 0 && cols[last] - cols[l] == last - l);
+        const int last = min(l + 7, s_len - 1);
+        return last < l || (cols[l] % 8 == 0 && cols[last] - cols[l] == last - l);
     }
 
     // the counter offset of key s: its global position (keys past s_len are masked)
@@ -226,72 +226,113 @@ struct Dropout {
     }
 };
 
-// Which of a thread's four accumulator scores dropout keeps (bit c for accumulator c), by
-// philox.cuh's dropout rule over the scores' counters. Where four neighbouring keys are global
-// neighbours from a multiple of 4 (always but where S, base + add or the block's key positions
-// say otherwise), they share one Philox call: each lane of the lanes holding a group's keys
-// draws one group and shuffles its bits to the others, one call per thread and tile instead of
-// four. Every lane of the warp calls these together.
-
-// Forward: accumulator c is (query row rows[c / 2], key col + c % 2), col even; lanes q ^ 1 hold
-// the other two keys of the group (col & ~3), lane q drawing the group of row q & 1.
+// Which of a thread's accumulator scores of one tile dropout keeps, by philox.cuh's dropout rule
+// over the scores' counters: kept[nt] bit c for accumulator c of key octet nt. Where the tile's
+// key octets are global neighbours from a multiple of 8 (always but where S, base + add or the
+// block's key positions say otherwise), each octet of one query row is one Philox call: the
+// lanes that hold an octet's keys draw it together (each lane a share of the tile's octets) and
+// exchange the bits by shuffles, four calls per thread and tile instead of one per score. Every
+// lane of the warp calls these together.
 template <bool MAPS>
-__device__ __forceinline__ bool together(const Dropout<MAPS>& dropout, bool grouped, int first,
-                                         int s_len)
+__device__ __forceinline__ bool together(const Dropout<MAPS>& dropout, bool grouped, int n_first,
+                                         int octets, int s_len)
 {
-    return MAPS ? __all_sync(0xffffffffu, grouped && dropout.group_at(first, s_len)) : grouped;
+    if (!MAPS)
+        return grouped;
+    bool all = grouped;
+    for (int o = 0; o < octets; ++o)
+        all = all && dropout.group_at(n_first + 8 * o, s_len);
+    return __all_sync(0xffffffffu, all);
 }
 
-template <bool MAPS>
-__device__ __forceinline__ unsigned forward_keeps(const Dropout<MAPS>& dropout, bool grouped,
-                                                  const unsigned long long (&rows)[2], int col,
-                                                  int quad, int s_len)
+// Forward: accumulator c of octet nt is (row rows[c / 2], key n0 + 8 nt + 2 quad + c % 2): the
+// quad's four lanes hold the 16 octets (r, nt) of the same two rows, lane quad drawing octets
+// g = 4 quad .. 4 quad + 3 (g = 8 r + nt) into the bytes of one register.
+template <bool MAPS, int OCTETS>
+__device__ __forceinline__ void forward_keeps(unsigned (&kept)[OCTETS],
+                                              const Dropout<MAPS>& dropout, bool grouped,
+                                              const unsigned long long (&rows)[2], int n0,
+                                              int quad, int s_len)
 {
-    const int own = quad & 1, first = col & ~3;
-    if (together(dropout, grouped, first, s_len)) {
-        unsigned x = dropout_nibble((own ? rows[1] : rows[0]) + dropout.key(first, s_len),
-                                    dropout.seed, dropout.threshold)
-                     << 4 * own;
-        x |= __shfl_xor_sync(0xffffffffu, x, 1);
-        return (x >> 2 * own & 3u) | (x >> (4 + 2 * own) & 3u) << 2;
-    }
-    unsigned bits = 0;
+    static_assert(OCTETS == 8, "a quad shares 16 octets: 8 per row");
+    if (together(dropout, grouped, n0, OCTETS, s_len)) {
+        const unsigned long long row = quad >= 2 ? rows[1] : rows[0];
+        const int nt0 = 4 * (quad % 2);
+        unsigned mine = 0;
 #pragma unroll
-    for (int c = 0; c < 4; ++c)
-        bits |= static_cast<unsigned>(dropout_keeps(rows[c / 2] + dropout.key(col + c % 2, s_len),
-                                                    dropout.seed, dropout.threshold)) << c;
-    return bits;
-}
-
-// Backward (transposed): accumulator c is (query column queries[c % 2], key key + 8 (c / 2));
-// the lanes of groups g ^ 1, g ^ 2, g ^ 3 (lane ^ 4, ^ 8, ^ 12) hold the group's other keys
-// (key & ~3), lane g drawing the group of accumulator g & 3.
-template <bool MAPS>
-__device__ __forceinline__ unsigned backward_keeps(const Dropout<MAPS>& dropout, bool grouped,
-                                                   const unsigned long long (&queries)[2],
-                                                   int key, int group, int s_len)
-{
-    const int own = group & 3, first = (key & ~3) + 8 * (own / 2);
-    if (together(dropout, grouped, first, s_len)) {
-        unsigned x = dropout_nibble((own % 2 ? queries[1] : queries[0]) + dropout.key(first, s_len),
-                                    dropout.seed, dropout.threshold)
-                     << 4 * own;
-        x |= __shfl_xor_sync(0xffffffffu, x, 4);
-        x |= __shfl_xor_sync(0xffffffffu, x, 8);
-        unsigned bits = 0;
+        for (int j = 0; j < 4; ++j)
+            mine |= dropout_byte(row + dropout.key(n0 + 8 * (nt0 + j), s_len), dropout.seed,
+                                 dropout.threshold)
+                    << 8 * j;
+        const int lane = threadIdx.x % 32;
+        unsigned from[4];  // from[q]: lane quad q's register
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+            from[q] = __shfl_sync(0xffffffffu, mine, (lane & ~3) | q);
+#pragma unroll
+        for (int nt = 0; nt < OCTETS; ++nt) {
+            kept[nt] = 0;
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+                kept[nt] |= (from[2 * r + nt / 4] >> (8 * (nt % 4) + 2 * quad) & 3u) << 2 * r;
+        }
+        return;
+    }
+#pragma unroll
+    for (int nt = 0; nt < OCTETS; ++nt) {
+        kept[nt] = 0;
 #pragma unroll
         for (int c = 0; c < 4; ++c)
-            bits |= (x >> (4 * c + own) & 1u) << c;
-        return bits;
+            kept[nt] |= static_cast<unsigned>(dropout_keeps(
+                            rows[c / 2] + dropout.key(n0 + 8 * nt + 2 * quad + c % 2, s_len),
+                            dropout.seed, dropout.threshold))
+                        << c;
     }
-    unsigned bits = 0;
+}
+
+// Backward (transposed): accumulator c of octet nt is (query queries(nt)[c % 2], key
+// keys + 8 (c / 2)), keys = n0 + 16 warp + group: the eight lanes of one quad hold the 32
+// octets (nt, query, key octet) of the same queries, lane group drawing the four of nt = group
+// (byte 2 (c / 2) + c % 2 = c) into one register. `query(t)` gives query t's counter at key 0.
+template <bool MAPS, int OCTETS, typename Query>
+__device__ __forceinline__ void backward_keeps(unsigned (&kept)[OCTETS],
+                                               const Dropout<MAPS>& dropout, bool grouped,
+                                               Query query, int m0, int n_first, int group,
+                                               int quad, int s_len)
+{
+    static_assert(OCTETS == 8, "one octet of queries per group of lanes");
+    const int key0 = n_first;  // this warp's first key: 16 warp + n0
+    if (together(dropout, grouped, key0, 2, s_len)) {
+        const int t = m0 + 8 * group + 2 * quad;
+        const unsigned long long queries[2] = {query(t), query(t + 1)};
+        unsigned mine = 0;
 #pragma unroll
-    for (int c = 0; c < 4; ++c)
-        bits |= static_cast<unsigned>(dropout_keeps(
-                    queries[c % 2] + dropout.key(key + 8 * (c / 2), s_len), dropout.seed,
-                    dropout.threshold))
-                << c;
-    return bits;
+        for (int c = 0; c < 4; ++c)
+            mine |= dropout_byte(queries[c % 2] + dropout.key(key0 + 8 * (c / 2), s_len),
+                                 dropout.seed, dropout.threshold)
+                    << 8 * c;
+#pragma unroll
+        for (int nt = 0; nt < OCTETS; ++nt) {
+            const unsigned x = __shfl_sync(0xffffffffu, mine, 4 * nt + quad);
+            kept[nt] = 0;
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+                kept[nt] |= (x >> (8 * c + group) & 1u) << c;
+        }
+        return;
+    }
+#pragma unroll
+    for (int nt = 0; nt < OCTETS; ++nt) {
+        const int t = m0 + 8 * nt + 2 * quad;
+        const unsigned long long queries[2] = {query(t), query(t + 1)};
+        kept[nt] = 0;
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+            kept[nt] |= static_cast<unsigned>(dropout_keeps(
+                            queries[c % 2] + dropout.key(key0 + group + 8 * (c / 2), s_len),
+                            dropout.seed, dropout.threshold))
+                        << c;
+    }
 }
 
 // ---- tiles ------------------------------------------------------------------------------------
@@ -396,12 +437,8 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
             }
         }
         unsigned kept[BLOCK_N / 8];
-        if (DROPOUT) {
-#pragma unroll
-            for (int nt = 0; nt < BLOCK_N / 8; ++nt)
-                kept[nt] = forward_keeps(dropout, grouped, rows, n0 + nt * 8 + quad * 2, quad,
-                                         s_len);
-        }
+        if (DROPOUT)
+            forward_keeps(kept, dropout, grouped, rows, n0, quad, s_len);
         // online softmax (raw scores; the scale goes into the exponent): new running max,
         // rescale what was summed so far
 #pragma unroll
@@ -616,17 +653,13 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
             }
             // pᵀ from lse, then st <- dropped pᵀ and dpt <- dsᵀ = pᵀ (dpᵀ - delta)
             const bool edge = n0 + BLOCK_N > s_len || (causal && n0 + BLOCK_N - 1 > m0 + diagonal);
+            unsigned kept[BLOCK_M / 8];
+            if (DROPOUT)
+                backward_keeps(kept, dropout, grouped,
+                               [&](int t) { return dropout.row_counter(counter0, t, t_len); }, m0,
+                               n0 + warp * 16, group, quad, s_len);
     #pragma unroll
             for (int nt = 0; nt < BLOCK_M / 8; ++nt) {
-                unsigned kept = 0;
-                if (DROPOUT) {
-                    const int t0 = m0 + nt * 8 + quad * 2;
-                    const unsigned long long queries[2] = {
-                        dropout.row_counter(counter0, t0, t_len),
-                        dropout.row_counter(counter0, t0 + 1, t_len)};
-                    kept = backward_keeps(dropout, grouped, queries, n0 + key_in_block, group,
-                                          s_len);
-                }
     #pragma unroll
                 for (int c = 0; c < 4; ++c) {
                     const int key = n0 + key_in_block + (c / 2) * 8;
@@ -637,7 +670,7 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
                         p = 0.f;
                     float dp = dpt[nt][c];
                     if (DROPOUT) {
-                        const bool keeps = kept >> c & 1u;
+                        const bool keeps = kept[nt] >> c & 1u;
                         st[nt][c] = keeps ? p * dropout.scale : 0.f;
                         dp = keeps ? dp * dropout.scale : 0.f;
                     } else {

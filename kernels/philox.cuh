@@ -6,9 +6,10 @@
 // base + add + i, `base` read from device memory (rewritten before each CUDA-graph replay);
 // a rank's block of the tensor maps its local index to i through `PhiloxBlock` (below).
 // A uniform is the 53-bit integer of the first two words, (w0 >> 5) 2^26 + (w1 >> 6), over 2^53.
-// Dropout draws four elements per call: the element whose counter would be P reads word P mod 4
-// of the draw at P - P mod 4, and is kept iff that word >= ceil(p 2^32) (word / 2^32 >= p,
-// exactly). Draws start at a multiple of 4 (cupytp.tensor.random), so one call serves four
+// Dropout draws eight elements per call: the element whose counter would be P reads 16-bit half
+// P mod 8 of the draw at P - P mod 8 (half k: the low (k even) or high 16 bits of word k / 2),
+// and is kept iff that half >= ceil(p 2^16) (half / 2^16 >= p, exactly: p counts in steps of
+// 2^-16). Draws start at a multiple of 8 (cupytp.tensor.random), so one call serves eight
 // global neighbours.
 #pragma once
 
@@ -54,25 +55,35 @@ __device__ __forceinline__ unsigned philox_word(const PhiloxWords& w, unsigned k
     return k == 0 ? w.w0 : k == 1 ? w.w1 : k == 2 ? w.w2 : w.w3;
 }
 
-// dropout's keep bits of the four elements at counters `group` .. group + 3 (group a multiple
-// of 4): bit k kept iff word k >= threshold = ceil(p 2^32)
-__device__ __forceinline__ unsigned dropout_nibble(unsigned long long group,
-                                                   unsigned long long seed,
-                                                   unsigned long long threshold)
+// half k (0..7) of a draw: the low or high 16 bits of word k / 2
+__device__ __forceinline__ unsigned philox_half(const PhiloxWords& w, unsigned k)
 {
-    const PhiloxWords w = philox4x32_10(group, seed);
-    return static_cast<unsigned>(w.w0 >= threshold) |
-           static_cast<unsigned>(w.w1 >= threshold) << 1 |
-           static_cast<unsigned>(w.w2 >= threshold) << 2 |
-           static_cast<unsigned>(w.w3 >= threshold) << 3;
+    return philox_word(w, k / 2) >> 16 * (k % 2) & 0xFFFFu;
 }
 
-// whether dropout keeps the element at counter P (one call; dropout_nibble serves four)
+// dropout's keep bits of the eight elements at counters `group` .. group + 7 (group a multiple
+// of 8): bit k kept iff half k >= threshold = ceil(p 2^16)
+__device__ __forceinline__ unsigned dropout_byte(unsigned long long group,
+                                                 unsigned long long seed,
+                                                 unsigned long long threshold)
+{
+    const PhiloxWords w = philox4x32_10(group, seed);
+    const unsigned t = static_cast<unsigned>(threshold);
+    const unsigned words[4] = {w.w0, w.w1, w.w2, w.w3};
+    unsigned bits = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+        bits |= static_cast<unsigned>((words[k] & 0xFFFFu) >= t) << 2 * k |
+                static_cast<unsigned>((words[k] >> 16) >= t) << (2 * k + 1);
+    return bits;
+}
+
+// whether dropout keeps the element at counter P (one call; dropout_byte serves eight)
 __device__ __forceinline__ bool dropout_keeps(unsigned long long counter, unsigned long long seed,
                                               unsigned long long threshold)
 {
-    const PhiloxWords w = philox4x32_10(counter & ~3ull, seed);
-    return philox_word(w, static_cast<unsigned>(counter & 3)) >= threshold;
+    const PhiloxWords w = philox4x32_10(counter & ~7ull, seed);
+    return philox_half(w, static_cast<unsigned>(counter & 7)) >= threshold;
 }
 
 // A rank's block of a global tensor, its dimensions merged where they are contiguous in both:

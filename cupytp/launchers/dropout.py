@@ -3,9 +3,9 @@ NumPy twin otherwise.
 
 `dropout(x, p, counters, bias=None, residual=None, keep_mask=True)` → (out, mask):
 out = residual + (x + bias) * (keep ? 1/(1-p) : 0), element i kept by philox.py's dropout rule
-at its counter (`counters`, a `philox.Counters` of x's block: four elements per Philox call); bias (cols,) along the last
-dimension and residual (x's shape) optional, both of out's dtype, which is x's, or with a
-residual the residual's (x's or its compute dtype: autocast's fp32 residual stream beside a
+at its counter (`counters`, a `philox.Counters` of x's block: eight elements per Philox
+call); bias (cols,) along the last dimension and residual (x's shape) optional, both of out's
+dtype, which is x's, or with a residual the residual's (x's or its compute dtype: autocast's fp32 residual stream beside a
 16-bit product). The mask (uint8, one bit per element, `numpy.packbits(keep, bitorder="little")`
 of the flattened block) only with `keep_mask`.
 `dropout_backward(g, mask, p, dtype=None)` → g * (bit ? 1/(1-p) : 0) as `dtype` (g's by
@@ -13,7 +13,7 @@ default; x's dtype for the gradient of a 16-bit x with an fp32 residual).
 
 Computed in the compute dtype (float32 for 16-bit and float32, float64 for float64), rounded
 once; 1/(1-p) rounded to the compute dtype. The backward reads the mask rather than drawing the
-numbers again: one bit per element read against a quarter of a Philox call per element written
+numbers again: one bit per element read against an eighth of a Philox call per element written
 (bench/dropout.py times both).
 """
 import numpy

@@ -20,8 +20,9 @@ Dropout (an `AttentionDropout`, or None) zeroes the probability (b, h, t, s) unl
 dropout rule keeps counter base + add + row-major index of (b + batch_offset, h + head_offset, t,
 s) in (B, heads, T, S), and scales the kept ones by 1/(1-p): the draw of `cupytp.tensor.random`,
 so the mask equals `ops.dropout`'s on the (B, H, T, S) probabilities. The kernels draw one Philox
-call per four keys and share its bits across the lanes that hold them where S and base + add
-are multiples of 4 (always, but for S), else a call per probability.
+call per eight keys and share its bits across the lanes that hold them where S and base + add
+are multiples of 8 (always, but for S) and a block's key positions run in eights, else a call
+per probability.
 """
 import functools
 from typing import NamedTuple

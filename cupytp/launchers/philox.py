@@ -5,10 +5,11 @@ that draw (`random_fill`, `dropout`, `flash_attention`) take.
 Element i (row-major global index) of a draw gets the counter base + add + i, `base` a 0-d
 uint64 device array that CUDA-graph replays rewrite (see `cupytp.tensor.random`). A uniform in
 [0, 1) is the 53-bit integer of the first two words of its Philox output over 2^53; a normal is
-Box-Muller over the two uniforms of the four words. Dropout draws four elements per Philox
-call: the element of counter P reads word P mod 4 of the draw at P - P mod 4 and is kept iff
-that word >= ceil(p 2^32) (`dropout_keeps`); draws start at a multiple of 4
-(`cupytp.tensor.random`), so one call serves four global neighbours. The twins compute with the module of their
+Box-Muller over the two uniforms of the four words. Dropout draws eight elements per Philox
+call: the element of counter P reads 16-bit half P mod 8 of the draw at P - P mod 8 (the low or
+high half of word (P mod 8) / 2) and is kept iff that half >= ceil(p 2^16) (`dropout_keeps`; p
+counts in steps of 2^-16); draws start at a multiple of DROPOUT_GROUP = 8
+(`cupytp.tensor.random`), so one call serves eight global neighbours. The twins compute with the module of their
 arrays (CuPy's or NumPy's: on a GPU the NumPy twin runs on host arrays).
 """
 import functools
@@ -24,6 +25,7 @@ _M0, _M1 = 0xD2511F53, 0xCD9E8D57
 _W0, _W1 = 0x9E3779B9, 0xBB67AE85
 _MASK32 = 0xFFFFFFFF
 MAX_DIMS = 4        # merged block dimensions the kernels take
+DROPOUT_GROUP = 8   # dropout's decisions per Philox call: draws start at multiples of it
 
 
 def philox4x32(counter_lo, counter_hi, key):
@@ -74,18 +76,20 @@ def normal_at(seed, counter):
 
 
 def keep_threshold(p):
-    """The integer t with (32-bit word >= t) == (word / 2³² >= p), exactly."""
-    return math.ceil(p * 2.0 ** 32)
+    """The integer t with (16-bit half >= t) == (half / 2¹⁶ >= p), exactly."""
+    return math.ceil(p * 2.0 ** 16)
 
 
 def dropout_keeps(seed, counter, p):
-    """Whether dropout with probability p keeps the elements of uint64 `counter`s: word
-    counter mod 4 of the draw at counter - counter mod 4 is >= keep_threshold(p)."""
+    """Whether dropout with probability p keeps the elements of uint64 `counter`s: half
+    counter mod 8 of the draw at counter - counter mod 8 is >= keep_threshold(p)."""
     xp = backend.array_module(counter)
-    w = words(seed, counter & ~xp.uint64(3))
-    k = counter & xp.uint64(3)
-    word = xp.where(k == 0, w[0], xp.where(k == 1, w[1], xp.where(k == 2, w[2], w[3])))
-    return word >= xp.uint64(keep_threshold(p))
+    w = words(seed, counter & ~xp.uint64(DROPOUT_GROUP - 1))
+    k = counter & xp.uint64(DROPOUT_GROUP - 1)
+    pair = k >> xp.uint64(1)
+    word = xp.where(pair == 0, w[0], xp.where(pair == 1, w[1], xp.where(pair == 2, w[2], w[3])))
+    half = (word >> (xp.uint64(16) * (k & xp.uint64(1)))) & xp.uint64(0xFFFF)
+    return half >= xp.uint64(keep_threshold(p))
 
 
 def global_indices(shape, offsets, local_shape, xp=None):

@@ -4,8 +4,9 @@ batch is split into micro-batches.
 Philox-4x32-10 keyed by the seed, with the global element index (plus the generator's running
 offset) as the counter: element (i, j) of a global tensor gets the same value whatever the mesh,
 the placements or the number of ranks. Every draw advances the offset by the global element
-count rounded up to a multiple of 4, identically on all ranks (dropout reads four elements'
-decisions from one Philox call, `launchers.philox`, so its groups are global neighbours). On a GPU the numbers are drawn inside kernels (`random_fill.cu`,
+count rounded up to a multiple of 8, identically on all ranks (dropout reads eight elements'
+decisions from one Philox call, `launchers.philox`, so its groups are global neighbours). On a
+GPU the numbers are drawn inside kernels (`random_fill.cu`,
 dropout's, flash attention's; `philox.cuh`): those of the NumPy twin the CPU runs
 (`cupytp.launchers.philox`), uniforms and masks bit for bit, normals to a few float64 ulps.
 
@@ -28,7 +29,7 @@ import numpy
 
 from cupytp import backend, graph
 from cupytp.launchers import random_fill
-from cupytp.launchers.philox import Counters
+from cupytp.launchers.philox import DROPOUT_GROUP, Counters
 
 
 class Generator(graph.GraphState):
@@ -112,7 +113,7 @@ class Generator(graph.GraphState):
             base, add = self._bases[1], self.offset - record["start"]
         else:
             base, add = self._bases[0], self.offset
-        self.offset += -count % 4 + count       # draws start at multiples of 4 (dropout's rule)
+        self.offset += -count % DROPOUT_GROUP + count     # draws start at dropout's groups
         return self.seed, base, add + skipped
 
     # ---- CUDA-graph state (cupytp.graph.GraphState) ---------------------------------------------

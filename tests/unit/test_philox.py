@@ -38,11 +38,17 @@ def reference_philox(counter, key):
 
 
 def reference_keeps(c, p):
-    """Dropout's decisions over the counters `c`: word c mod 4 of the Philox draw at c - c mod 4,
-    as a fraction of 2^32, is >= p (Python integers and floats)."""
-    flat = [reference_philox(int(v) - int(v) % 4, SEED)[int(v) % 4] / 2.0 ** 32 >= p
-            for v in c.reshape(-1)]
+    """Dropout's decisions over the counters `c`: 16-bit half c mod 8 of the Philox draw at
+    c - c mod 8, as a fraction of 2^16, is >= p (Python integers and floats)."""
+    flat = [reference_half(int(v)) / 2.0 ** 16 >= p for v in c.reshape(-1)]
     return numpy.array(flat).reshape(c.shape)
+
+
+def reference_half(counter):
+    """Half counter mod 8 of the draw at counter - counter mod 8 under SEED: the low (even) or
+    high 16 bits of word (counter mod 8) // 2."""
+    k = counter % 8
+    return reference_philox(counter - k, SEED)[k // 2] >> 16 * (k % 2) & 0xFFFF
 
 
 SEED = 0x1234_5678_9ABC
@@ -116,7 +122,7 @@ def test_twin_fills_are_the_dense_draws_block(block):
                                                      (False, True), (True, True)])
 def test_twin_dropout_against_float64_formula(with_bias, with_residual):
     """out = residual + (x + bias) kept / (1 - p), the mask dropout's decisions at the same
-    counters (four to a Philox draw), packed eight to a byte; the backward scales the kept
+    counters (eight to a Philox draw), packed eight to a byte; the backward scales the kept
     gradients by 1 / (1 - p)."""
     block = BLOCKS[3]
     rng = numpy.random.default_rng(0)
@@ -184,7 +190,7 @@ def test_fill_kernels_draw_the_twins_numbers(block, dtype):
 def test_dropout_kernels_are_their_twins(block, x_dtype, out_dtype, aligned, shift):
     """Outputs, masks and gradients bit for bit, with and without bias and residual, on vectors
     and off them (an array one element past an aligned start), with the draw's counters
-    starting at a multiple of 4 (four elements to a Philox call) and off one (a call each)."""
+    starting at a multiple of 8 (eight elements to a Philox call) and off one (a call each)."""
     rng = numpy.random.default_rng(1)
     shape = block[2]
 
@@ -206,7 +212,7 @@ def test_dropout_kernels_are_their_twins(block, x_dtype, out_dtype, aligned, shi
     for bias, residual in variants:
         host = [None if a is None else a[0] for a in (bias, residual)]
         device = [None if a is None else a[1] for a in (bias, residual)]
-        c = counters(block, add=4 * int(rng.integers(4, 1 << 40)) + shift - 11)    # base is 11
+        c = counters(block, add=8 * int(rng.integers(4, 1 << 40)) + shift - 11)    # base is 11
         out, mask = drop.dropout(x_device, 0.2, on_device(c), *device)
         want, want_mask = drop.dropout_numpy(x, 0.2, c, *host)
         assert out.dtype == want.dtype
@@ -220,14 +226,13 @@ def test_dropout_kernels_are_their_twins(block, x_dtype, out_dtype, aligned, shi
 
 @requires_gpu
 def test_dropout_threshold_is_the_kernels_test():
-    """The kernel keeps exactly the elements whose word / 2^32 is >= p, for p at the edges (one
-    exactly a word drawn)."""
+    """The kernel keeps exactly the elements whose half / 2^16 is >= p, for p at the edges (one
+    exactly a half drawn)."""
     block = ((4096,), (0,), (4096,))
-    c = counters(block, add=1)          # base 11: counters from 12, four to a draw
-    drawn = numpy.array([reference_philox(int(v) - int(v) % 4, SEED)[int(v) % 4]
-                         for v in c.indices()], F64) / 2.0 ** 32
-    for p in (2.0 ** -40, 1 / 3, 0.999, float(numpy.sort(drawn)[100])):
+    c = counters(block, add=5)          # base 11: counters from 16, eight to a draw
+    drawn = numpy.array([reference_half(int(v)) for v in c.indices()], F64) / 2.0 ** 16
+    for p in (2.0 ** -40, 1 / 3, 0.999, 65535 / 65536, float(numpy.sort(drawn)[100])):
         _, mask = drop.dropout(xp.ones(4096, F32), p, on_device(c))
         keep = numpy.unpackbits(asnumpy(mask), bitorder="little").astype(bool)
         numpy.testing.assert_array_equal(keep, drawn >= p)
-        assert keep_threshold(p) == math.ceil(p * 2 ** 32)
+        assert keep_threshold(p) == math.ceil(p * 2 ** 16)
