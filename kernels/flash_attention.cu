@@ -6,14 +6,15 @@
 // forward:  one block per 64 queries of one (b, h); key/value tiles of 64 stream through shared
 //           memory (cp.async, the next tile loading while this one is used); online softmax in
 //           registers; writes o and the log-sum-exp lse (fp32, (B, H, T)) for the backward.
-// backward: `flash_backward_delta` computes delta = rowsum(do ∘ o); then one block per 64 keys of
-//           one (b, h) walks the query tiles, recomputes P from lse, keeps dk and dv in registers
-//           and adds its share of dq into an fp32 buffer with atomics; `flash_backward_dq` scales
-//           and converts that buffer.
+// backward: `flash_backward_delta` computes delta = rowsum(do ∘ o); then one block of 8 warps per
+//           128 keys of one (b, h) (16 keys a warp) walks the query tiles of 64, recomputes P
+//           from lse, keeps dk and dv in registers and adds its share of dq into an fp32 buffer
+//           with atomics (each warp 16 queries x half of D, one atomic per element per 128
+//           keys); `flash_backward_dq` scales and converts that buffer.
 // Causal: query t sees keys s <= t + S - T; a query that sees no key gives zeros (lse = -inf).
 // Grouped-query attention: k and v have their own head count; query head h reads key/value head
 // (h + kv_offset) / kv_group (kv_group query heads share one, with no copy of k or v), and the
-// backward's blocks, one per 64 keys of one (b, key/value head), sum dk and dv over the query
+// backward's blocks, one per 128 keys of one (b, key/value head), sum dk and dv over the query
 // heads of their group (a key/value head no query head reads gets zeros).
 // Dropout on the probabilities: element (b, h, t, s) of the global (B, H_global, T, S) tensor is
 // kept by philox.cuh's dropout rule at counter base + add + ((b·H_global + h)·T + t)·S + s (half
@@ -30,14 +31,18 @@ namespace flash {
 constexpr int WARPS = 4;
 constexpr int THREADS = 32 * WARPS;
 constexpr int BLOCK_M = 64;  // queries per tile: 16 per warp in the forward
-constexpr int BLOCK_N = 64;  // keys per tile: 16 per warp in the backward
+constexpr int BLOCK_N = 64;  // keys per tile of the forward
+// the backward: 16 keys per warp, so that a query tile's dq sums (fp32 atomics) serve 128 keys
+constexpr int BACKWARD_WARPS = 8;
+constexpr int BACKWARD_THREADS = 32 * BACKWARD_WARPS;
+constexpr int BACKWARD_BLOCK_N = 16 * BACKWARD_WARPS;
 constexpr int PAD = 8;       // elements after each shared-memory row: ldmatrix rows hit other banks
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
 // blocks per multiprocessor the register budget is cut to (65536 registers / 128 threads)
 // (no cap with dropout: capping its Philox rounds and position maps makes ptxas spill)
 #define FLASH_FORWARD_BLOCKS(D, DROPOUT) ((DROPOUT) ? 1 : (D) == 64 ? 4 : 3)
-#define FLASH_BACKWARD_BLOCKS(D) 2
+#define FLASH_BACKWARD_BLOCKS(D) 1
 
 struct Strides {
     long long batch, head, row;
@@ -340,11 +345,11 @@ extern __shared__ __align__(16) unsigned char shared[];
 
 // ROWS x D elements from `src` (rows `row_stride` apart, `rows` of them valid) into shared rows of
 // D + PAD elements; rows past `rows` become zeros.
-template <typename T, int D, int ROWS>
+template <typename T, int D, int ROWS, int NT = THREADS>
 __device__ __forceinline__ void load_tile(T* smem, const T* src, long long row_stride, int rows)
 {
     constexpr int CHUNKS = D / 8;  // 16-byte pieces per row
-    for (int c = threadIdx.x; c < ROWS * CHUNKS; c += THREADS) {
+    for (int c = threadIdx.x; c < ROWS * CHUNKS; c += NT) {
         const int r = c / CHUNKS, col = (c % CHUNKS) * 8;
         const bool valid = r < rows;
         cp_async16(smem + r * (D + PAD) + col, valid ? src + r * row_stride + col : src, valid);
@@ -563,15 +568,15 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
 {
     constexpr int STRIDE = D + PAD, DS_STRIDE = BLOCK_M + PAD;
     T* sk = reinterpret_cast<T*>(shared);
-    T* sv = sk + BLOCK_N * STRIDE;
-    T* sq = sv + BLOCK_N * STRIDE;
+    T* sv = sk + BACKWARD_BLOCK_N * STRIDE;
+    T* sq = sv + BACKWARD_BLOCK_N * STRIDE;
     T* sdo = sq + BLOCK_M * STRIDE;
     T* sds = sdo + BLOCK_M * STRIDE;  // dsᵀ: keys x queries
-    float* slse = reinterpret_cast<float*>(sds + BLOCK_N * DS_STRIDE);  // log2 domain, +inf: no P
+    float* slse = reinterpret_cast<float*>(sds + BACKWARD_BLOCK_N * DS_STRIDE);  // log2, +inf: no P
     float* sdelta = slse + BLOCK_M;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int group = lane / 4, quad = lane % 4;
-    const int n0 = blockIdx.x * BLOCK_N;
+    const int n0 = blockIdx.x * BACKWARD_BLOCK_N;
     const int b = blockIdx.y / kv_heads, kv = blockIdx.y % kv_heads;
     // the query heads h that read key/value head kv: (h + kv_offset) / kv_group == kv
     const int h_begin = max(0, kv * kv_group - kv_offset);
@@ -593,10 +598,11 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
     const bool grouped = DROPOUT && dropout.groups_possible();
 
     auto load_rows = [&](int m0) {  // q, do, lse and delta of the query tile at m0
-        load_tile<T, D, BLOCK_M>(sq, q_head + m0 * qs.row, qs.row, t_len - m0);
-        load_tile<T, D, BLOCK_M>(sdo, dout_head + m0 * dos.row, dos.row, t_len - m0);
+        load_tile<T, D, BLOCK_M, BACKWARD_THREADS>(sq, q_head + m0 * qs.row, qs.row, t_len - m0);
+        load_tile<T, D, BLOCK_M, BACKWARD_THREADS>(sdo, dout_head + m0 * dos.row, dos.row,
+                                                   t_len - m0);
         cp_async_commit();
-        for (int i = threadIdx.x; i < BLOCK_M; i += THREADS) {
+        for (int i = threadIdx.x; i < BLOCK_M; i += BACKWARD_THREADS) {
             const int t = m0 + i;
             const float l = t < t_len ? lse_head[t] : negative_infinity<float>();
             slse[i] = l == negative_infinity<float>() ? -negative_infinity<float>() : l * LOG2E;
@@ -607,8 +613,8 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
     float dk_acc[D / 8][4], dv_acc[D / 8][4];
     zero(dk_acc);
     zero(dv_acc);
-    load_tile<T, D, BLOCK_N>(sk, k, ks.row, s_len - n0);
-    load_tile<T, D, BLOCK_N>(sv, v, vs.row, s_len - n0);
+    load_tile<T, D, BACKWARD_BLOCK_N, BACKWARD_THREADS>(sk, k, ks.row, s_len - n0);
+    load_tile<T, D, BACKWARD_BLOCK_N, BACKWARD_THREADS>(sv, v, vs.row, s_len - n0);
     cp_async_commit();
 
     // dk and dv sum over the group's query heads; after a head's last tile only sds and sk are
@@ -652,7 +658,8 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
                 }
             }
             // pᵀ from lse, then st <- dropped pᵀ and dpt <- dsᵀ = pᵀ (dpᵀ - delta)
-            const bool edge = n0 + BLOCK_N > s_len || (causal && n0 + BLOCK_N - 1 > m0 + diagonal);
+            const bool edge = n0 + BACKWARD_BLOCK_N > s_len ||
+                              (causal && n0 + BACKWARD_BLOCK_N - 1 > m0 + diagonal);
             unsigned kept[BLOCK_M / 8];
             if (DROPOUT)
                 backward_keeps(kept, dropout, grouped,
@@ -697,7 +704,7 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
                     mma<T>(dk_acc[2 * dp + 1], dsa, qb[2], qb[3]);
                 }
             }
-            // dsᵀ to shared memory for dq, which needs all 64 keys of the tile per query
+            // dsᵀ to shared memory for dq, which needs all the block's keys per query
     #pragma unroll
             for (int nt = 0; nt < BLOCK_M / 8; ++nt) {
     #pragma unroll
@@ -709,29 +716,31 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
             __syncthreads();  // dsᵀ complete; q, do, lse and delta of this tile no longer read
             if (i + 1 < m_tiles)
                 load_rows(m0 + BLOCK_M);
-            // dq of this warp's 16 queries += ds k over the block's 64 keys
-            float dq[D / 8][4];
+            // dq of 16 queries (warp % 4) x half of D (warp / 4) += ds k over the block's keys
+            constexpr int HALF = D / 16 / 2;  // 16-column chunks of D per warp
+            const int dq_rows = (warp % 4) * 16, dq_chunk0 = (warp / 4) * HALF;
+            float dq[2 * HALF][4];
             zero(dq);
     #pragma unroll
-            for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+            for (int kk = 0; kk < BACKWARD_BLOCK_N / 16; ++kk) {
                 unsigned dsa[4];
-                ldmatrix_x4_trans(dsa, sds + b_rows(kk * 16, warp * 16, DS_STRIDE, lane));
+                ldmatrix_x4_trans(dsa, sds + b_rows(kk * 16, dq_rows, DS_STRIDE, lane));
     #pragma unroll
-                for (int dp = 0; dp < D / 16; ++dp) {
+                for (int dp = 0; dp < HALF; ++dp) {
                     unsigned kb[4];
-                    ldmatrix_x4_trans(kb, sk + bt_rows(kk * 16, dp * 16, STRIDE, lane));
+                    ldmatrix_x4_trans(kb, sk + bt_rows(kk * 16, (dq_chunk0 + dp) * 16, STRIDE, lane));
                     mma<T>(dq[2 * dp], dsa, kb[0], kb[1]);
                     mma<T>(dq[2 * dp + 1], dsa, kb[2], kb[3]);
                 }
             }
     #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                const int t = m0 + warp * 16 + group + r * 8;
+                const int t = m0 + dq_rows + group + r * 8;
                 if (t >= t_len)
                     continue;
-                float* out = dq_head + static_cast<long long>(t) * D + quad * 2;
+                float* out = dq_head + static_cast<long long>(t) * D + dq_chunk0 * 16 + quad * 2;
     #pragma unroll
-                for (int dt = 0; dt < D / 8; ++dt) {
+                for (int dt = 0; dt < 2 * HALF; ++dt) {
                     atomicAdd(out + dt * 8, dq[dt][2 * r]);
                     atomicAdd(out + dt * 8 + 1, dq[dt][2 * r + 1]);
                 }
@@ -782,7 +791,7 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
                                       FLASH_MAKE_STRIDES(vs), FLASH_MAKE_STRIDES(os), scale,      \
                                       causal != 0, FLASH_MAKE_DROPOUT(DROPOUT));                   \
     }                                                                                              \
-    extern "C" __global__ void __launch_bounds__(flash::THREADS, FLASH_BACKWARD_BLOCKS(D))     \
+    extern "C" __global__ void __launch_bounds__(flash::BACKWARD_THREADS, FLASH_BACKWARD_BLOCKS(D)) \
         flash_backward_d##D##TAG##_##SUFFIX(                                                       \
             const T* q, const T* k, const T* v, const T* dout, const float* lse,                  \
             const float* delta, float* dq_accum, T* dk, T* dv, int heads, int kv_heads,           \

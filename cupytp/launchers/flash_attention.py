@@ -39,6 +39,8 @@ DTYPES = (bfloat16, numpy.dtype(numpy.float16))
 BLOCK_M = BLOCK_N = 64   # queries and keys per tile, as in flash_attention.cu
 PAD = 8                  # elements after each shared-memory row, as in flash_attention.cu
 THREADS = 128
+BACKWARD_BLOCK_N = 128   # keys per block of the backward, as in flash_attention.cu
+BACKWARD_THREADS = 256
 ROWS_PER_BLOCK = THREADS // 32   # flash_backward_delta: one warp per row
 ELEMENTS_PER_BLOCK = 256         # flash_backward_dq
 NULL = numpy.uint64(0)
@@ -213,7 +215,7 @@ class _BackwardPlan:
                 (None, None, None, numpy.int32(h), numpy.int32(t), *_strides(o),
                  *_strides(do))),
             _kernel("backward", d, q.dtype, _variant(dropout)).planned(
-                (ceil_div(s, BLOCK_N), b * hk), (THREADS,),
+                (ceil_div(s, BACKWARD_BLOCK_N), b * hk), (BACKWARD_THREADS,),
                 (None,) * 9 + (numpy.int32(h), numpy.int32(hk), numpy.int32(group),
                                numpy.int32(offset), numpy.int32(t), numpy.int32(s), *_strides(q),
                                *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
@@ -323,7 +325,8 @@ def _shared_bytes(kind, d):
     row = (d + PAD) * 2
     if kind == "forward":
         return (BLOCK_M + 2 * BLOCK_N) * row
-    return 2 * (BLOCK_M + BLOCK_N) * row + BLOCK_N * (BLOCK_M + PAD) * 2 + 2 * BLOCK_M * 4
+    return 2 * (BLOCK_M + BACKWARD_BLOCK_N) * row + BACKWARD_BLOCK_N * (BLOCK_M + PAD) * 2 + \
+        2 * BLOCK_M * 4
 
 
 def _variant(dropout):
