@@ -1,7 +1,8 @@
 // Tanh-form GeLU (GPT-2's) and its gradient, elementwise:
 //     y = 0.5 x (1 + tanh(u)),  u = sqrt(2/pi) (x + 0.044715 x^3)
 //     dy/dx = 0.5 (1 + tanh(u)) + 0.5 x (1 - tanh(u)^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)
-// gelu_*: over n contiguous elements, grid-stride loops (any grid covers any n).
+// gelu_*_v<V>: over n contiguous elements, grid-stride loops (any grid covers any n) over vectors
+// of V (the launcher picks V > 1 only when every array starts aligned for them), then the tail.
 // bias_gelu_*: y = gelu(x + bias) over (rows, cols), bias (cols,) in the compute dtype. Thread
 // (threadIdx.x, threadIdx.y) of block (blockIdx.x, blockIdx.y) owns the V columns from
 // V * (blockIdx.x * blockDim.x + threadIdx.x), moved as vectors (the launcher picks V > 1 only
@@ -31,20 +32,52 @@ __device__ __forceinline__ C gelu_slope(C x)
     return C(0.5) * (C(1) + t) + C(0.5) * x * (C(1) - t * t) * du_dx;
 }
 
-template <typename T, typename C>
-__device__ void gelu_forward(const T* x, T* y, long long n)
+// The grid strides over vectors of V elements (the first n / V * V), then over the tail one
+// element a thread: calls f(i, vector) for each.
+template <int V, typename F>
+__device__ __forceinline__ void for_each_vector(long long n, F f)
 {
     const long long stride = (long long)gridDim.x * blockDim.x;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
-        y[i] = static_cast<T>(gelu_value(widen<C>(x[i])));
+    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long vectors = n / V;
+    for (long long i = first; i < vectors; i += stride)
+        f(i * V, true);
+    for (long long i = vectors * V + first; i < n; i += stride)
+        f(i, false);
 }
 
-template <typename T, typename C>
+template <typename T, typename C, int V>
+__device__ void gelu_forward(const T* x, T* y, long long n)
+{
+    for_each_vector<V>(n, [&](long long at, bool vector) {
+        if (!vector) {
+            y[at] = static_cast<T>(gelu_value(widen<C>(x[at])));
+            return;
+        }
+        const Pack<T, V> xv = load_pack<V>(x + at);
+        Pack<T, V> out;
+#pragma unroll
+        for (int k = 0; k < V; ++k)
+            out.v[k] = static_cast<T>(gelu_value(widen<C>(xv.v[k])));
+        store_pack(y + at, out);
+    });
+}
+
+template <typename T, typename C, int V>
 __device__ void gelu_backward(const T* x, const T* dy, T* dx, long long n)
 {
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
-        dx[i] = static_cast<T>(widen<C>(dy[i]) * gelu_slope(widen<C>(x[i])));
+    for_each_vector<V>(n, [&](long long at, bool vector) {
+        if (!vector) {
+            dx[at] = static_cast<T>(widen<C>(dy[at]) * gelu_slope(widen<C>(x[at])));
+            return;
+        }
+        const Pack<T, V> xv = load_pack<V>(x + at), dyv = load_pack<V>(dy + at);
+        Pack<T, V> out;
+#pragma unroll
+        for (int k = 0; k < V; ++k)
+            out.v[k] = static_cast<T>(widen<C>(dyv.v[k]) * gelu_slope(widen<C>(xv.v[k])));
+        store_pack(dx + at, out);
+    });
 }
 
 template <typename T, typename C, int V>
@@ -80,14 +113,15 @@ __device__ void bias_gelu_backward(const T* x, const C* bias, const T* dy, T* dx
     store_column_sums<C, V>(sum, lanes, partials, cols);
 }
 
-#define GELU_KERNELS(T, C, SUFFIX)                                                               \
-    extern "C" __global__ void gelu_forward_##SUFFIX(const T* x, T* y, long long n)              \
+#define GELU_KERNELS(T, C, SUFFIX, V)                                                            \
+    extern "C" __global__ void gelu_forward_##SUFFIX##_v##V(const T* x, T* y, long long n)       \
     {                                                                                            \
-        gelu_forward<T, C>(x, y, n);                                                             \
+        gelu_forward<T, C, V>(x, y, n);                                                          \
     }                                                                                            \
-    extern "C" __global__ void gelu_backward_##SUFFIX(const T* x, const T* dy, T* dx, long long n) \
+    extern "C" __global__ void gelu_backward_##SUFFIX##_v##V(const T* x, const T* dy, T* dx,     \
+                                                             long long n)                        \
     {                                                                                            \
-        gelu_backward<T, C>(x, dy, dx, n);                                                       \
+        gelu_backward<T, C, V>(x, dy, dx, n);                                                    \
     }
 #define BIAS_GELU_KERNELS(T, C, SUFFIX, V)                                                      \
     extern "C" __global__ void bias_gelu_forward_##SUFFIX##_v##V(                               \
@@ -101,7 +135,8 @@ __device__ void bias_gelu_backward(const T* x, const C* bias, const T* dy, T* dx
         bias_gelu_backward<T, C, V>(x, bias, dy, dx, partials, rows, cols);                      \
     }
 #define ALL_GELU_KERNELS(T, C, SUFFIX, V)                                                        \
-    GELU_KERNELS(T, C, SUFFIX) BIAS_GELU_KERNELS(T, C, SUFFIX, 1) BIAS_GELU_KERNELS(T, C, SUFFIX, V)
+    GELU_KERNELS(T, C, SUFFIX, 1) GELU_KERNELS(T, C, SUFFIX, V)                                  \
+    BIAS_GELU_KERNELS(T, C, SUFFIX, 1) BIAS_GELU_KERNELS(T, C, SUFFIX, V)
 
 ALL_GELU_KERNELS(float, float, f32, 4)
 ALL_GELU_KERNELS(double, double, f64, 2)

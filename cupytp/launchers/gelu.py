@@ -18,7 +18,7 @@ from cupytp.launchers.column_sum import column_sum
 
 THREADS = 256
 MAX_BLOCKS = 32768  # the kernels' grid-stride loops cover larger arrays
-VECTOR_BYTES = 16  # bias_gelu: each thread moves 16 bytes of x per row where alignment allows
+VECTOR_BYTES = 16  # each thread moves 16 bytes of x at a time where alignment allows
 ROWS_PER_THREAD = 16  # bias_gelu: rows per thread (fewer block rows: fewer partial bias sums)
 MAX_ROW_BLOCKS = 1024  # bias_gelu: block rows (partial bias sums); more rows per thread beyond
 SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
@@ -106,11 +106,14 @@ def _check(**arrays):
 
 
 def _launch(name, x, *arrays):
+    """A gelu kernel over n contiguous elements, in vectors of 16 bytes where every array's start
+    is aligned for them."""
     n = x.size
     if n == 0:
         return
-    kernel = get_kernel("gelu.cu", f"{name}_{dtype_suffix(x.dtype)}")
-    blocks = min(ceil_div(n, THREADS), MAX_BLOCKS)
+    vec = vector_width(VECTOR_BYTES // x.itemsize, VECTOR_BYTES // x.itemsize, (x,) + arrays)
+    kernel = get_kernel("gelu.cu", f"{name}_{dtype_suffix(x.dtype)}_v{vec}")
+    blocks = min(ceil_div(ceil_div(n, vec), THREADS), MAX_BLOCKS)
     kernel((blocks,), (THREADS,), (x, *arrays, numpy.int64(n)))
 
 
