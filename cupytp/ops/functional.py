@@ -348,7 +348,9 @@ def _dropout_p(p, what="dropout probability"):
 
 def dropout(x, p, training=True, generator=None, order=None):
     """Zero each element with probability `p`, scale the rest by 1/(1-p). The mask comes from
-    the counter-based generator by global element index: the same on any mesh. One kernel each
+    the counter-based generator by global element index: the same on any mesh. Each decision
+    compares 16 random bits with ceil(p·2¹⁶), so the probability dropped is p rounded up to a
+    multiple of 2⁻¹⁶ (0.1 drops 0.100006; launchers/philox.py). One kernel each
     way on a GPU (`kernels/dropout.cu`): the forward keeps a 1-bit mask for the backward (when
     x requires a gradient). Linear: a Partial x stays Partial. `order`: for a tensor whose
     dimension 1 (the sequence) is a permutation (context parallelism's zigzag), the position of
