@@ -4,6 +4,7 @@ forward and forward+backward times beside PyTorch's SDPA (flash backend) in the 
     python3 bench/attention.py [--reps 30] [--skip-check] [--stress N] [--loop N]
 
 Times the flash RawKernel, cupytp's cuDNN path (where the cuDNN frontend imports) and PyTorch.
+Prints first the registers per thread and spilled (local) bytes of each flash kernel.
 
 Checks: random bf16/fp16 inputs as strided views of one (B, T, 3, H, D) array (as GPT-2 builds
 them), outputs poisoned with NaN before each launch, tails (T not a multiple of 64), head dims 64

@@ -3,15 +3,17 @@
 # from the shared anchors folder into .carry/anchors, named in the device tool's carry), in the
 # same call; the anchors do not clip gradients, so neither do these runs.
 # Usage: bench/gpu_bench.sh [check] [comm] [train1] [train2] [train] [host] [fsdp] [ddp] [build]
-# [small] [eval] [dropout] [targets] [profile] [profile2] [profile3] [pipeline] [long] [cp] (default: train
-# host; train = train1 train2, the 1-GPU and the TP=2 pairs; fsdp: fully_shard beside PyTorch FSDP2 with bf16
-# parameters and fp32 reduction, untied models; ddp: replicated data parallelism of 124M
+# [small] [eval] [dropout] [targets] [attention] [profile] [profile2] [profile3] [pipeline] [long] [cp]
+# (default: train host; train = train1 train2, the 1-GPU and the TP=2 pairs; fsdp: fully_shard
+# beside PyTorch FSDP2 with bf16 parameters and fp32 reduction, untied models; ddp: replicated data parallelism of 124M
 # (scaling over one GPU, share of the all-reduce hidden) beside PyTorch DDP; build: the
 # construction peak of the 1.4B FSDP model; small: the small GPT of small-data users (6 x 384,
 # vocab 65, B=64, T=256, no biases) with dropout 0.2 and 0, captured and eager, beside PyTorch
 # eager and torch.compile with fused AdamW; eval: the 124M evaluation forward beside its
 # training step; dropout: 124M, 774M and 1558M with dropout 0.1 beside torch.compile with fused
 # AdamW; targets: the one-GPU targets (small GPT, 124M, Llama 1.5B) beside torch.compile;
+# attention: bench/attention.py (the flash kernels' registers, their twin checks, times beside
+# cuDNN and PyTorch's SDPA);
 # profile, profile2, profile3: device time per kind of kernel at 124M on one GPU, at 24x2048 at TP=2,
 # of the 1.4B fully_shard step beside FSDP2's; pipeline: bench/pipeline.py, every pipeline
 # schedule at pp=2 beside tp=2 and fully_shard over 2 GPUs on a 24 x 2048 GPT, with the
@@ -109,6 +111,9 @@ for part in $what; do
               "small-d0/d0.2-compile=$out/ours_small_0.log,$out/torch_small_compile_0.2.log"
               "124M-B8/compile=$out/ours_124M.log,$out/torch_124M_compile.log"
               "llama-1.5B/compile=$out/ours_llama.log,$out/torch_llama_compile.log") ;;
+    attention)
+      run attention python3 bench/attention.py --reps 20
+      grep -h -E "registers|worst|^\|" "$out/attention.log" ;;
     eval)    # the 124M evaluation forward (no tape, captured) beside its training step
       run ours_eval python3 bench/train_gpt2.py --tp 1 --dtype bf16 --grad-clip 0 --eval \
           --label 124M-eval
