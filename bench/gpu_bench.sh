@@ -3,7 +3,8 @@
 # from the shared anchors folder into .carry/anchors, named in the device tool's carry), in the
 # same call; the anchors do not clip gradients, so neither do these runs.
 # Usage: bench/gpu_bench.sh [check] [comm] [train1] [train2] [train] [host] [fsdp] [ddp] [build]
-# [small] [eval] [dropout] [targets] [attention] [profile] [profile2] [profile3] [pipeline] [long] [cp]
+# [small] [eval] [dropout] [targets] [attention] [llama2] [profile] [profile2] [profile3] [pipeline]
+# [long] [cp]
 # (default: train host; train = train1 train2, the 1-GPU and the TP=2 pairs; fsdp: fully_shard
 # beside PyTorch FSDP2 with bf16 parameters and fp32 reduction, untied models; ddp: replicated data parallelism of 124M
 # (scaling over one GPU, share of the all-reduce hidden) beside PyTorch DDP; build: the
@@ -13,7 +14,9 @@
 # training step; dropout: 124M, 774M and 1558M with dropout 0.1 beside torch.compile with fused
 # AdamW; targets: the one-GPU targets (small GPT, 124M, Llama 1.5B) beside torch.compile;
 # attention: bench/attention.py (the flash kernels' registers, their twin checks, times beside
-# cuDNN and PyTorch's SDPA);
+# cuDNN and PyTorch's SDPA); llama2: two GPUs, the Llama 1.5B shape at TP=2 and fully sharded
+# (B=4 a rank) beside PyTorch's tensor-parallel and FSDP2 runs of it, eager and compiled
+# (bench/torch_llama_parallel.py);
 # profile, profile2, profile3: device time per kind of kernel at 124M on one GPU, at 24x2048 at TP=2,
 # of the 1.4B fully_shard step beside FSDP2's; pipeline: bench/pipeline.py, every pipeline
 # schedule at pp=2 beside tp=2 and fully_shard over 2 GPUs on a 24 x 2048 GPT, with the
@@ -114,6 +117,18 @@ for part in $what; do
     attention)
       run attention python3 bench/attention.py --reps 20
       grep -h -E "registers|worst|^\|" "$out/attention.log" ;;
+    llama2)  # the Llama 1.5B shape on two GPUs: TP=2 and fully sharded, beside PyTorch's
+      run ours_llama_tp mpiexec -n 2 python3 bench/train_llama.py --tp 2 --label llama-1.5B-tp2
+      run ours_llama_fsdp mpiexec -n 2 python3 bench/train_llama.py --tp 1 --fsdp \
+          --label llama-1.5B-fsdp
+      for mode in tp fsdp; do
+        for c in 0 1; do
+          run torch_llama_${mode}_$c torchrun --nproc_per_node=2 bench/torch_llama_parallel.py \
+              --mode $mode --compile $c
+        done
+        pairs+=("llama-$mode/eager=$out/ours_llama_$mode.log,$out/torch_llama_${mode}_0.log"
+                "llama-$mode/compile=$out/ours_llama_$mode.log,$out/torch_llama_${mode}_1.log")
+      done ;;
     eval)    # the 124M evaluation forward (no tape, captured) beside its training step
       run ours_eval python3 bench/train_gpt2.py --tp 1 --dtype bf16 --grad-clip 0 --eval \
           --label 124M-eval
