@@ -296,17 +296,17 @@ __device__ __forceinline__ void forward_keeps(unsigned (&kept)[OCTETS],
 }
 
 // Backward (transposed): accumulator c of octet nt is (query queries(nt)[c % 2], key
-// keys + 8 (c / 2)), keys = n0 + 16 warp + group: the eight lanes of one quad hold the 32
-// octets (nt, query, key octet) of the same queries, lane group drawing the four of nt = group
-// (byte 2 (c / 2) + c % 2 = c) into one register. `query(t)` gives query t's counter at key 0.
+// key0 + group + 8 (c / 2)), key0 = n0 + 16 warp the warp's first key: the eight lanes of one
+// quad hold the 32 octets (nt, query, key octet) of the same queries, lane group drawing the four
+// of nt = group (byte 2 (c / 2) + c % 2 = c) into one register. `query(t)` gives query t's
+// counter at key 0.
 template <bool MAPS, int OCTETS, typename Query>
 __device__ __forceinline__ void backward_keeps(unsigned (&kept)[OCTETS],
                                                const Dropout<MAPS>& dropout, bool grouped,
-                                               Query query, int m0, int n_first, int group,
+                                               Query query, int m0, int key0, int group,
                                                int quad, int s_len)
 {
     static_assert(OCTETS == 8, "one octet of queries per group of lanes");
-    const int key0 = n_first;  // this warp's first key: 16 warp + n0
     if (together(dropout, grouped, key0, 2, s_len)) {
         const int t = m0 + 8 * group + 2 * quad;
         const unsigned long long queries[2] = {query(t), query(t + 1)};
