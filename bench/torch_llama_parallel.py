@@ -154,7 +154,11 @@ def main():
         for layer in model.layers:
             fully_shard(layer, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
+    # fused AdamW takes a group's tensors all DTensors or all plain: tensor parallelism leaves
+    # the norms' weights plain (replicated, no sequence parallelism), so they are a group apart
+    from torch.distributed.tensor import DTensor
+    groups = [[p for p in model.parameters() if isinstance(p, DTensor) == d] for d in (1, 0)]
+    optimizer = torch.optim.AdamW([{"params": g} for g in groups if g], lr=1e-4, fused=cuda)
     generator = torch.Generator().manual_seed(1 + (rank if a.mode == "fsdp" else 0))
     idx, tgt = (torch.randint(0, a.vocab, (a.B, a.T), generator=generator).to(device)
                 for _ in range(2))

@@ -108,6 +108,7 @@ def _check(x, others, dtype, op="layer_norm"):
 def layer_norm_forward(x, weight, bias, eps, out_dtype=None, saved=True):
     out_dtype = numpy.dtype(out_dtype or x.dtype)
     if not is_device_array(x):
+        _suffix(x.dtype, out_dtype)         # the kernels' dtype pairs hold for the twin too
         return layer_norm_forward_numpy(x, weight, bias, eps, out_dtype, saved)
     plan = _forward_plan(_signature(x), _signature(weight), _signature(bias), out_dtype)
     compute = plan.compute
@@ -128,6 +129,7 @@ def layer_norm_backward(g, xhat, rstd, weight, dx_dtype=None, add=None, param_gr
     dx_dtype = numpy.dtype(dx_dtype or g.dtype)
     if not is_device_array(g):
         check_add(None if add is None else (add.shape, add.dtype), g.shape, dx_dtype)
+        _suffix(dx_dtype, g.dtype)
         return layer_norm_backward_numpy(g, xhat, rstd, weight, dx_dtype, add, param_grads)
     plan = _backward_plan(_signature(g), _signature(xhat), _signature(rstd), _signature(weight),
                           _signature(add), dx_dtype)

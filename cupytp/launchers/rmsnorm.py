@@ -46,6 +46,7 @@ def _backward_plan(g, x, rstd, weight, add, dx_dtype):
 def rms_norm_forward(x, weight, eps, out_dtype=None):
     out_dtype = numpy.dtype(out_dtype or x.dtype)
     if not is_device_array(x):
+        _suffix(x.dtype, out_dtype, OP)     # the kernels' dtype pairs hold for the twin too
         return rms_norm_forward_numpy(x, weight, eps, out_dtype)
     plan = _forward_plan(_signature(x), _signature(weight), out_dtype)
     y = xp.empty(x.shape, dtype=out_dtype)
@@ -61,6 +62,7 @@ def rms_norm_backward(g, x, rstd, weight, dx_dtype=None, add=None, weight_grad=F
     dx_dtype = numpy.dtype(dx_dtype or g.dtype)
     if not is_device_array(g):
         check_add(None if add is None else (add.shape, add.dtype), g.shape, dx_dtype, OP)
+        _suffix(dx_dtype, g.dtype, OP)
         return rms_norm_backward_numpy(g, x, rstd, weight, dx_dtype, add, weight_grad)
     plan = _backward_plan(_signature(g), _signature(x), _signature(rstd), _signature(weight),
                           _signature(add), dx_dtype)

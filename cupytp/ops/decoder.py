@@ -316,7 +316,7 @@ def _fused_attention(x, residual, params, rope, num_heads, num_kv_heads, norm, p
                                    groups=groups)
         rotary_kernel.rotary(dq4, cos, sin, start, inverse=True, out=dq4)
         rotary_kernel.rotary(dkv5[:, :, 0], cos, sin, start, inverse=True, out=dkv5[:, :, 0])
-        return _attention_input_grad(dq, dkv, wq, wkv2, x_info, normed is not None), \
+        return _attention_input_grad(dq, dkv, wq, wkv2, x_info, normed), \
             (gy, dq, dkv)
 
     def weight_part(state):
@@ -333,11 +333,13 @@ def _fused_attention(x, residual, params, rope, num_heads, num_kv_heads, norm, p
 
 def _attention_input_grad(dq, dkv, wq, wkv2, x, normed):
     """`fused._input_grad` for attention's two products: dq wq^T + dkv wkv^T, the second adding
-    the first in its epilogue, both unrounded where a norm's backward follows (it takes
-    fp32)."""
+    the first in its epilogue, both unrounded where the norm in front (`normed`, or None) keeps
+    a float32 residual stream (its backward takes float32 then; the residual's dtype
+    otherwise)."""
     needed, dtype, layout, tp = x
     if not needed:
         return lambda: None
     first = local_einsum("xz", "yz", "xy", dq, wq, compute_dtype(dtype))
     gx = matmul_bias(dkv, wkv2.T, None, first).reshape(layout.local_shape)
-    return _reduced_later(gx if normed else converted(gx, dtype), layout, tp)
+    unrounded = normed is not None and normed.dtype == gx.dtype
+    return _reduced_later(gx if unrounded else converted(gx, dtype), layout, tp)

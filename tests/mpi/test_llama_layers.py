@@ -175,22 +175,24 @@ def test_grouped_flash_node_equals_float64_path(mesh):
         assert numpy.linalg.norm(g - w) < 2e-2 * numpy.linalg.norm(w), name
 
 
-@pytest.mark.parametrize("kv_heads,bias", [(2, False), (4, True), (1, False)])
-def test_fused_attention_equals_chain_in_bf16(mesh, kv_heads, bias):
+@pytest.mark.parametrize("kv_heads,bias,dtype", [(2, False, "fp32"), (4, True, "fp32"),
+                                                  (1, False, "fp32"), (2, False, "bf16")])
+def test_fused_attention_equals_chain_in_bf16(mesh, kv_heads, bias, dtype):
     """The fused attention sublayer (norm, products, in-place rotation, flash with grouped
     heads, projection and residual in one node) against the chain of ops, under bf16 autocast
-    on fp32 parameters: outputs and every gradient within bf16 error."""
+    on fp32 parameters, or with bf16 parameters and residual stream (as fully_shard gathers
+    them): outputs and every gradient within bf16 error."""
     if 4 % tp_size(mesh):
         pytest.skip("heads do not split")
     make = attention(kv_heads, bias, sublayer=True, dim=256, heads=4)     # head size 64
     x = rng_array((2, 6, 256), 9) * 0.5
+    stored = numpy.float32 if dtype == "fp32" else bfloat16
 
     def run(fused):
         cupytp.manual_seed(3)
-        layer = make(mesh).to("fp32")
-        xt = lay_out(x.astype(numpy.float32), mesh, (Replicated(),) * mesh.ndim,
-                     requires_grad=True)
-        with ops.fusion(fused), ops.autocast("bf16"):
+        layer = make(mesh).to(dtype)
+        xt = lay_out(x.astype(stored), mesh, (Replicated(),) * mesh.ndim, requires_grad=True)
+        with ops.fusion(fused), ops.autocast("bf16" if dtype == "fp32" else None):
             y = layer(xt)
         assert (y._node.name == "grouped_attention") == fused
         (y * lay_out(rng_array(y.shape, 10).astype(numpy.float32), mesh,
@@ -198,6 +200,7 @@ def test_fused_attention_equals_chain_in_bf16(mesh, kv_heads, bias):
         return [full(y)] + [full(xt.grad)] + [full(p.grad) for p in layer.parameters()]
 
     for got, want in zip(run(True), run(False)):
+        got, want = got.astype(numpy.float64), want.astype(numpy.float64)
         assert numpy.linalg.norm(got - want) <= 2e-2 * numpy.linalg.norm(want) + 1e-6
 
 
