@@ -133,14 +133,15 @@ def _as_matrix(v, axes, contracted_last, inner):
     contracted axes lead or trail in order and v is contiguous, else as a copy."""
     xp = backend.xp
     n = v.ndim
+    keep = [d for d in range(n) if d not in axes]
+    kept = math.prod(v.shape[d] for d in keep)       # no -1: an empty shard's sizes are known
     leading, trailing = axes == list(range(len(axes))), axes == list(range(n - len(axes), n))
     if backend.c_contiguous(v) and (leading or trailing):
-        flat = v.reshape(inner, -1) if leading else v.reshape(-1, inner)
+        flat = v.reshape(inner, kept) if leading else v.reshape(kept, inner)
         return flat if leading != contracted_last else flat.T
-    keep = [d for d in range(n) if d not in axes]
     order = keep + axes if contracted_last else axes + keep
     matrix = xp.ascontiguousarray(xp.transpose(v, order))
-    return matrix.reshape(-1, inner) if contracted_last else matrix.reshape(inner, -1)
+    return matrix.reshape(kept, inner) if contracted_last else matrix.reshape(inner, kept)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -583,6 +583,17 @@ def test_gemm_writes_the_shape_asked():
         matmul(a, b, shape=(5, 7))
 
 
+@pytest.mark.parametrize("dtype", [numpy.float64, bfloat16])
+def test_contractions_over_an_empty_shard(dtype):
+    """A data-parallel rank with no rows of a micro-batch: its weight gradient (the rows
+    contracted) is zeros of the weight's shape, its activations empty."""
+    from cupytp.ops import linalg
+    a, g, w = (xp.zeros(shape, dtype) for shape in ((0, 3, 4), (0, 3, 5), (4, 5)))
+    grad = linalg.local_einsum("btc", "btd", "cd", a, g, F32 if dtype == bfloat16 else None)
+    numpy.testing.assert_array_equal(asnumpy(grad), numpy.zeros((4, 5)))
+    assert linalg.local_einsum("btc", "cd", "btd", a, w).shape == (0, 3, 5)
+
+
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("spec,shape_a,shape_b,transposed", [
