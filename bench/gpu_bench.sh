@@ -3,7 +3,8 @@
 # from the shared anchors folder into .carry/anchors, named in the device tool's carry), in the
 # same call; the anchors do not clip gradients, so neither do these runs.
 # Usage: bench/gpu_bench.sh [check] [comm] [train1] [train2] [train] [host] [fsdp] [ddp] [build]
-# [small] [eval] [dropout] [targets] [attention] [llama2] [profile] [profile2] [profile3] [pipeline]
+# [small] [eval] [dropout] [targets] [attention] [llama2] [profile] [profile2] [profile3]
+# [profile4] [pipeline]
 # [long] [cp]
 # (default: train host; train = train1 train2, the 1-GPU and the TP=2 pairs; fsdp: fully_shard
 # beside PyTorch FSDP2 with bf16 parameters and fp32 reduction, untied models; ddp: replicated data parallelism of 124M
@@ -17,8 +18,9 @@
 # cuDNN and PyTorch's SDPA); llama2: two GPUs, the Llama 1.5B shape at TP=2 and fully sharded
 # (B=4 a rank) beside PyTorch's tensor-parallel and FSDP2 runs of it, eager and compiled
 # (bench/torch_llama_parallel.py);
-# profile, profile2, profile3: device time per kind of kernel at 124M on one GPU, at 24x2048 at TP=2,
-# of the 1.4B fully_shard step beside FSDP2's; pipeline: bench/pipeline.py, every pipeline
+# profile, profile2, profile3, profile4: device time per kind of kernel at 124M on one GPU, at 24x2048 at TP=2,
+# of the 1.4B fully_shard step beside FSDP2's, of the Llama 1.5B shape on one GPU beside
+# torch.compile's; pipeline: bench/pipeline.py, every pipeline
 # schedule at pp=2 beside tp=2 and fully_shard over 2 GPUs on a 24 x 2048 GPT, with the
 # schedules' measured and theoretical bubbles; long: one GPU, peak memory and activation memory
 # per token at T = 16k and 32k of 124M with and without recompute and of the Llama 1B shape with
@@ -159,6 +161,12 @@ for part in $what; do
       run profile_torch python3 bench/kernel_profile.py --per 10 -- $anchors/torch_tp_gpt2.py \
           --dtype bf16 --sdpa 1 --steps 10
       for side in ours torch; do grep -B2 -A16 "ms of kernels" "$out/profile_$side.log"; done ;;
+    profile4)  # the same for the Llama 1.5B shape, ours captured beside torch.compile
+      run profile_ours_llama python3 bench/kernel_profile.py --per 5 -- bench/train_llama.py \
+          --steps 5 --warmup 2
+      run profile_torch_llama python3 bench/kernel_profile.py --per 10 -- \
+          $anchors/torch_llama.py --compile 1 --steps 10
+      for side in ours torch; do grep -B2 -A16 "ms of kernels" "$out/profile_${side}_llama.log"; done ;;
     profile2)  # the same for 24 layers x 2048 at TP=2 (rank 0; ours replayed: eager, a rank's
                # collectives would wait for the other's host), ours and Megatron-style
       big="--layers 24 --embd 2048 --heads 16 --B 4"
