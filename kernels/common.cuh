@@ -75,8 +75,8 @@ __device__ __forceinline__ int vector_column()
 }
 
 // Calls body(at, b) for each of the thread's rows (FOR_EACH_ROW): `at` the index of the
-// thread's first column in that row, `b` the V values of `bias` (cols,) at its columns. Threads
-// past the last column return at once.
+// thread's first column in that row, `b` the V values of `bias` (cols,) at its columns (zeros
+// for a null bias). Threads past the last column return at once.
 template <int V, typename B, typename Body>
 __device__ __forceinline__ void for_each_row_vector(const B* bias, long long rows, int cols,
                                                     Body body)
@@ -84,7 +84,7 @@ __device__ __forceinline__ void for_each_row_vector(const B* bias, long long row
     const int col = vector_column<V>();
     if (col >= cols)
         return;
-    const Pack<B, V> b = load_pack<V>(bias + col);
+    const Pack<B, V> b = bias ? load_pack<V>(bias + col) : Pack<B, V>{};
     FOR_EACH_ROW(row)
         body(row * cols + col, b);
 }

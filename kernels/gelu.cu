@@ -8,7 +8,9 @@
 // V * (blockIdx.x * blockDim.x + threadIdx.x), moved as vectors (the launcher picks V > 1 only
 // when every row start is aligned for them), and the rows blockIdx.y * blockDim.y + threadIdx.y,
 // then every gridDim.y * blockDim.y. The backward also writes the bias gradient's partial column
-// sums of each block: partials[blockIdx.y][col] (summed by the caller).
+// sums of each block: partials[blockIdx.y][col] (summed by the caller); with a null bias it is
+// the plain GeLU's gradient with the column sums of dx (a bias added before, in a product's
+// epilogue).
 // One kernel set per storage dtype T, computing in C: float for fp32/bf16/fp16, double for fp64.
 #include "common.cuh"
 

@@ -5,7 +5,8 @@
 computed in float32 for float32/bfloat16/float16 and in float64 for float64; results have the
 input's dtype and shape. `bias_gelu(x, bias)` = gelu(x + bias) with bias (cols,) along x's last
 dimension (cast to the compute dtype), and its backward gives dx and the bias gradient (the column
-sum of dx in the compute dtype) from one pass.
+sum of dx in the compute dtype) from one pass; `gelu_backward(x, dy, sums=True)` gives those
+column sums too (for a bias a product's epilogue added: x is then the pre-activation).
 """
 import math
 
@@ -14,7 +15,7 @@ import numpy
 from cupytp.backend import xp
 from cupytp.launchers import ceil_div, check_lists, compute_dtype, dtype_suffix, get_kernel
 from cupytp.launchers import is_device_array, rows_grid, vector_width
-from cupytp.launchers.column_sum import column_sum
+from cupytp.launchers.column_sum import NULL, column_sum
 
 THREADS = 256
 MAX_BLOCKS = 32768  # the kernels' grid-stride loops cover larger arrays
@@ -35,8 +36,11 @@ def gelu(x):
     return y
 
 
-def gelu_backward(x, dy):
-    """dL/dx of y = gelu(x) given dL/dy, a new array."""
+def gelu_backward(x, dy, sums=False):
+    """dL/dx of y = gelu(x) given dL/dy, a new array; with `sums`, (dx, its column sums over x's
+    last dimension in the compute dtype, summed before rounding), from the same pass."""
+    if sums:
+        return bias_gelu_backward(x, None, dy)
     if not is_device_array(x):
         return gelu_backward_numpy(x, dy)
     _check(x=x, dy=dy)
@@ -60,18 +64,30 @@ def bias_gelu(x, bias):
 
 def bias_gelu_backward(x, bias, dy):
     """(dx, dbias) of y = bias_gelu(x, bias) given dy: dx like x, dbias (cols,) in the compute
-    dtype."""
+    dtype. bias None: gelu(x)'s, with dx's column sums."""
     if not is_device_array(x):
         return bias_gelu_backward_numpy(x, bias, dy)
-    bias = _check_bias(x, bias, dy=dy)
+    compute = compute_dtype(x.dtype)
+    bias = _check_sums(x, bias, dy)
     dx = xp.empty_like(x)
     if not x.size:
-        return dx, xp.zeros(x.shape[-1:], dtype=bias.dtype)
-    vec, grid, block = _rows_launch(x, bias, dy, dx)
-    partials = xp.empty((grid[1], x.shape[-1]), dtype=bias.dtype)
+        return dx, xp.zeros(x.shape[-1:], dtype=compute)
+    vec, grid, block = _rows_launch(x, *[a for a in (bias, dy, dx) if a is not None])
+    partials = xp.empty((grid[1], x.shape[-1]), dtype=compute)
     get_kernel("gelu.cu", f"bias_gelu_backward_{dtype_suffix(x.dtype)}_v{vec}")(
-        grid, block, (x, bias, dy, dx, partials, *_rows_and_cols(x)))
+        grid, block, (x, NULL if bias is None else bias, dy, dx, partials,
+                      *_rows_and_cols(x)))
     return dx, column_sum(partials)
+
+
+def _check_sums(x, bias, dy):
+    """The bias (None: none) in the compute dtype, after checking every array."""
+    if bias is not None:
+        return _check_bias(x, bias, dy=dy)
+    _check(x=x, dy=dy)
+    if x.ndim == 0:
+        raise ValueError("gelu_backward: column sums need x of at least one dimension")
+    return None
 
 
 def _check_bias(x, bias, **arrays):
@@ -152,6 +168,8 @@ def bias_gelu_numpy(x, bias):
 
 def bias_gelu_backward_numpy(x, bias, dy):
     """NumPy twin of `bias_gelu_backward`."""
-    bias = _check_bias(x, bias, dy=dy)
-    d = dy.astype(bias.dtype) * _gelu_slope(x.astype(bias.dtype) + bias)
+    compute = compute_dtype(x.dtype)
+    bias = _check_sums(x, bias, dy)
+    xc = x.astype(compute)
+    d = dy.astype(compute) * _gelu_slope(xc if bias is None else xc + bias)
     return d.astype(x.dtype), d.sum(axis=tuple(range(x.ndim - 1)))

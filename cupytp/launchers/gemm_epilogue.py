@@ -24,7 +24,8 @@ The math, as the NumPy twins compute it: the product in float32 (float64 for flo
 epilogue applied to it unrounded (GeLU is GPT-2's tanh form), one rounding to the output dtype;
 the sums over rows accumulate in float32. On a GPU without a cuBLASLt algorithm for the product
 (or with CUPYTP_CUBLASLT=0, or operands off cuBLASLt's alignment) the same values come from the
-product, rounded, and the bias_add / gelu / column_sum kernels; so do float64 products, whose
+product, rounded, and the bias_add / gelu / column_sum kernels (the GeLU gradient's kernel sums
+its columns in the same pass); so do float64 products, whose
 cuBLASLt GeLU epilogues are single-precision math, and GeLU gradients of at least
 DGELU_EPILOGUE_MAX elements or from a product over DGELU_EPILOGUE_MAX_WIDTH columns of g or more,
 where cuBLASLt runs the epilogue as a pass of its own that is slower than the two kernels (H100,
@@ -111,8 +112,11 @@ def matmul_gelu_grad(g, w_t, pre, sums=True):
         product.lt.run(w_t.data.ptr, g.data.ptr, d.data.ptr, None, _pointer(column_sums_out),
                        pre.data.ptr)
         return d, column_sums_out
-    d = gelus.gelu_backward(pre, gemm.matmul(g, w_t))
-    return d, (column_sums.column_sum(d) if sums else None)
+    product = gemm.matmul(g, w_t)
+    if not sums:
+        return gelus.gelu_backward(pre, product), None
+    d, total = gelus.gelu_backward(pre, product, sums=True)        # one pass: dh and its sums
+    return d, total.astype(g.dtype, copy=False)
 
 
 def matmul_bias_grad(x_t, g, out_dtype):

@@ -19,6 +19,7 @@ from cupytp.launchers.cross_entropy import cross_entropy_forward, cross_entropy_
 from cupytp.launchers.embedding import (
     embedding_backward, embedding_backward_numpy, embedding_forward, embedding_forward_numpy)
 from cupytp.launchers.gelu import MAX_ROW_BLOCKS, THREADS, bias_gelu, bias_gelu_backward
+from cupytp.launchers.gelu import gelu_backward
 from cupytp.launchers.gelu import bias_gelu_backward_numpy, bias_gelu_numpy
 from test_kernels import (
     F16, F32, F64, assert_close, gelu_reference, poisoned_allocations, random, requires_gpu)
@@ -269,6 +270,25 @@ def test_bias_gelu_backward_numpy_matches_finite_differences():
     numpy.testing.assert_allclose(dbias, (dy * slope).sum(axis=(0, 1)), rtol=1e-7, atol=1e-9)
 
 
+@pytest.mark.parametrize("dtype", [F64, bfloat16], ids=dtype_suffix)
+def test_gelu_backward_with_sums_matches_finite_differences(dtype):
+    """Without a bias: the plain GeLU's gradient, and its column sums over every leading
+    dimension summed before rounding (float32 for bf16)."""
+    x, dy = random((2, 5, 7), dtype, seed=2, scale=3.0), random((2, 5, 7), dtype, 4)
+    x64, dy64 = x.astype(F64), dy.astype(F64)
+    slope = (gelu_reference(x64 + 1e-6) - gelu_reference(x64 - 1e-6)) / 2e-6
+    dx, sums = gelu_backward(x, dy, sums=True)
+    assert dx.dtype == dtype and sums.dtype == compute_dtype(dtype) and sums.shape == (7,)
+    tolerance = 1e-7 if dtype == F64 else 1e-5          # a difference quotient's error
+    want = dy64 * slope                  # float32 math: near-zero slopes within 2^-8 of the top
+    atol = 1e-9 if dtype == F64 else 2 ** -8 * abs(want).max()
+    numpy.testing.assert_allclose(dx.astype(F64), want,
+                                  rtol=tolerance if dtype == F64 else 2 ** -8, atol=atol)
+    numpy.testing.assert_allclose(sums, (dy64 * slope).sum(axis=(0, 1)), rtol=tolerance,
+                                  atol=tolerance)
+    numpy.testing.assert_array_equal(dx, gelu_backward(x, dy))
+
+
 def test_bias_gelu_backward_sums_in_the_compute_dtype():
     """bf16 x and dy: dx rounds to bf16, the bias gradient is the float32 sum of the unrounded
     products (not a sum of the rounded dx)."""
@@ -443,6 +463,13 @@ def test_bias_gelu_kernels_match_twin(dtype, shape, offset):
     assert_close(dx, dx_twin, dtype)
     scale = max(1.0, float(numpy.abs(dbias_twin).max()))   # a sum over many rows
     assert_close(asnumpy(dbias) / scale, dbias_twin / scale, compute_dtype(dtype))
+    with poisoned_allocations():                            # no bias: gelu(x)'s, with sums
+        dx, sums = gelu_backward(_at_offset(x, offset), _at_offset(dy, offset), sums=True)
+    dx_twin, sums_twin = bias_gelu_backward_numpy(x, None, dy)
+    assert dx.dtype == dtype and sums.dtype == compute_dtype(dtype)
+    assert_close(dx, dx_twin, dtype)
+    scale = max(1.0, float(numpy.abs(sums_twin).max()))
+    assert_close(asnumpy(sums) / scale, sums_twin / scale, compute_dtype(dtype))
 
 
 @pytest.mark.gpu
