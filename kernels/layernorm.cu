@@ -2,9 +2,10 @@
 //     xhat = (x - mean) rstd,  rstd = 1 / sqrt(var + eps)  (two passes: mean, then variance)
 //     y = xhat w + b                                       (w, b optional)
 //     dx = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat)) [+ add],  dxhat = g w
-// The forward also writes xhat and rstd in the compute dtype C for the backward (and for the
-// weight and bias gradients, which are column sums the caller takes), unless they are null (a
-// forward no backward follows). x, w, b and dx have the
+// The forward also writes mean and rstd (compute dtype C, one per row) for the backward, unless
+// they are null (a forward no backward follows); the backward reads x again and recomputes xhat
+// from them (the same operations as the forward's, so the same values), so nothing of the row's
+// size is kept between the two but x itself. x, w, b and dx have the
 // storage dtype T (so has `add`, an optional gradient summed into dx: the residual stream's);
 // y and g have O, which is T or (under autocast) a 16-bit dtype for an fp32 x.
 // Two forms of each: *_cached_vV_nN for rows that fit the block's registers (each thread holds
@@ -15,8 +16,8 @@
 #include "block_reduce.cuh"
 
 template <typename T, typename O, typename C>
-__device__ void layer_norm_forward(const T* x, const T* w, const T* b, O* y, C* xhat, C* rstd,
-                                   int cols, C eps)
+__device__ void layer_norm_forward(const T* x, const T* w, const T* b, O* y, C* mean_out,
+                                   C* rstd, int cols, C eps)
 {
     const long long row = blockIdx.x;
     const T* xr = x + row * cols;
@@ -32,41 +33,41 @@ __device__ void layer_norm_forward(const T* x, const T* w, const T* b, O* y, C* 
     const C r = C(1) / sqrt(block_reduce(squares, Sum<C>()) / C(cols) + eps);
     for (int i = threadIdx.x; i < cols; i += blockDim.x) {
         const C h = (widen<C>(xr[i]) - mean) * r;
-        if (xhat)
-            xhat[row * cols + i] = h;
         C out = w ? h * widen<C>(w[i]) : h;
         y[row * cols + i] = static_cast<O>(b ? out + widen<C>(b[i]) : out);
     }
-    if (rstd && threadIdx.x == 0)
+    if (rstd && threadIdx.x == 0) {
+        mean_out[row] = mean;
         rstd[row] = r;
+    }
 }
 
 template <typename T, typename O, typename C>
-__device__ void layer_norm_backward(const O* g, const C* xhat, const C* rstd, const T* w,
-                                    const T* add, T* dx, int cols)
+__device__ void layer_norm_backward(const O* g, const T* x, const C* mean, const C* rstd,
+                                    const T* w, const T* add, T* dx, int cols)
 {
     const long long row = blockIdx.x;
     const O* gr = g + row * cols;
-    const C* hr = xhat + row * cols;
+    const T* xr = x + row * cols;
+    const C m = mean[row], r = rstd[row];
     C sum = 0, dot = 0;
     for (int i = threadIdx.x; i < cols; i += blockDim.x) {
         const C d = w ? widen<C>(gr[i]) * widen<C>(w[i]) : widen<C>(gr[i]);
         sum += d;
-        dot += d * hr[i];
+        dot += d * ((widen<C>(xr[i]) - m) * r);
     }
     const C mean_d = block_reduce(sum, Sum<C>()) / C(cols);
     const C mean_dh = block_reduce(dot, Sum<C>()) / C(cols);
-    const C r = rstd[row];
     for (int i = threadIdx.x; i < cols; i += blockDim.x) {
         const C d = w ? widen<C>(gr[i]) * widen<C>(w[i]) : widen<C>(gr[i]);
-        const C v = r * (d - mean_d - hr[i] * mean_dh);
+        const C v = r * (d - mean_d - (widen<C>(xr[i]) - m) * r * mean_dh);
         dx[row * cols + i] = static_cast<T>(add ? v + widen<C>(add[row * cols + i]) : v);
     }
 }
 
 template <typename T, typename O, typename C, int V, int N>
-__device__ void layer_norm_forward_cached(const T* x, const T* w, const T* b, O* y, C* xhat,
-                                          C* rstd, int cols, C eps)
+__device__ void layer_norm_forward_cached(const T* x, const T* w, const T* b, O* y,
+                                          C* mean_out, C* rstd, int cols, C eps)
 {
     const long long start = blockIdx.x * (long long)cols;
     C v[N][V];
@@ -90,7 +91,6 @@ __device__ void layer_norm_forward_cached(const T* x, const T* w, const T* b, O*
     }
     const C r = C(1) / sqrt(block_reduce(squares, Sum<C>()) / C(cols) + eps);
     FOR_EACH_VECTOR(j, col) {
-        Pack<C, V> h;
         Pack<O, V> out;
         Pack<T, V> wv, bv;
         if (w)
@@ -99,16 +99,16 @@ __device__ void layer_norm_forward_cached(const T* x, const T* w, const T* b, O*
             bv = load_pack<V>(b + col);
 #pragma unroll
         for (int k = 0; k < V; ++k) {
-            h.v[k] = v[j][k] * r;
-            const C scaled = w ? h.v[k] * widen<C>(wv.v[k]) : h.v[k];
+            const C h = v[j][k] * r;
+            const C scaled = w ? h * widen<C>(wv.v[k]) : h;
             out.v[k] = static_cast<O>(b ? scaled + widen<C>(bv.v[k]) : scaled);
         }
-        if (xhat)
-            store_pack(xhat + start + col, h);
         store_pack(y + start + col, out);
     }
-    if (rstd && threadIdx.x == 0)
+    if (rstd && threadIdx.x == 0) {
+        mean_out[blockIdx.x] = mean;
         rstd[blockIdx.x] = r;
+    }
 }
 
 // The cached backward strides over rows (block b: rows b, b + gridDim.x, ...). With `partials`
@@ -116,9 +116,9 @@ __device__ void layer_norm_forward_cached(const T* x, const T* w, const T* b, O*
 // them to partials[blockIdx.x][0] and partials[blockIdx.x][1] ([gridDim.x, 2, cols], summed
 // over blocks by the caller).
 template <typename T, typename O, typename C, int V, int N>
-__device__ void layer_norm_backward_cached(const O* g, const C* xhat, const C* rstd, const T* w,
-                                           const T* add, T* dx, C* partials, long long rows,
-                                           int cols)
+__device__ void layer_norm_backward_cached(const O* g, const T* x, const C* mean, const C* rstd,
+                                           const T* w, const T* add, T* dx, C* partials,
+                                           long long rows, int cols)
 {
     C d[N][V], h[N][V], dw[N][V], db[N][V];
 #pragma unroll
@@ -128,10 +128,11 @@ __device__ void layer_norm_backward_cached(const O* g, const C* xhat, const C* r
             dw[j][k] = db[j][k] = 0;
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
         const long long start = row * cols;
+        const C m = mean[row], r = rstd[row];
         C sum = 0, dot = 0;
         FOR_EACH_VECTOR(j, col) {
             const Pack<O, V> gv = load_pack<V>(g + start + col);
-            const Pack<C, V> hv = load_pack<V>(xhat + start + col);
+            const Pack<T, V> xv = load_pack<V>(x + start + col);
             Pack<T, V> wv;
             if (w)
                 wv = load_pack<V>(w + col);
@@ -139,7 +140,7 @@ __device__ void layer_norm_backward_cached(const O* g, const C* xhat, const C* r
             for (int k = 0; k < V; ++k) {
                 const C gk = widen<C>(gv.v[k]);
                 d[j][k] = w ? gk * widen<C>(wv.v[k]) : gk;
-                h[j][k] = hv.v[k];
+                h[j][k] = (widen<C>(xv.v[k]) - m) * r;
                 sum += d[j][k];
                 dot += d[j][k] * h[j][k];
                 dw[j][k] += gk * h[j][k];
@@ -148,7 +149,6 @@ __device__ void layer_norm_backward_cached(const O* g, const C* xhat, const C* r
         }
         const C mean_d = block_reduce(sum, Sum<C>()) / C(cols);
         const C mean_dh = block_reduce(dot, Sum<C>()) / C(cols);
-        const C r = rstd[row];
         FOR_EACH_VECTOR(j, col) {
             Pack<T, V> addv, out;
             if (add)
@@ -177,15 +177,15 @@ __device__ void layer_norm_backward_cached(const O* g, const C* xhat, const C* r
 
 #define LAYER_NORM_CACHED_KERNELS(T, O, C, SUFFIX, V, N)                                         \
     extern "C" __global__ void layer_norm_forward_cached_##SUFFIX##_v##V##_n##N(                \
-        const T* x, const T* w, const T* b, O* y, C* xhat, C* rstd, int cols, C eps)             \
+        const T* x, const T* w, const T* b, O* y, C* mean, C* rstd, int cols, C eps)             \
     {                                                                                            \
-        layer_norm_forward_cached<T, O, C, V, N>(x, w, b, y, xhat, rstd, cols, eps);             \
+        layer_norm_forward_cached<T, O, C, V, N>(x, w, b, y, mean, rstd, cols, eps);             \
     }                                                                                            \
     extern "C" __global__ void layer_norm_backward_cached_##SUFFIX##_v##V##_n##N(               \
-        const O* g, const C* xhat, const C* rstd, const T* w, const T* add, T* dx, C* partials,  \
-        long long rows, int cols)                                                                \
+        const O* g, const T* x, const C* mean, const C* rstd, const T* w, const T* add, T* dx,   \
+        C* partials, long long rows, int cols)                                                   \
     {                                                                                            \
-        layer_norm_backward_cached<T, O, C, V, N>(g, xhat, rstd, w, add, dx, partials, rows,     \
+        layer_norm_backward_cached<T, O, C, V, N>(g, x, mean, rstd, w, add, dx, partials, rows,  \
                                                   cols);                                         \
     }
 // V: 16 bytes of the narrower of x and y per vector
@@ -196,16 +196,17 @@ __device__ void layer_norm_backward_cached(const O* g, const C* xhat, const C* r
 
 #define LAYER_NORM_KERNELS(T, O, C, SUFFIX)                                                      \
     extern "C" __global__ void layer_norm_forward_##SUFFIX(const T* x, const T* w, const T* b,  \
-                                                           O* y, C* xhat, C* rstd, int cols,     \
+                                                           O* y, C* mean, C* rstd, int cols,     \
                                                            C eps)                                \
     {                                                                                            \
-        layer_norm_forward<T, O, C>(x, w, b, y, xhat, rstd, cols, eps);                          \
+        layer_norm_forward<T, O, C>(x, w, b, y, mean, rstd, cols, eps);                          \
     }                                                                                            \
-    extern "C" __global__ void layer_norm_backward_##SUFFIX(const O* g, const C* xhat,          \
-                                                            const C* rstd, const T* w,           \
-                                                            const T* add, T* dx, int cols)       \
+    extern "C" __global__ void layer_norm_backward_##SUFFIX(const O* g, const T* x,             \
+                                                            const C* mean, const C* rstd,        \
+                                                            const T* w, const T* add, T* dx,     \
+                                                            int cols)                            \
     {                                                                                            \
-        layer_norm_backward<T, O, C>(g, xhat, rstd, w, add, dx, cols);                           \
+        layer_norm_backward<T, O, C>(g, x, mean, rstd, w, add, dx, cols);                        \
     }
 
 LAYER_NORM_ALL_KERNELS(float, float, float, f32, 4)

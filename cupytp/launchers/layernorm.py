@@ -1,16 +1,19 @@
 """LayerNorm over the last dimension: `layernorm.cu` for CuPy arrays, a NumPy twin otherwise.
 
-`layer_norm_forward(x, weight, bias, eps, out_dtype=None, saved=True)` → (y, xhat, rstd): y in
+`layer_norm_forward(x, weight, bias, eps, out_dtype=None, saved=True)` → (y, mean, rstd): y in
 `out_dtype` (x's by default; a 16-bit dtype for a float32 x under autocast, rounded once from the
-float32 result); xhat (the normalized input) and rstd (per row) in the compute dtype (float32,
-float64 for float64; None, and not written, with `saved=False`: a forward no backward follows),
-kept for `layer_norm_backward(g, xhat, rstd, weight, dx_dtype=None, add=None)` → dx in
-`dx_dtype` (g's by default: x's, when g has y's 16-bit dtype), plus `add` (a gradient of x from
-elsewhere, dx's dtype and shape: the residual stream's) summed in the same pass before the one
-rounding. weight and bias may be None; when given they have x's dtype and shape (C,). With
-`param_grads=True` it returns (dx, the weight's gradient, the bias's): the column sums of g xhat
-and of g in the compute dtype, summed by the kernel in the same pass where the row fits its
-registers (partial sums of `PARAM_GRAD_BLOCKS_PER_SM` blocks per multiprocessor, then `column_sum`).
+float32 result); mean and rstd per row, shape x.shape[:-1] + (1,), in the compute dtype
+(float32, float64 for float64; None, and not written, with `saved=False`: a forward no backward
+follows), kept with x for `layer_norm_backward(g, x, mean, rstd, weight, dx_dtype=None,
+add=None)` → dx in `dx_dtype` (g's by default: x's, when g has y's 16-bit dtype), plus `add` (a
+gradient of x from elsewhere, dx's dtype and shape: the residual stream's) summed in the same
+pass before the one rounding. The backward recomputes the normalized input xhat = (x - mean) rstd
+from x, as the forward computed it, so the forward writes nothing of the row's size but y (x,
+the residual stream, is what the caller keeps). weight and bias may be None; when given they
+have x's dtype and shape (C,). With `param_grads=True` it returns (dx, the weight's gradient, the
+bias's): the column sums of g xhat and of g in the compute dtype, summed by the kernel in the
+same pass where the row fits its registers (partial sums of `PARAM_GRAD_BLOCKS_PER_SM` blocks
+per multiprocessor, then `column_sum`).
 """
 import functools
 import math
@@ -76,10 +79,14 @@ def _forward_plan(x, weight, bias, out_dtype):
 
 
 @functools.lru_cache(maxsize=256)
-def _backward_plan(g, xhat, rstd, weight, add, dx_dtype):
+def _backward_plan(g, x, mean, rstd, weight, add, dx_dtype):
     """The _Plan of a backward over arrays of these signatures (after checking them)."""
     check_add(add, g[0], dx_dtype)
-    _check(g, (("weight", weight), ("xhat", xhat), ("rstd", rstd), ("add", add)), dx_dtype)
+    if x[0] != g[0] or x[1] != dx_dtype:
+        raise ValueError(f"layer_norm_backward: x must have g's shape {g[0]} and dx's dtype "
+                         f"{dx_dtype}, got {x[1]} {x[0]}")
+    _check(g, (("weight", weight), ("x", x), ("mean", mean), ("rstd", rstd), ("add", add)),
+           dx_dtype)
     return _Plan("backward", _suffix(dx_dtype, g[1]), g[0])
 
 
@@ -113,31 +120,35 @@ def layer_norm_forward(x, weight, bias, eps, out_dtype=None, saved=True):
     plan = _forward_plan(_signature(x), _signature(weight), _signature(bias), out_dtype)
     compute = plan.compute
     y = xp.empty(x.shape, dtype=out_dtype)
-    xhat = xp.empty(x.shape, dtype=compute) if saved else None
-    rstd = xp.empty(x.shape[:-1] + (1,), dtype=compute) if saved else None
+    stats = xp.empty((2,) + x.shape[:-1] + (1,), dtype=compute) if saved else None
+    mean, rstd = (None, None) if stats is None else (stats[0], stats[1])
     if plan.rows:
-        plan.kernel(x, weight, bias, y, xhat)(
+        plan.kernel(x, weight, bias, y)(
             (plan.rows,), (BLOCK_THREADS,), (x, NULL if weight is None else weight,
                                              NULL if bias is None else bias, y,
-                                             NULL if xhat is None else xhat,
+                                             NULL if mean is None else mean,
                                              NULL if rstd is None else rstd,
                                              numpy.int32(plan.cols), compute.type(eps)))
-    return y, xhat, rstd
+    return y, mean, rstd
 
 
-def layer_norm_backward(g, xhat, rstd, weight, dx_dtype=None, add=None, param_grads=False):
+def layer_norm_backward(g, x, mean, rstd, weight, dx_dtype=None, add=None, param_grads=False):
     dx_dtype = numpy.dtype(dx_dtype or g.dtype)
     if not is_device_array(g):
         check_add(None if add is None else (add.shape, add.dtype), g.shape, dx_dtype)
         _suffix(dx_dtype, g.dtype)
-        return layer_norm_backward_numpy(g, xhat, rstd, weight, dx_dtype, add, param_grads)
-    plan = _backward_plan(_signature(g), _signature(xhat), _signature(rstd), _signature(weight),
-                          _signature(add), dx_dtype)
+        return layer_norm_backward_numpy(g, x, mean, rstd, weight, dx_dtype, add, param_grads)
+    plan = _backward_plan(_signature(g), _signature(x), _signature(mean), _signature(rstd),
+                          _signature(weight), _signature(add), dx_dtype)
     dx = xp.empty(g.shape, dtype=dx_dtype)
-    args = (g, xhat, rstd, NULL if weight is None else weight, NULL if add is None else add, dx)
-    sums = run_backward(plan, args, (g, xhat, weight, add, dx), 2 if param_grads else 0,
-                        lambda: (column_sum(g, xhat, dtype=xhat.dtype),
-                                 column_sum(g, dtype=xhat.dtype)))
+    args = (g, x, mean, rstd, NULL if weight is None else weight, NULL if add is None else add,
+            dx)
+
+    def streaming_sums():       # the rows the cached kernel does not take: xhat made here
+        xhat = (x.astype(rstd.dtype) - mean) * rstd
+        return column_sum(g, xhat, dtype=rstd.dtype), column_sum(g, dtype=rstd.dtype)
+    sums = run_backward(plan, args, (g, x, weight, add, dx), 2 if param_grads else 0,
+                        streaming_sums)
     return (dx, *sums) if param_grads else dx
 
 
@@ -185,12 +196,14 @@ def layer_norm_forward_numpy(x, weight, bias, eps, out_dtype=None, saved=True):
     xhat = centered * rstd
     y = xhat * weight.astype(compute) if weight is not None else xhat
     y = (y + bias.astype(compute) if bias is not None else y).astype(out_dtype or x.dtype)
-    return (y, xhat, rstd.astype(compute)) if saved else (y, None, None)
+    mean = v.mean(axis=-1, keepdims=True).astype(compute)
+    return (y, mean, rstd.astype(compute)) if saved else (y, None, None)
 
 
-def layer_norm_backward_numpy(g, xhat, rstd, weight, dx_dtype=None, add=None,
+def layer_norm_backward_numpy(g, x, mean, rstd, weight, dx_dtype=None, add=None,
                               param_grads=False):
-    compute = xhat.dtype
+    compute = rstd.dtype
+    xhat = (x.astype(compute) - mean) * rstd
     gc = g.astype(compute)
     d = gc * weight.astype(compute) if weight is not None else gc
     dx = rstd * (d - d.mean(axis=-1, keepdims=True)

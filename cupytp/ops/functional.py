@@ -94,8 +94,8 @@ def layer_norm(x, weight, bias, eps=1e-5):
     from cupytp.launchers.layernorm import layer_norm_backward, layer_norm_forward
 
     def forward(x_local, params, out_dtype, keep):
-        y, xhat, rstd = layer_norm_forward(x_local, *params, eps, out_dtype, keep)
-        return y, (xhat, rstd)        # the closure keeps these, not x
+        y, mean, rstd = layer_norm_forward(x_local, *params, eps, out_dtype, keep)
+        return y, (x_local, mean, rstd)   # xhat is made again from x in backward
 
     def backward(g, saved, params, dx_dtype, add, sums):
         return layer_norm_backward(g, *saved, params[0], dx_dtype, add, param_grads=sums)

@@ -127,7 +127,8 @@ def _layouts(split, x, residual, params, norms, dropout):
 class _Norm:
     """The LayerNorm a fused sublayer reads its input through (`norm=(weight, bias, eps)`): its
     forward on x's local array when made (`out`, in the products' dtype), its backward from the
-    gradient of `out` in `backward`. The closure keeps xhat and rstd, not x."""
+    gradient of `out` in `backward`. Keeps x's local array (the residual stream) and the rows'
+    mean and rstd; the backward makes xhat again from them."""
 
     def __init__(self, x, norm, saved):
         weight, bias, eps = norm
@@ -136,14 +137,14 @@ class _Norm:
         self.dtype, xp = x.dtype, backend.xp
         self.weight, bias_local = (None if p is None else p._local.astype(x.dtype, copy=False)
                                    for p in (weight, bias))
-        self.out, self.xhat, self.rstd = layer_norm_forward(
-            xp.ascontiguousarray(x._local), self.weight, bias_local, eps, operand_dtype(x),
-            saved)
+        self.x = xp.ascontiguousarray(x._local)
+        self.out, self.mean, self.rstd = layer_norm_forward(
+            self.x, self.weight, bias_local, eps, operand_dtype(x), saved)
 
     def backward(self, g, add):
         """(x's gradient, plus `add` (x's dtype, or None), then the gradients of the weight and
         bias given) from g, the gradient of `out`."""
-        dx, *sums = layer_norm_backward(g.reshape(self.xhat.shape), self.xhat, self.rstd,
+        dx, *sums = layer_norm_backward(g.reshape(self.x.shape), self.x, self.mean, self.rstd,
                                         self.weight, self.dtype, add, param_grads=True)
         return (dx, *[grad.astype(p.dtype, copy=False) for grad, p in zip(sums, self.given)
                       if p is not None])

@@ -687,9 +687,11 @@ def test_layer_norm_twin_against_float64_formula():
     from cupytp.launchers.layernorm import layer_norm_backward_numpy, layer_norm_forward_numpy
     rng = numpy.random.default_rng(8)
     x, w, b, g = (rng.standard_normal(s) for s in ((3, 4, 10), (10,), (10,), (3, 4, 10)))
-    y, xhat, rstd = layer_norm_forward_numpy(x, w, b, 1e-5)
+    y, mu, rstd = layer_norm_forward_numpy(x, w, b, 1e-5)
     mean, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
     numpy.testing.assert_allclose(y, (x - mean) / numpy.sqrt(var + 1e-5) * w + b, rtol=1e-12)
+    numpy.testing.assert_allclose(mu, mean, rtol=1e-12)
+    numpy.testing.assert_allclose(rstd, 1 / numpy.sqrt(var + 1e-5), rtol=1e-12)
     eps, numeric = 1e-6, numpy.zeros_like(x)
     for index in numpy.ndindex(x.shape):
         plus, minus = x.copy(), x.copy()
@@ -697,11 +699,11 @@ def test_layer_norm_twin_against_float64_formula():
         minus[index] -= eps
         numeric[index] = ((layer_norm_forward_numpy(plus, w, b, 1e-5)[0]
                            - layer_norm_forward_numpy(minus, w, b, 1e-5)[0]) * g).sum() / (2 * eps)
-    numpy.testing.assert_allclose(layer_norm_backward_numpy(g, xhat, rstd, w), numeric,
+    numpy.testing.assert_allclose(layer_norm_backward_numpy(g, x, mu, rstd, w), numeric,
                                   rtol=1e-6, atol=1e-8)
     # the weight and bias gradients: finite differences of the same loss
-    dx, dw, db = layer_norm_backward_numpy(g, xhat, rstd, w, param_grads=True)
-    numpy.testing.assert_array_equal(dx, layer_norm_backward_numpy(g, xhat, rstd, w))
+    dx, dw, db = layer_norm_backward_numpy(g, x, mu, rstd, w, param_grads=True)
+    numpy.testing.assert_array_equal(dx, layer_norm_backward_numpy(g, x, mu, rstd, w))
     for param, grad in ((w, dw), (b, db)):
         numeric = numpy.zeros_like(param)
         for i in range(param.size):
@@ -720,18 +722,18 @@ def test_layer_norm_twin_sums_a_given_gradient_before_rounding():
     from cupytp.launchers.layernorm import layer_norm_backward_numpy, layer_norm_forward_numpy
     rng = numpy.random.default_rng(4)
     x, g, add = (rng.standard_normal((3, 16)) for _ in range(3))
-    _, xhat, rstd = layer_norm_forward_numpy(x, None, None, 1e-5)
-    numpy.testing.assert_array_equal(layer_norm_backward_numpy(g, xhat, rstd, None, add=add),
-                                     layer_norm_backward_numpy(g, xhat, rstd, None) + add)
+    _, mean, rstd = layer_norm_forward_numpy(x, None, None, 1e-5)
+    numpy.testing.assert_array_equal(layer_norm_backward_numpy(g, x, mean, rstd, None, add=add),
+                                     layer_norm_backward_numpy(g, x, mean, rstd, None) + add)
     x16, g16, add16 = (a.astype(bfloat16) for a in (x, g, add))
-    _, xhat, rstd = layer_norm_forward_numpy(x16, None, None, 1e-5)
-    wide = layer_norm_backward_numpy(g16, xhat, rstd, None, numpy.float32)
+    _, mean, rstd = layer_norm_forward_numpy(x16, None, None, 1e-5)
+    wide = layer_norm_backward_numpy(g16, x16, mean, rstd, None, numpy.float32)
     numpy.testing.assert_array_equal(
-        layer_norm_backward_numpy(g16, xhat, rstd, None, add=add16),
+        layer_norm_backward_numpy(g16, x16, mean, rstd, None, add=add16),
         (wide + add16.astype(numpy.float32)).astype(bfloat16))
     from cupytp.launchers.layernorm import layer_norm_backward
     with pytest.raises(ValueError, match="add must have"):
-        layer_norm_backward(g, xhat, rstd, None, add=add[:2])
+        layer_norm_backward(g, x, mean, rstd, None, add=add[:2])
 
 
 def test_layer_norm_twin_with_a_16_bit_output():
@@ -741,12 +743,12 @@ def test_layer_norm_twin_with_a_16_bit_output():
     rng = numpy.random.default_rng(10)
     x, w, b = (rng.standard_normal(s).astype(numpy.float32) for s in ((4, 16), (16,), (16,)))
     g = rng.standard_normal((4, 16)).astype(bfloat16)
-    y, xhat, rstd = layer_norm_forward_numpy(x, w, b, 1e-5, bfloat16)
-    y32, xhat32, _ = layer_norm_forward_numpy(x, w, b, 1e-5)
-    assert y.dtype == bfloat16 and (y == y32.astype(bfloat16)).all() and (xhat == xhat32).all()
-    dx = layer_norm_backward_numpy(g, xhat, rstd, w, numpy.float32)
+    y, mean, rstd = layer_norm_forward_numpy(x, w, b, 1e-5, bfloat16)
+    y32, mean32, _ = layer_norm_forward_numpy(x, w, b, 1e-5)
+    assert y.dtype == bfloat16 and (y == y32.astype(bfloat16)).all() and (mean == mean32).all()
+    dx = layer_norm_backward_numpy(g, x, mean, rstd, w, numpy.float32)
     assert dx.dtype == numpy.float32
-    assert (dx == layer_norm_backward_numpy(g.astype(numpy.float32), xhat, rstd, w)).all()
+    assert (dx == layer_norm_backward_numpy(g.astype(numpy.float32), x, mean, rstd, w)).all()
 
 
 @pytest.mark.gpu
@@ -775,25 +777,25 @@ def test_layer_norm_kernel_matches_twin(dtype, out, tol, shape, affine, form):
         form = "streaming"          # 2 doubles per vector: 256 threads x 4 vectors hold 2048
     plan = _Plan("forward", _suffix(dtype, out), shape)
     assert (plan.kernel(on(x)) is plan.cached) == (form == "cached")
-    y, xhat, rstd = layer_norm_forward(on(x), on(w), on(b), 1e-5, out)
-    y_twin, xhat_twin, rstd_twin = layer_norm_forward_numpy(x, w, b, 1e-5, out)
-    assert y.dtype == out
-    for got, want in ((y, y_twin), (xhat, xhat_twin), (rstd, rstd_twin)):
+    y, mean, rstd = layer_norm_forward(on(x), on(w), on(b), 1e-5, out)
+    y_twin, mean_twin, rstd_twin = layer_norm_forward_numpy(x, w, b, 1e-5, out)
+    assert y.dtype == out and mean.shape == rstd.shape == shape[:-1] + (1,)
+    for got, want in ((y, y_twin), (mean, mean_twin), (rstd, rstd_twin)):
         numpy.testing.assert_allclose(asnumpy(got).astype(numpy.float64),
                                       want.astype(numpy.float64), rtol=tol, atol=tol)
+    saved = (on(x), xp.asarray(mean_twin), xp.asarray(rstd_twin))
     add = rng.standard_normal(shape).astype(dtype)
     for given in (None, add):
-        dx = layer_norm_backward(on(g), xp.asarray(xhat_twin), xp.asarray(rstd_twin), on(w),
-                                 dtype, on(given))
+        dx = layer_norm_backward(on(g), *saved, on(w), dtype, on(given))
         assert dx.dtype == dtype
         numpy.testing.assert_allclose(asnumpy(dx).astype(numpy.float64),
-                                      layer_norm_backward_numpy(g, xhat_twin, rstd_twin, w, dtype,
-                                                                given).astype(numpy.float64),
+                                      layer_norm_backward_numpy(g, x, mean_twin, rstd_twin, w,
+                                                                dtype, given).astype(numpy.float64),
                                       rtol=tol, atol=tol)
     # with the weight and bias gradients summed in the same pass (sums over many rows)
-    grads = layer_norm_backward(on(g), xp.asarray(xhat_twin), xp.asarray(rstd_twin), on(w), dtype,
-                                on(add), param_grads=True)
-    twins = layer_norm_backward_numpy(g, xhat_twin, rstd_twin, w, dtype, add, param_grads=True)
+    grads = layer_norm_backward(on(g), *saved, on(w), dtype, on(add), param_grads=True)
+    twins = layer_norm_backward_numpy(g, x, mean_twin, rstd_twin, w, dtype, add,
+                                      param_grads=True)
     scale = max(1.0, numpy.sqrt(x.size // shape[-1]))
     for got, want, unit in zip(grads, twins, (1.0, scale, scale)):
         assert got.dtype == want.dtype

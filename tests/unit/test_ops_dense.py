@@ -161,9 +161,9 @@ def test_layer_norm_on_a_residual_stream_sums_its_gradients_in_one_pass(monkeypa
     given = []
     backward = layernorm.layer_norm_backward
 
-    def spy(g, xhat, rstd, weight, dx_dtype=None, add=None, param_grads=False):
+    def spy(g, x, mean, rstd, weight, dx_dtype=None, add=None, param_grads=False):
         given.append(add is not None)
-        return backward(g, xhat, rstd, weight, dx_dtype, add, param_grads)
+        return backward(g, x, mean, rstd, weight, dx_dtype, add, param_grads)
     monkeypatch.setattr(layernorm, "layer_norm_backward", spy)
 
     def block(v, w, b):
