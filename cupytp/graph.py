@@ -100,6 +100,12 @@ def keep_alive(obj):
         capture.kept.append(obj)
 
 
+def kept_by_capture(obj):
+    """True when the graph being captured keeps `obj` alive (`keep_alive`)."""
+    capture = getattr(_state, "capture", None)
+    return capture is not None and any(kept is obj for kept in capture.kept)
+
+
 def capture_memo():
     """A dict that lives as long as the capture in progress (None outside one): for what is
     made while capturing and valid only in its replays, such as a table the graph copies to the

@@ -11,6 +11,9 @@
 // Dynamic loss scaling: when *found_inf != 0 (a non-finite gradient this step) nothing changes,
 // and `skipped` counts the steps so skipped (the host's step count includes them); both pointers
 // may be null (no loss scaling).
+// Casts: with a `casts` row (D, a 16-bit dtype: autocast's kept copies of the parameters), the
+// tensors whose pointer there is not null also get the new p rounded to D, in the same pass (the
+// next forward reads them; no separate cast pass over the parameters). `casts` may be null.
 #include "common.cuh"
 
 template <typename P>
@@ -28,10 +31,10 @@ struct AdamWScalars {
 // A block's chunk [start, end) of one tensor: 16-byte vectors of params and moments (with the
 // matching gradient vector) where the chunk's start is aligned for them, one element per thread
 // for the rest.
-template <typename P, typename G>
+template <typename P, typename G, typename D>
 __device__ void adamw(P* const* params, const G* const* grads, P* const* exp_avgs,
-                      P* const* exp_avg_sqs, const long long* blocks, const double* scalars,
-                      const float* found_inf, const double* skipped)
+                      P* const* exp_avg_sqs, D* const* casts, const long long* blocks,
+                      const double* scalars, const float* found_inf, const double* skipped)
 {
     if (found_inf && *found_inf != 0.0f)
         return;
@@ -45,11 +48,13 @@ __device__ void adamw(P* const* params, const G* const* grads, P* const* exp_avg
     const G* __restrict__ g = grads[chunk[0]];
     P* __restrict__ m = exp_avgs[chunk[0]];
     P* __restrict__ v = exp_avg_sqs[chunk[0]];
+    D* __restrict__ c = casts ? casts[chunk[0]] : nullptr;
     constexpr int V = 16 / sizeof(P);
     long long tail = start;
     if ((reinterpret_cast<size_t>(p + start) | reinterpret_cast<size_t>(m + start) |
          reinterpret_cast<size_t>(v + start)) % 16 == 0 &&
-        reinterpret_cast<size_t>(g + start) % (sizeof(G) * V) == 0) {
+        reinterpret_cast<size_t>(g + start) % (sizeof(G) * V) == 0 &&
+        (!c || reinterpret_cast<size_t>(c + start) % (sizeof(D) * V) == 0)) {
         tail = start + (end - start) / V * V;
         for (long long i = start + threadIdx.x * V; i < tail; i += blockDim.x * V) {
             Pack<P, V> pv = load_pack<V>(p + i), mv = load_pack<V>(m + i), vv = load_pack<V>(v + i);
@@ -60,24 +65,38 @@ __device__ void adamw(P* const* params, const G* const* grads, P* const* exp_avg
             store_pack(p + i, pv);
             store_pack(m + i, mv);
             store_pack(v + i, vv);
+            if (c) {
+                Pack<D, V> cv;
+#pragma unroll
+                for (int k = 0; k < V; ++k)
+                    cv.v[k] = static_cast<D>(pv.v[k]);
+                store_pack(c + i, cv);
+            }
         }
     }
-    for (long long i = tail + threadIdx.x; i < end; i += blockDim.x)
+    for (long long i = tail + threadIdx.x; i < end; i += blockDim.x) {
         op.update(p[i], m[i], v[i], widen<P>(g[i]));
+        if (c)
+            c[i] = static_cast<D>(p[i]);
+    }
 }
 
-#define ADAMW_KERNEL(P, G, SUFFIX)                                                               \
+// adamw_<P>_<G>_<D>: D, the casts' dtype, is bf16 or f16 (either serves a null `casts`)
+#define ADAMW_KERNEL(P, G, D, SUFFIX)                                                            \
     extern "C" __global__ void adamw_##SUFFIX(                                                   \
         P* const* params, const G* const* grads, P* const* exp_avgs, P* const* exp_avg_sqs,      \
-        const long long* blocks, const double* scalars, const float* found_inf,                  \
+        D* const* casts, const long long* blocks, const double* scalars, const float* found_inf, \
         const double* skipped)                                                                   \
     {                                                                                            \
-        adamw<P, G>(params, grads, exp_avgs, exp_avg_sqs, blocks, scalars, found_inf, skipped);  \
+        adamw<P, G, D>(params, grads, exp_avgs, exp_avg_sqs, casts, blocks, scalars, found_inf,  \
+                       skipped);                                                                 \
     }
+#define ADAMW_KERNELS(P, G, SUFFIX)                                                              \
+    ADAMW_KERNEL(P, G, __nv_bfloat16, SUFFIX##_bf16) ADAMW_KERNEL(P, G, __half, SUFFIX##_f16)
 
-ADAMW_KERNEL(float, float, f32_f32)
-ADAMW_KERNEL(float, __nv_bfloat16, f32_bf16)
-ADAMW_KERNEL(float, __half, f32_f16)
-ADAMW_KERNEL(double, double, f64_f64)
-ADAMW_KERNEL(double, __nv_bfloat16, f64_bf16)
-ADAMW_KERNEL(double, __half, f64_f16)
+ADAMW_KERNELS(float, float, f32_f32)
+ADAMW_KERNELS(float, __nv_bfloat16, f32_bf16)
+ADAMW_KERNELS(float, __half, f32_f16)
+ADAMW_KERNELS(double, double, f64_f64)
+ADAMW_KERNELS(double, __nv_bfloat16, f64_bf16)
+ADAMW_KERNELS(double, __half, f64_f16)

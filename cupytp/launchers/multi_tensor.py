@@ -44,12 +44,14 @@ class TensorTable:
 
 
 def tensor_table(lists):
-    """The TensorTable of parallel lists of CuPy arrays. Each list's row of pointers and the
+    """The TensorTable of parallel lists of CuPy arrays (None in a list after the first: a null
+    pointer, a tensor that list leaves out). Each list's row of pointers and the
     chunks of the sizes are kept apart, so a list of arrays new every step (gradients) costs one
     small asynchronous copy and the others none. Inside a capture a new row is the graph's own
     (see the module docstring)."""
     sizes = tuple(array.size for array in lists[0])
-    rows = tuple(_kept(_ROWS, tuple(array.data.ptr for array in arrays)) for arrays in lists)
+    rows = tuple(_kept(_ROWS, tuple(0 if array is None else array.data.ptr for array in arrays))
+                 for arrays in lists)
     blocks = _kept(_CHUNKS, sizes)
     return TensorTable(rows, blocks, len(blocks))
 

@@ -16,7 +16,9 @@ cast never outlives the values it was made from. The memory of an fp32 parameter
 cast is kept between regions, though (up to KEEP_BYTES in all): the first parameter cast of a
 region rewrites them from their parameters' current values in one launch (`multi_tensor.cast_`),
 where one cast and one allocation per parameter would cost a small model's host more than its
-device. `clear_cache()` frees them.
+device. An optimizer whose kernel writes a kept cast beside its parameter's new value (AdamW:
+`kept_cast`, `casts_written`) spares that launch the cast: the next region enters it as it is.
+`clear_cache()` frees them.
 """
 import itertools
 import sys
@@ -70,6 +72,8 @@ class _State(threading.local):
         self.graph = 0
         self.kept = _Kept()     # (id(parameter), dtype) -> (weak reference, its local, cast)
         self.fresh = False      # whether this region's kept casts hold the current values
+        self.written = set()    # keys of kept casts an optimizer wrote with their parameters'
+        #                         new values since the last parameters_changed()
 
 
 _state = _State()
@@ -123,6 +127,30 @@ def parameters_changed():
     if _state.cache:
         _state.cache.clear()
     _state.fresh = False
+    _state.written.clear()
+
+
+def kept_cast(x):
+    """(key, array) of a kept cast of parameter `x` that an optimizer may write with x's new
+    value in its update pass, or None: one of x's current array that nothing else reads (no
+    recorded op that has yet to run; the graph being captured may keep it)."""
+    for dtype in _CAST_DTYPES:
+        key = (id(x), dtype)
+        entry = _state.kept.get(key)
+        if entry is None or entry[0]() is not x or entry[1] is not x._local:
+            continue
+        held = _holders(entry)              # before any name here refers to the cast
+        local = entry[2]._local
+        if held == (_SOLE_HOLDERS[0], _SOLE_HOLDERS[1] + int(graph.kept_by_capture(local))):
+            graph.keep_alive(local)     # a captured step writes it on every replay
+            return key, local
+    return None
+
+
+def casts_written(keys):
+    """The kept casts of `keys` (from `kept_cast`) hold their parameters' new values: the next
+    region takes them as they are (after `parameters_changed()`, which the step called first)."""
+    _state.written.update(keys)
 
 
 def _wants_cast(x, dtype):
@@ -158,13 +186,16 @@ def _refresh(dtype):
     sources, targets = [], []
     for key, entry in list(_state.kept.items()):
         x, local = entry[0](), entry[1]
-        if x is None or x._local is not local or _holders(entry) != _SOLE_HOLDERS:
+        written = key in _state.written         # by the optimizer: current, whoever holds it
+        if x is None or x._local is not local or \
+                (not written and _holders(entry) != _SOLE_HOLDERS):
             _state.kept.drop(key)       # gone, replaced, or still read by an unfinished graph
         elif key[1] == dtype:
             cast = entry[2]
-            sources.append(local)
-            targets.append(cast._local)
-            graph.keep_alive(cast._local)      # a captured step writes it on every replay
+            if not written:
+                sources.append(local)
+                targets.append(cast._local)
+                graph.keep_alive(cast._local)      # a captured step writes it on every replay
             _state.cache[(key[0], dtype, "master")] = (x, local, cast)
     cast_(sources, targets)
 
@@ -199,6 +230,7 @@ class _Cast:
 
 
 _SOLE_HOLDERS = _holders((None, None, _Cast()))     # a cast only its entry holds
+_CAST_DTYPES = (backend.dtype("bf16"), backend.dtype("fp16"))   # the kept casts' dtypes
 
 
 def operand_dtype(x):

@@ -16,6 +16,8 @@ class AdamW(Optimizer):
     for a parameter that has no gradient in some steps while others of its group update.
     """
 
+    writes_casts = True         # autocast's kept casts get the new values in the same pass
+
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, step=0)
         super().__init__(params, defaults)
@@ -41,7 +43,8 @@ class AdamW(Optimizer):
     def update(self, group, buckets, scalars, found_inf, skipped):
         for bucket in buckets.values():
             adamw_step(bucket.params, bucket.grads, bucket.states["exp_avg"],
-                       bucket.states["exp_avg_sq"], scalars, found_inf, skipped, checked=True)
+                       bucket.states["exp_avg_sq"], scalars, found_inf, skipped, checked=True,
+                       casts=bucket.casts if bucket.cast_keys else None)
 
 
 def decay_groups(params, weight_decay):

@@ -44,10 +44,24 @@ def contiguous_grad(p):
 @dataclasses.dataclass
 class Bucket:
     """Parallel lists of local arrays for one kernel call: params (updated in place), their grads
-    and, per state name, their states."""
+    and, per state name, their states; for an optimizer that `writes_casts`, autocast's kept
+    casts of the params (None where there is none, all of one dtype) to write the new values
+    into, with their keys (`amp.kept_cast`)."""
     params: list = dataclasses.field(default_factory=list)
     grads: list = dataclasses.field(default_factory=list)
     states: dict = dataclasses.field(default_factory=dict)
+    casts: list = dataclasses.field(default_factory=list)
+    cast_keys: list = dataclasses.field(default_factory=list)
+
+    def add_cast(self, kept):
+        """Add a param's kept cast (`amp.kept_cast`'s (key, array), or None); one of another
+        dtype than the bucket's first stays out (autocast refreshes it)."""
+        first = next((c for c in self.casts if c is not None), None)
+        if kept is None or (first is not None and first.dtype != kept[1].dtype):
+            self.casts.append(None)
+            return
+        self.casts.append(kept[1])
+        self.cast_keys.append(kept[0])
 
 
 class Optimizer(graph.GraphState):
@@ -56,8 +70,10 @@ class Optimizer(graph.GraphState):
 
     A subclass supplies `check_group` (validate a group's hyperparameters), `state_names` (the
     per-parameter states a group keeps), `scalars` (advance a group's counters, give the kernel
-    scalars of this step) and `update` (one kernel call per bucket).
+    scalars of this step) and `update` (one kernel call per bucket); one whose kernels write
+    autocast's kept casts of the parameters (`Bucket.casts`) sets `writes_casts`.
     """
+    writes_casts = False
 
     def __init__(self, params_or_groups, defaults):
         if isinstance(params_or_groups, DTensor):
@@ -120,10 +136,13 @@ class Optimizer(graph.GraphState):
         no parameter or state and counts as not taken (decided on the device: no host sync)."""
         amp.parameters_changed()
         record = graph.join(self)
+        written = []
         for index, group in enumerate(self.param_groups):
             buckets = self._buckets(group)
             if not buckets:
                 continue
+            for bucket in buckets.values():
+                written += bucket.cast_keys
             device = self._device_scalars.get(index)
             if device is None:
                 device = self._device_scalars[index] = backend.xp.empty(MAX_VALUES,
@@ -136,6 +155,7 @@ class Optimizer(graph.GraphState):
             self.update(group, buckets, device, found_inf, skipped)
             if found_inf is not None:
                 skipped += found_inf.reshape(())
+        amp.casts_written(written)     # a skipped step leaves params and casts as they were
 
     def _skipped_steps(self, index):
         """Group `index`'s device count (float64, 0-d) of the steps that found_inf skipped."""
@@ -194,6 +214,8 @@ class Optimizer(graph.GraphState):
                 bucket = buckets[key] = Bucket(states={name: [] for name in names})
             bucket.params.append(local)
             bucket.grads.append(grad)
+            if self.writes_casts:
+                bucket.add_cast(amp.kept_cast(p))
             for name in names:
                 bucket.states[name].append(state[name]._local)
         return buckets

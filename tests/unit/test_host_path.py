@@ -236,3 +236,59 @@ def test_casts_kept_between_regions_stay_within_their_budget(monkeypatch):
     assert amp._state.kept[(id(params[0]), backend.bfloat16)][1] is params[0].to_local()
     amp.clear_cache()
     assert amp._state.kept.nbytes == 0
+
+
+def test_adamw_writes_the_kept_casts_in_its_update(monkeypatch):
+    """AdamW rounds each kept cast from its parameter's new value in its update pass: the next
+    region takes the casts as they are (the refresh casts none of them), and training equals
+    training whose casts the refresh makes. A cast that an unfinished graph still reads is not
+    written (that graph's gradient uses the values it saw)."""
+    from cupytp.optim import AdamW
+    refreshed = []
+    cast_ = amp.cast_
+    monkeypatch.setattr(amp, "cast_", lambda s, t: (refreshed.append(len(s)), cast_(s, t)))
+
+    def train(writes):
+        monkeypatch.setattr(AdamW, "writes_casts", writes)
+        amp.clear_cache()
+        refreshed.clear()
+        rng = numpy.random.default_rng(1)
+        w = dt(rng.standard_normal((4, 8)).astype(numpy.float32))
+        x = dt(rng.standard_normal((3, 4)).astype(numpy.float32), grad=False)
+        optimizer, losses = AdamW([w], lr=0.1), []
+        for _ in range(4):
+            with ops.autocast("bf16"):
+                y = (x @ w).astype("fp32")
+                loss = (y * y).sum()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(backend.asnumpy(loss.to_local())))
+            cast = backend.asnumpy(amp._state.kept[(id(w), backend.bfloat16)][2].to_local())
+            current = (cast == backend.asnumpy(w.to_local()).astype(backend.bfloat16)).all()
+            del cast                            # a holder of the cast would keep it unwritten
+            assert current == writes            # written by the step, or left to the refresh
+        return losses, backend.asnumpy(w.to_local()), list(refreshed)
+
+    fused, written, casts_fused = train(True)
+    plain, refreshed_w, casts_plain = train(False)
+    assert fused == plain
+    numpy.testing.assert_array_equal(written, refreshed_w)
+    assert casts_fused == [0, 0, 0, 0] and casts_plain == [0, 1, 1, 1]
+
+    monkeypatch.setattr(AdamW, "writes_casts", True)
+    w = dt(numpy.full((4, 4), 1.5, numpy.float32))
+    x = dt(numpy.ones((2, 4), numpy.float32))
+    optimizer = AdamW([w], lr=0.5, weight_decay=0.0)
+    with ops.autocast("bf16"):
+        (x @ w).astype("fp32").sum().backward()
+    optimizer.step()                                   # writes the cast: w = 1.5 - 0.5 = 1.0
+    with ops.autocast("bf16"):
+        y = x @ w                                      # its backward reads w's cast later
+    optimizer.step()                                   # w = 0.5; the cast y reads is kept
+    x.grad = None
+    y.astype("fp32").sum().backward()
+    numpy.testing.assert_array_equal(backend.asnumpy(x.grad.to_local()), 4 * 1.0)
+    with ops.autocast("bf16"):
+        assert float(amp.master_cast(w).to_local()[0, 0]) == 0.5
+    amp.clear_cache()

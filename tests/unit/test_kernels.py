@@ -427,21 +427,44 @@ def upload(arrays):
 @requires_gpu
 @pytest.mark.parametrize("param_dtype, grad_dtype",
                          [(F32, F32), (F32, bfloat16), (F32, F16), (F64, F64), (F64, bfloat16)])
-def test_adamw_kernel_matches_twin(param_dtype, grad_dtype):
+@pytest.mark.parametrize("cast_dtype", [None, bfloat16, F16], ids=str)
+def test_adamw_kernel_matches_twin(param_dtype, grad_dtype, cast_dtype):
+    """With casts, every other tensor's (the rest have none): the new values rounded, equal to
+    the device's own params rounded (vector and element paths: SIZES has odd lengths)."""
     params = [random((n,), param_dtype, seed=i) for i, n in enumerate(SIZES)]
     exp_avgs = [numpy.zeros_like(p) for p in params]
     exp_avg_sqs = [numpy.zeros_like(p) for p in params]
     device = [upload(params), upload(exp_avgs), upload(exp_avg_sqs)]
+    casts = None if cast_dtype is None else \
+        [xp.zeros(p.shape, cast_dtype) if i % 2 == 0 else None for i, p in enumerate(params)]
     for step in range(1, 4):
         grads = [random(p.shape, grad_dtype, seed=100 * step + i) for i, p in enumerate(params)]
         scalars = adamw_scalars(step=step, **ADAMW)
         adamw_step_numpy(params, grads, exp_avgs, exp_avg_sqs, scalars)
         on_device = xp.empty(8, xp.float64)
         write_values(on_device, scalars)
-        adamw_step(device[0], upload(grads), device[1], device[2], on_device)
+        adamw_step(device[0], upload(grads), device[1], device[2], on_device, casts=casts)
     for host_list, device_list in zip((params, exp_avgs, exp_avg_sqs), device):
         for host, on_device in zip(host_list, device_list):
             assert_close(on_device, host, param_dtype)
+    for p, cast in zip(device[0], casts or []):
+        if cast is not None:
+            numpy.testing.assert_array_equal(asnumpy(cast), asnumpy(p).astype(cast_dtype))
+
+
+def test_adamw_twin_writes_the_casts():
+    params = [random((5,), F32, seed=1), random((3, 2), F32, seed=2)]
+    grads = [random(p.shape, bfloat16, seed=3) for p in params]
+    states = [[numpy.zeros_like(p) for p in params] for _ in range(2)]
+    casts = [numpy.zeros((5,), bfloat16), None]
+    adamw_step(params, grads, *states, adamw_scalars(step=1, **ADAMW), casts=casts)
+    numpy.testing.assert_array_equal(casts[0], params[0].astype(bfloat16))
+    with pytest.raises(ValueError, match="casts must be of one dtype"):
+        adamw_step(params, grads, *states, adamw_scalars(step=2, **ADAMW),
+                   casts=[casts[0], numpy.zeros((3, 2), F16)])
+    with pytest.raises(ValueError, match="a cast must be C-contiguous of its parameter's shape"):
+        adamw_step(params, grads, *states, adamw_scalars(step=2, **ADAMW),
+                   casts=[None, numpy.zeros((2, 3), bfloat16)])
 
 
 @pytest.mark.gpu
