@@ -206,7 +206,7 @@ def assign(target, value, name="tensor"):
         if any(p.is_partial() for p in target.placements):
             raise ValueError(f"{name}: cannot load a full array into a Partial tensor")
         value = backend.asarray(block)
-    target._local[...] = value.astype(target.dtype)
+    target.to_local()[...] = value.astype(target.dtype)     # counted: casts made of it renew
 
 
 class ModuleList(Module):

@@ -33,6 +33,7 @@ from cupytp.autograd import engine
 from cupytp.launchers.cast import converted
 from cupytp.launchers.multi_tensor import cast_
 from cupytp.ops.elementwise import astype
+from cupytp.tensor.dtensor import parameter_reads
 
 
 KEEP_BYTES = 256 * 2 ** 20      # the most memory of casts kept between regions, per thread
@@ -74,6 +75,8 @@ class _State(threading.local):
         self.fresh = False      # whether this region's kept casts hold the current values
         self.written = set()    # keys of kept casts an optimizer wrote with their parameters'
         #                         new values since the last parameters_changed()
+        self.written_at = 0     # parameter_reads() then: a parameter handed out since may
+        #                         have been written in place, so all are cast again
 
 
 _state = _State()
@@ -149,8 +152,11 @@ def kept_cast(x):
 
 def casts_written(keys):
     """The kept casts of `keys` (from `kept_cast`) hold their parameters' new values: the next
-    region takes them as they are (after `parameters_changed()`, which the step called first)."""
+    region takes them as they are (after `parameters_changed()`, which the step called first),
+    unless a parameter's array is handed out (`DTensor.to_local`) before: the refresh then casts
+    them all again, as it does without an optimizer's writing."""
     _state.written.update(keys)
+    _state.written_at = parameter_reads()
 
 
 def _wants_cast(x, dtype):
@@ -184,9 +190,10 @@ def _refresh(dtype):
     array is dropped)."""
     _state.fresh = True
     sources, targets = [], []
+    current = _state.written if _state.written_at == parameter_reads() else ()
     for key, entry in list(_state.kept.items()):
         x, local = entry[0](), entry[1]
-        written = key in _state.written         # by the optimizer: current, whoever holds it
+        written = key in current                # by the optimizer: current, whoever holds it
         if x is None or x._local is not local or \
                 (not written and _holders(entry) != _SOLE_HOLDERS):
             _state.kept.drop(key)       # gone, replaced, or still read by an unfinished graph

@@ -20,6 +20,16 @@ from cupytp.tensor.placement import Replicated, describe
 from cupytp.tensor.redistribute import grad_placements, redistribute, redistribute_local
 
 
+_parameter_reads = [0]
+
+
+def parameter_reads():
+    """How many times a parameter's local array has been handed out by `to_local()` (a count
+    that moves whenever a parameter may have been written in place other than by an
+    optimizer's kernels)."""
+    return _parameter_reads[0]
+
+
 class DTensor:
     __slots__ = ("_local", "layout", "requires_grad", "grad", "_node", "__weakref__")
     __array_priority__ = 1000      # NumPy/CuPy defer `array <op> DTensor` to us
@@ -92,7 +102,11 @@ class DTensor:
 
     # ---- data -----------------------------------------------------------------------------------
     def to_local(self):
-        """This rank's array (no gradient flows through it)."""
+        """This rank's array (no gradient flows through it). A parameter's (a leaf that
+        requires a gradient) counts in `parameter_reads`: its values may be written in place
+        through it."""
+        if self.requires_grad and self._node is None:
+            _parameter_reads[0] += 1
         return self._local
 
     def full_tensor(self):
