@@ -94,9 +94,4 @@ __device__ void adamw(P* const* params, const G* const* grads, P* const* exp_avg
 #define ADAMW_KERNELS(P, G, SUFFIX)                                                              \
     ADAMW_KERNEL(P, G, __nv_bfloat16, SUFFIX##_bf16) ADAMW_KERNEL(P, G, __half, SUFFIX##_f16)
 
-ADAMW_KERNELS(float, float, f32_f32)
-ADAMW_KERNELS(float, __nv_bfloat16, f32_bf16)
-ADAMW_KERNELS(float, __half, f32_f16)
-ADAMW_KERNELS(double, double, f64_f64)
-ADAMW_KERNELS(double, __nv_bfloat16, f64_bf16)
-ADAMW_KERNELS(double, __half, f64_f16)
+FOR_OPTIMIZER_DTYPES(ADAMW_KERNELS)

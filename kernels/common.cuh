@@ -55,6 +55,12 @@ __device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& x)
     *reinterpret_cast<Pack<T, N>*>(p) = x;
 }
 
+// The optimizers' (param, grad) dtype pairs: M(P, G, SUFFIX) for each (params and states P,
+// gradients G widened on load).
+#define FOR_OPTIMIZER_DTYPES(M)                                                                  \
+    M(float, float, f32_f32) M(float, __nv_bfloat16, f32_bf16) M(float, __half, f32_f16)         \
+    M(double, double, f64_f64) M(double, __nv_bfloat16, f64_bf16) M(double, __half, f64_f16)
+
 // The rows of a thread whose block covers blockDim.y rows at a time: from
 // blockIdx.y * blockDim.y + threadIdx.y, every gridDim.y * blockDim.y (needs `rows` in scope).
 #define FOR_EACH_ROW(row)                                                                        \

@@ -52,9 +52,4 @@ __device__ void sgd(P* const* params, const G* const* grads, P* const* momentum_
                   found_inf);                                                                    \
     }
 
-SGD_KERNEL(float, float, f32_f32)
-SGD_KERNEL(float, __nv_bfloat16, f32_bf16)
-SGD_KERNEL(float, __half, f32_f16)
-SGD_KERNEL(double, double, f64_f64)
-SGD_KERNEL(double, __nv_bfloat16, f64_bf16)
-SGD_KERNEL(double, __half, f64_f16)
+FOR_OPTIMIZER_DTYPES(SGD_KERNEL)
