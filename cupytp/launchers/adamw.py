@@ -16,9 +16,9 @@ Dynamic loss scaling (`cupytp.optim.GradScaler`): with `found_inf` (a float32 de
 non-zero when a gradient of this step is not finite) nothing is updated, and `skipped` (a float64
 device scalar that the optimizer advances after such a step) keeps t the number of steps taken.
 
-`casts`: a list beside params of 16-bit arrays (one dtype, bfloat16 or float16) or None: each
-given array gets its parameter's new value rounded to its dtype in the same pass (autocast's kept
-copies, which the next forward then reads as they are).
+`casts`: a list beside float32 params of 16-bit arrays (one dtype, bfloat16 or float16) or None:
+each given array gets its parameter's new value rounded to its dtype in the same pass (autocast's
+kept copies, which the next forward then reads as they are).
 """
 import math
 
@@ -82,6 +82,9 @@ def _cast_dtype(params, casts, checked=False):
     if len(casts) != len(params):
         raise ValueError(f"adamw_step: casts must have one entry per parameter ({len(params)}), "
                          f"got {len(casts)}")
+    if params and params[0].dtype != numpy.float32 and any(c is not None for c in casts):
+        raise ValueError(f"adamw_step: casts are of float32 parameters (autocast keeps those), "
+                         f"got {params[0].dtype} parameters")
     dtypes = set()
     for p, c in zip(params, casts):
         if c is None:

@@ -202,7 +202,8 @@ def _refresh(dtype):
             if not written:
                 sources.append(local)
                 targets.append(cast._local)
-                graph.keep_alive(cast._local)      # a captured step writes it on every replay
+            graph.keep_alive(cast._local)   # a captured step reads it (and may write it) on
+            #                                 every replay
             _state.cache[(key[0], dtype, "master")] = (x, local, cast)
     cast_(sources, targets)
 
