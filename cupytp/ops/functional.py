@@ -291,8 +291,10 @@ def cross_entropy(logits, targets, ignore_index=-100, reduction="mean", vocab_si
     vocabulary's columns never count. Vocab-sharded logits (Shard on the last dim) are never
     gathered: a max all-reduce of the per-row maxima, then a sum all-reduce of the packed
     (sum of exponentials, target logit) per row; the backward needs no communication. Targets
-    equal to `ignore_index` count for nothing ("mean" divides by the number of the others); any
-    other target outside [0, vocab_size) makes the loss NaN (checked on the device: no sync).
+    equal to `ignore_index` count for nothing ("mean" divides by the number of the others; where
+    the tokens are split over ranks, their loss sum and count are all-reduced together, once);
+    any other target outside [0, vocab_size) makes the loss NaN (checked on the device: no
+    sync).
     """
     from cupytp.launchers.cross_entropy import cross_entropy_backward, cross_entropy_forward
     if reduction not in ("mean", "sum", "none"):
@@ -338,7 +340,21 @@ def cross_entropy(logits, targets, ignore_index=-100, reduction="mean", vocab_si
     if reduction == "sum":
         return total
     valid = make(kept.astype(m.dtype), targets.mesh, targets.shape, targets.placements)
-    return total / reduce_sum(valid)
+    return _packed_mean(total, reduce_sum(valid))
+
+
+def _packed_mean(total, count):
+    """total / count for 0-d tensors laid out alike (count needs no gradient). Where they are
+    Partial over a mesh dimension of more than one rank (tokens split over dp), one all-reduce
+    of the packed pair reduces both, not one all-reduce each."""
+    from cupytp.ops.shape import stack
+    placements = total.placements
+    if count.placements != placements or not any(
+            p.is_partial() and n > 1 for p, n in zip(placements, total.mesh.shape)):
+        return total / count
+    both = stack([total, count]).redistribute(
+        tuple(Replicated() if p.is_partial() else p for p in placements))
+    return both[0] / both[1]
 
 
 def _dropout_p(p, what="dropout probability"):

@@ -210,6 +210,9 @@ def test_tied_weights_are_reduced_once_and_buckets_launch_during_backward(world)
         ReplicateSchedule._launch = launch
     reduces = [r for r in tracer.rows() if r.op == "all_reduce" and r.phase == "backward"]
     assert sum(r.calls for r in reduces) == len(schedule.buckets) == len(model.parameters())
+    # the forward's one: the mean loss's sum and token count, packed
+    forward = [r for r in tracer.rows() if r.phase == "forward"]
+    assert [(r.op, r.calls, r.bytes) for r in forward] == [("all_reduce", 1, 16)]
     assert sum(r.bytes for r in reduces) == sum(p.to_local().nbytes
                                                 for p in model.parameters())
     # the embedding's bucket waits for its last use (the first layer); the others go while
