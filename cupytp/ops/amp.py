@@ -137,6 +137,8 @@ def kept_cast(x):
     """(key, array) of a kept cast of parameter `x` that an optimizer may write with x's new
     value in its update pass, or None: one of x's current array that nothing else reads (no
     recorded op that has yet to run; the graph being captured may keep it)."""
+    if not _state.kept:
+        return None                     # nothing kept (a large model's casts are not)
     for dtype in _CAST_DTYPES:
         key = (id(x), dtype)
         entry = _state.kept.get(key)

@@ -52,14 +52,15 @@ class Bucket:
     states: dict = dataclasses.field(default_factory=dict)
     casts: list = dataclasses.field(default_factory=list)
     cast_keys: list = dataclasses.field(default_factory=list)
+    cast_dtype: object = None
 
     def add_cast(self, kept):
         """Add a param's kept cast (`amp.kept_cast`'s (key, array), or None); one of another
         dtype than the bucket's first stays out (autocast refreshes it)."""
-        first = next((c for c in self.casts if c is not None), None)
-        if kept is None or (first is not None and first.dtype != kept[1].dtype):
+        if kept is None or (self.cast_dtype is not None and kept[1].dtype != self.cast_dtype):
             self.casts.append(None)
             return
+        self.cast_dtype = kept[1].dtype
         self.casts.append(kept[1])
         self.cast_keys.append(kept[0])
 
