@@ -75,7 +75,11 @@ def main():
     torch.cuda.synchronize = first_synchronize_marks
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
                  with_stack=bool(a.sites)) as prof:
-        runpy.run_path(a.script, run_name="__main__")
+        try:
+            runpy.run_path(a.script, run_name="__main__")
+        except SystemExit as done:      # a script ending in sys.exit(main()): profiled still
+            if done.code not in (None, 0):
+                raise
         _synchronize()
     events = prof.events()
     marked = [e.time_range.start for e in events if e.name == "kernel_profile.mark"]
