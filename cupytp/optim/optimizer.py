@@ -132,7 +132,8 @@ class Optimizer(graph.GraphState):
     # ---- stepping -------------------------------------------------------------------------------
     def step(self, found_inf=None):
         """Update every parameter that has a gradient, in place on each rank's local arrays
-        (autocast's casts of the old values are dropped). `found_inf` (a float32 device scalar,
+        (autocast's casts of the old values are dropped, or rewritten with the new ones by an
+        optimizer that `writes_casts`). `found_inf` (a float32 device scalar,
         from `GradScaler`): when it holds a non-zero value as the kernels run, this step changes
         no parameter or state and counts as not taken (decided on the device: no host sync)."""
         amp.parameters_changed()
