@@ -3,7 +3,8 @@ forward and forward+backward times beside PyTorch's SDPA (flash backend) in the 
 
     python3 bench/attention.py [--reps 30] [--skip-check] [--stress N] [--loop N]
 
-Times the flash RawKernel, cupytp's cuDNN path (where the cuDNN frontend imports) and PyTorch.
+Times the flash RawKernel (with dropout also keeping its bits for the backward, `ours-kept`),
+cupytp's cuDNN path (where the cuDNN frontend imports) and PyTorch.
 Prints first the registers per thread and spilled (local) bytes of each flash kernel.
 
 Checks: random bf16/fp16 inputs as strided views of one (B, T, 3, H, D) array (as GPT-2 builds
@@ -175,7 +176,8 @@ class TorchEvents:
 def time_ours(b, h, t, d, causal, p, reps, kind):
     _, (q, k, v) = inputs(b, h, t, d, bfloat16, seed=7)
     g = xp.asarray(numpy.random.default_rng(8).standard_normal((b, h, t, d)).astype(bfloat16))
-    dropout = AttentionDropout(p, 99, xp.zeros((), xp.uint64), 0, h) if p else None
+    mask = flash_attention.kept_bits(q, k) if kind == "flash-kept" else None
+    dropout = AttentionDropout(p, 99, xp.zeros((), xp.uint64), 0, h, mask=mask) if p else None
     scale = d ** -0.5
     kernels = cudnn_attention if kind == "cudnn" else flash_attention
     forward = lambda: kernels.attention_forward(q, k, v, causal, scale, dropout)
@@ -216,6 +218,8 @@ def bench(reps):
     for b, h, t, d, causal, p in BENCH:
         flops = 4 * b * h * t * t * d * (0.5 if causal else 1.0)
         results = {"ours": time_ours(b, h, t, d, causal, p, reps, "flash")}
+        if p:       # the backward reading the forward's kept bits instead of drawing them
+            results["ours-kept"] = time_ours(b, h, t, d, causal, p, reps, "flash-kept")
         if not p and cudnn_attention.applies(xp.empty((1, 1, t, d), bfloat16),
                                              xp.empty((1, 1, t, d), bfloat16), 0.0):
             results["ours-cudnn"] = time_ours(b, h, t, d, causal, p, reps, "cudnn")

@@ -53,7 +53,7 @@ class _Capture:
     def __init__(self):
         self.states = []
         self.groups = []
-        self.kept = []
+        self.kept = {}          # id -> object kept alive (once, however often it is asked)
         self.memo = {}
 
     def end(self):
@@ -97,13 +97,13 @@ def keep_alive(obj):
     pointer table) alive as long as the graph being captured; no-op outside a capture."""
     capture = getattr(_state, "capture", None)
     if capture is not None:
-        capture.kept.append(obj)
+        capture.kept[id(obj)] = obj
 
 
 def kept_by_capture(obj):
     """True when the graph being captured keeps `obj` alive (`keep_alive`)."""
     capture = getattr(_state, "capture", None)
-    return capture is not None and any(kept is obj for kept in capture.kept)
+    return capture is not None and capture.kept.get(id(obj)) is obj
 
 
 def capture_memo():

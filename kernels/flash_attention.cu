@@ -21,7 +21,9 @@
 // P mod 8 of the draw at P - P mod 8 against `threshold` = ceil(p·2¹⁶): cupytp.tensor.random's
 // draw, eight keys to a Philox call); kept values are scaled by 1/(1-p). The `_dropout_at` kernels
 // take a block of a longer sequence: t and s are then its rows' and keys' global positions
-// (`rows`, `cols`) in a problem of t_global queries and s_global keys.
+// (`rows`, `cols`) in a problem of t_global queries and s_global keys. The plain `_dropout`
+// kernels may keep the bits: given a `mask` of (B·H, T, mask_pitch) bytes, the forward writes each
+// visited octet of keys and the backward reads it instead of drawing it again.
 // Inputs are strided views (D contiguous, rows 16-byte aligned); strides are in elements.
 #include "common.cuh"
 #include "philox.cuh"
@@ -39,9 +41,10 @@ constexpr int BACKWARD_BLOCK_N = 16 * BACKWARD_WARPS;
 constexpr int PAD = 8;       // elements after each shared-memory row: ldmatrix rows hit other banks
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
-// blocks per multiprocessor the register budget is cut to (65536 registers / 128 threads)
-// (no cap with dropout: capping its Philox rounds and position maps makes ptxas spill)
-#define FLASH_FORWARD_BLOCKS(D, DROPOUT) ((DROPOUT) ? 1 : (D) == 64 ? 4 : 3)
+// blocks per multiprocessor the register budget is cut to (65536 registers / 128 threads), the
+// most that ptxas fits without spilling: dropout's Philox rounds and (DROPOUT 2) position maps
+// take registers at head dim 128 and with the maps
+#define FLASH_FORWARD_BLOCKS(D, DROPOUT) ((D) == 64 ? ((DROPOUT) ? 3 : 4) : (DROPOUT) ? 2 : 3)
 #define FLASH_BACKWARD_BLOCKS(D) 1
 
 struct Strides {
@@ -188,6 +191,8 @@ struct Dropout {
     const long long* cols;  // global key position of each key (null: the key's index)
     long long t_global;     // the global problem's query and key counts
     long long s_global;
+    unsigned char* mask;    // kept bits (B·H, T, mask_pitch) bytes (below), or null
+    long long mask_pitch;
 
     // the global position of row t < t_len (of key s < s_len)
     __device__ __forceinline__ long long row(int t) const { return MAPS && rows ? rows[t] : t; }
@@ -224,6 +229,16 @@ struct Dropout {
         return last < l || (cols[l] % 8 == 0 && cols[last] - cols[l] == last - l);
     }
 
+    // Row t of head bh (blockIdx.y of the forward) in the kept-bits store: byte o holds the bits
+    // of keys 8 o .. 8 o + 7 (bit j: key 8 o + j). The forward writes the octets of the key tiles
+    // it visits where eight keys share a Philox call (plain dropout, `grouped`), and the backward
+    // reads them instead of drawing again (bytes of keys a query does not see are never looked
+    // at: their scores are masked).
+    __device__ __forceinline__ unsigned char* mask_row(long long bh, int t, int t_len) const
+    {
+        return mask + (bh * t_len + t) * mask_pitch;
+    }
+
     // the counter offset of key s: its global position (keys past s_len are masked)
     __device__ __forceinline__ unsigned long long key(int s, int s_len) const
     {
@@ -252,9 +267,10 @@ __device__ __forceinline__ bool together(const Dropout<MAPS>& dropout, bool grou
 
 // Forward: accumulator c of octet nt is (row rows[c / 2], key n0 + 8 nt + 2 quad + c % 2): the
 // quad's four lanes hold the 16 octets (r, nt) of the same two rows, lane quad drawing octets
-// g = 4 quad .. 4 quad + 3 (g = 8 r + nt) into the bytes of one register.
+// g = 4 quad .. 4 quad + 3 (g = 8 r + nt) into the bytes of one register, which it returns (the
+// kept bits of keys n0 + 32 (quad % 2) .. + 31 of row rows[quad / 2]; 0 on the per-score path).
 template <bool MAPS, int OCTETS>
-__device__ __forceinline__ void forward_keeps(unsigned (&kept)[OCTETS],
+__device__ __forceinline__ unsigned forward_keeps(unsigned (&kept)[OCTETS],
                                               const Dropout<MAPS>& dropout, bool grouped,
                                               const unsigned long long (&rows)[2], int n0,
                                               int quad, int s_len)
@@ -281,41 +297,56 @@ __device__ __forceinline__ void forward_keeps(unsigned (&kept)[OCTETS],
             for (int r = 0; r < 2; ++r)
                 kept[nt] |= (from[2 * r + nt / 4] >> (8 * (nt % 4) + 2 * quad) & 3u) << 2 * r;
         }
-        return;
+        return mine;
+    }
+    // one call per score, rolled: unrolled, its 32 calls would set the kernel's register count
+    unsigned bits = 0;
+#pragma unroll 1
+    for (int i = 0; i < 4 * OCTETS; ++i) {
+        const int nt = i / 4, c = i % 4;
+        bits |= static_cast<unsigned>(dropout_keeps(
+                    (c < 2 ? rows[0] : rows[1]) + dropout.key(n0 + 8 * nt + 2 * quad + c % 2, s_len),
+                    dropout.seed, dropout.threshold))
+                << i;
     }
 #pragma unroll
-    for (int nt = 0; nt < OCTETS; ++nt) {
-        kept[nt] = 0;
-#pragma unroll
-        for (int c = 0; c < 4; ++c)
-            kept[nt] |= static_cast<unsigned>(dropout_keeps(
-                            rows[c / 2] + dropout.key(n0 + 8 * nt + 2 * quad + c % 2, s_len),
-                            dropout.seed, dropout.threshold))
-                        << c;
-    }
+    for (int nt = 0; nt < OCTETS; ++nt)
+        kept[nt] = bits >> 4 * nt & 15u;
+    return 0;
 }
 
 // Backward (transposed): accumulator c of octet nt is (query queries(nt)[c % 2], key
 // key0 + group + 8 (c / 2)), key0 = n0 + 16 warp the warp's first key: the eight lanes of one
 // quad hold the 32 octets (nt, query, key octet) of the same queries, lane group drawing the four
-// of nt = group (byte 2 (c / 2) + c % 2 = c) into one register. `query(t)` gives query t's
+// of nt = group (byte 2 (c / 2) + c % 2 = c) into one register, or reading them from the
+// forward's store (`stored`: row 0 of this head in it, or null). `query(t)` gives query t's
 // counter at key 0.
 template <bool MAPS, int OCTETS, typename Query>
 __device__ __forceinline__ void backward_keeps(unsigned (&kept)[OCTETS],
                                                const Dropout<MAPS>& dropout, bool grouped,
-                                               Query query, int m0, int key0, int group,
-                                               int quad, int s_len)
+                                               Query query, const unsigned char* stored, int m0,
+                                               int key0, int group, int quad, int t_len,
+                                               int s_len)
 {
     static_assert(OCTETS == 8, "one octet of queries per group of lanes");
     if (together(dropout, grouped, key0, 2, s_len)) {
         const int t = m0 + 8 * group + 2 * quad;
-        const unsigned long long queries[2] = {query(t), query(t + 1)};
         unsigned mine = 0;
+        if (stored) {  // octets key0 / 8 and key0 / 8 + 1 of queries t and t + 1
+            const auto octets = [&](int row) -> unsigned {
+                return row < t_len ? *reinterpret_cast<const unsigned short*>(
+                                         stored + row * dropout.mask_pitch + key0 / 8)
+                                   : 0u;
+            };
+            mine = __byte_perm(octets(t), octets(t + 1), 0x5140);
+        } else {
+            const unsigned long long queries[2] = {query(t), query(t + 1)};
 #pragma unroll
-        for (int c = 0; c < 4; ++c)
-            mine |= dropout_byte(queries[c % 2] + dropout.key(key0 + 8 * (c / 2), s_len),
-                                 dropout.seed, dropout.threshold)
-                    << 8 * c;
+            for (int c = 0; c < 4; ++c)
+                mine |= dropout_byte(queries[c % 2] + dropout.key(key0 + 8 * (c / 2), s_len),
+                                     dropout.seed, dropout.threshold)
+                        << 8 * c;
+        }
 #pragma unroll
         for (int nt = 0; nt < OCTETS; ++nt) {
             const unsigned x = __shfl_sync(0xffffffffu, mine, 4 * nt + quad);
@@ -326,18 +357,19 @@ __device__ __forceinline__ void backward_keeps(unsigned (&kept)[OCTETS],
         }
         return;
     }
-#pragma unroll
-    for (int nt = 0; nt < OCTETS; ++nt) {
-        const int t = m0 + 8 * nt + 2 * quad;
-        const unsigned long long queries[2] = {query(t), query(t + 1)};
-        kept[nt] = 0;
-#pragma unroll
-        for (int c = 0; c < 4; ++c)
-            kept[nt] |= static_cast<unsigned>(dropout_keeps(
-                            queries[c % 2] + dropout.key(key0 + group + 8 * (c / 2), s_len),
-                            dropout.seed, dropout.threshold))
-                        << c;
+    unsigned bits = 0;  // one call per score, rolled (as in forward_keeps)
+#pragma unroll 1
+    for (int i = 0; i < 4 * OCTETS; ++i) {
+        const int nt = i / 4, c = i % 4;
+        const int t = m0 + 8 * nt + 2 * quad + c % 2;
+        bits |= static_cast<unsigned>(dropout_keeps(
+                    query(t) + dropout.key(key0 + group + 8 * (c / 2), s_len), dropout.seed,
+                    dropout.threshold))
+                << i;
     }
+#pragma unroll
+    for (int nt = 0; nt < OCTETS; ++nt)
+        kept[nt] = bits >> 4 * nt & 15u;
 }
 
 // ---- tiles ------------------------------------------------------------------------------------
@@ -442,8 +474,13 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
             }
         }
         unsigned kept[BLOCK_N / 8];
-        if (DROPOUT)
-            forward_keeps(kept, dropout, grouped, rows, n0, quad, s_len);
+        if (DROPOUT) {
+            const unsigned drawn = forward_keeps(kept, dropout, grouped, rows, n0, quad, s_len);
+            const int t = m0 + row_in_block + 8 * (quad / 2);
+            if (DROPOUT == 1 && dropout.mask && grouped && t < t_len)
+                *reinterpret_cast<unsigned*>(dropout.mask_row(blockIdx.y, t, t_len) + n0 / 8 +
+                                             4 * (quad % 2)) = drawn;
+        }
         // online softmax (raw scores; the scale goes into the exponent): new running max,
         // rescale what was summed so far
 #pragma unroll
@@ -595,6 +632,7 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
     const float *lse_head = lse, *delta_head = delta;
     float* dq_head = dq_accum;
     unsigned long long counter0 = 0;
+    const unsigned char* stored = nullptr;  // the forward's kept bits of this head
     const bool grouped = DROPOUT && dropout.groups_possible();
 
     auto load_rows = [&](int m0) {  // q, do, lse and delta of the query tile at m0
@@ -626,8 +664,11 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
         lse_head = lse + bh * t_len;
         delta_head = delta + bh * t_len;
         dq_head = dq_accum + bh * t_len * D;
-        if (DROPOUT)
+        if (DROPOUT) {
             counter0 = dropout.head_counter(b, h);
+            if (DROPOUT == 1 && dropout.mask && grouped)
+                stored = dropout.mask_row(bh, 0, t_len);
+        }
         if (m_begin < m_tiles)
             load_rows(m_begin * BLOCK_M);
 
@@ -663,8 +704,8 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
             unsigned kept[BLOCK_M / 8];
             if (DROPOUT)
                 backward_keeps(kept, dropout, grouped,
-                               [&](int t) { return dropout.row_counter(counter0, t, t_len); }, m0,
-                               n0 + warp * 16, group, quad, s_len);
+                               [&](int t) { return dropout.row_counter(counter0, t, t_len); },
+                               stored, m0, n0 + warp * 16, group, quad, t_len, s_len);
     #pragma unroll
             for (int nt = 0; nt < BLOCK_M / 8; ++nt) {
     #pragma unroll
@@ -774,10 +815,11 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
     unsigned long long threshold, float keep_scale, unsigned long long seed,                      \
         const unsigned long long *base, unsigned long long add, int heads_global,                 \
         int head_offset, int batch_offset, const long long *rows, const long long *cols,          \
-        long long t_global, long long s_global
+        long long t_global, long long s_global, unsigned char *mask, long long mask_pitch
 #define FLASH_MAKE_DROPOUT(DROPOUT)                                                                \
-    flash::Dropout<(DROPOUT) == 2>{threshold,   keep_scale,   seed, base, add,     heads_global,  \
-                                   head_offset, batch_offset, rows, cols, t_global, s_global}
+    flash::Dropout<(DROPOUT) == 2>{threshold,    keep_scale, seed,     base,     add,             \
+                                   heads_global, head_offset, batch_offset, rows, cols,           \
+                                   t_global,     s_global,   mask,     mask_pitch}
 
 #define FLASH_ATTENTION_KERNELS(T, SUFFIX, D, DROPOUT, TAG)                                        \
     extern "C" __global__ void __launch_bounds__(flash::THREADS, FLASH_FORWARD_BLOCKS(D, DROPOUT)) \

@@ -22,7 +22,9 @@ s) in (B, heads, T, S), and scales the kept ones by 1/(1-p): the draw of `cupytp
 so the mask equals `ops.dropout`'s on the (B, H, T, S) probabilities. The kernels draw one Philox
 call per eight keys and share its bits across the lanes that hold them where S and base + add
 are multiples of 8 (always, but for S) and a block's key positions run in eights, else a call
-per probability.
+per probability. Plain dropout (no position maps) may keep those bits for the backward: a
+`kept_bits(q, k)` store given as the dropout's `mask` is written by the forward (one bit a
+visible score: 1/16 of the bf16 scores) and read by the backward instead of drawing again.
 """
 import functools
 from typing import NamedTuple
@@ -84,6 +86,25 @@ class AttentionDropout(NamedTuple):
     cols: object = None
     t_global: int = 0
     s_global: int = 0
+    mask: object = None
+
+
+
+def kept_bits(q, k):
+    """The store of a plain dropout's kept bits for attention over device arrays q (B, H, T, D)
+    and k (B, Hk, S, D), uint8 (B·H, T, S rounded up to 128 keys / 8): byte o of a row holds keys
+    8 o .. 8 o + 7. None for NumPy arrays, and where it would take more than twice the bytes of
+    the output (S > 32 D): long sequences draw their bits again in the backward."""
+    b, h, t, d = q.shape
+    s = k.shape[2]
+    if not is_device_array(q) or s > 32 * d:
+        return None
+    return xp.empty((b * h, t, _mask_pitch(s)), dtype=numpy.uint8)
+
+
+def _mask_pitch(s):
+    """Bytes per query row of the kept bits: S rounded up to the backward's 128-key blocks."""
+    return ceil_div(s, BACKWARD_BLOCK_N) * BACKWARD_BLOCK_N // 8
 
 
 def supported(q, k, v):
@@ -100,8 +121,8 @@ def attention_forward(q, k, v, causal, scale, dropout=None, groups=None):
         _check(groups, q=q, k=k, v=v)           # the error naming the mix of kinds
     arrays = _read_in_place((q, k, v))
     o, lse = _outputs(q)
-    _planned(_ForwardPlan, arrays, causal, scale, dropout, groups)(*arrays, o, lse,
-                                                                    *_dropout_values(dropout))
+    _planned(_ForwardPlan, arrays, causal, scale, dropout, groups)(
+        *arrays, o, lse, *_dropout_values(dropout, q, k.shape[2]))
     return o, lse
 
 
@@ -120,7 +141,7 @@ def attention_backward(q, k, v, o, lse, do, causal, scale, dropout=None, grads=N
     check_lse(lse, q)
     lse = lse if c_contiguous(lse) else xp.ascontiguousarray(lse)   # read as (B, H, T) rows
     _planned(_BackwardPlan, arrays + grads, causal, scale, dropout, groups)(
-        *arrays, lse, *grads, *_dropout_values(dropout))
+        *arrays, lse, *grads, *_dropout_values(dropout, q, k.shape[2]))
     return grads
 
 
@@ -134,7 +155,7 @@ def _planned(kind, arrays, causal, scale, dropout, groups):
     fixed = None if dropout is None else (dropout.p, dropout.heads, dropout.batch_offset,
                                           dropout.head_offset, dropout.rows is None,
                                           dropout.cols is None, dropout.t_global,
-                                          dropout.s_global)
+                                          dropout.s_global, dropout.mask is None)
     key = (kind, arrays[0].dtype, causal, scale, fixed, groups,
            *[(type(a), a.shape, a.strides) for a in arrays])
     plan = _plans.get(key)
@@ -348,23 +369,42 @@ def _kernel(kind, d, dtype, variant=""):
 def _dropout_template(dropout, t, s):
     """The kernels' dropout arguments in a planned launch's template for t queries and s keys:
     threshold, scale, then the seed, base and counter offset left open (`_dropout_values`),
-    heads and offsets, the position maps left open, the global counts."""
+    heads and offsets, the position maps left open, the global counts, the kept bits' store
+    left open and its row pitch."""
     if dropout is None:
         return (NULL, numpy.float32(1), NULL, NULL, NULL, numpy.int32(0), numpy.int32(0),
-                numpy.int32(0), NULL, NULL, numpy.int64(0), numpy.int64(0))
+                numpy.int32(0), NULL, NULL, numpy.int64(0), numpy.int64(0), NULL, numpy.int64(0))
     return (numpy.uint64(keep_threshold(dropout.p)), numpy.float32(1 / (1 - dropout.p)),
             numpy.uint64, None, numpy.uint64, numpy.int32(dropout.heads),
             numpy.int32(dropout.head_offset), numpy.int32(dropout.batch_offset), None, None,
-            numpy.int64(dropout.t_global or t), numpy.int64(dropout.s_global or s))
+            numpy.int64(dropout.t_global or t), numpy.int64(dropout.s_global or s), None,
+            numpy.int64(_mask_pitch(s)))
 
 
-def _dropout_values(dropout):
-    """The open dropout arguments of one call: (seed, base, counter offset, the query and key
-    position maps), or ()."""
+def _dropout_values(dropout, q, s):
+    """The open dropout arguments of one call over queries q and s keys: (seed, base, counter
+    offset, the query and key position maps, the kept bits' store), or ()."""
     if dropout is None:
         return ()
     maps = [0 if m is None else _positions(m) for m in (dropout.rows, dropout.cols)]  # 0: null
-    return (numpy.uint64(dropout.seed), dropout.base, numpy.uint64(dropout.add), *maps)
+    return (numpy.uint64(dropout.seed), dropout.base, numpy.uint64(dropout.add), *maps,
+            0 if dropout.mask is None else _store(dropout, q, s))
+
+
+def _store(dropout, q, s):
+    b, h, t, _ = q.shape
+    shape = (b * h, t, _mask_pitch(s))
+    mask = dropout.mask
+    if dropout.rows is not None or dropout.cols is not None:
+        raise ValueError("flash attention: kept dropout bits are for plain dropout; a block "
+                         "with position maps draws its bits again (give mask=None)")
+    if type(mask) is not type(q) or mask.dtype != numpy.uint8 or mask.shape != shape \
+            or not c_contiguous(mask):
+        raise ValueError(f"flash attention: the dropout's kept bits must be a contiguous uint8 "
+                         f"{type(q).__name__} of shape {shape} (kept_bits(q, k)), got "
+                         f"{type(mask).__name__} {getattr(mask, 'dtype', None)} "
+                         f"{getattr(mask, 'shape', None)}")
+    return mask
 
 
 def _positions(array):

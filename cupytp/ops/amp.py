@@ -159,6 +159,28 @@ def casts_written(keys):
     them all again, as it does without an optimizer's writing."""
     _state.written.update(keys)
     _state.written_at = parameter_reads()
+    if graph.is_capturing():
+        record = graph.join(_TAKEN)
+        record["keys"] = record.get("keys", set()).difference(keys)
+
+
+class _TakenCasts(graph.GraphState):
+    """The casts a captured forward took as an optimizer wrote them (no cast pass in the graph)
+    that the captured step's own optimizer does not write (`record["keys"]`; a capture without
+    an optimizer's step, say): cast before every replay from their parameters' values then."""
+
+    def capture_begin(self, record):
+        record["keys"] = set()
+
+    def capture_end(self, record):
+        entries = [_state.kept[key] for key in record.pop("keys") if key in _state.kept]
+        record["pairs"] = ([entry[1] for entry in entries], [entry[2]._local for entry in entries])
+
+    def before_replay(self, record):
+        cast_(*record["pairs"])
+
+
+_TAKEN = _TakenCasts()
 
 
 def _wants_cast(x, dtype):
@@ -204,6 +226,8 @@ def _refresh(dtype):
             if not written:
                 sources.append(local)
                 targets.append(cast._local)
+            elif graph.is_capturing():      # the step's optimizer is to write it (casts_written)
+                graph.join(_TAKEN)["keys"].add(key)
             graph.keep_alive(cast._local)   # a captured step reads it (and may write it) on
             #                                 every replay
             _state.cache[(key[0], dtype, "master")] = (x, local, cast)

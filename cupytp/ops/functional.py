@@ -588,12 +588,14 @@ def attention_setup(q, k, dropout_p, generator, shape, offsets, groups=None):
     """(kernels, scale, dropout) for flash attention on local (B, H, T, D) queries and (B, Hk,
     S, D) keys of a global (B, H, T, S) problem at (batch, head) `offsets`, key/value heads read
     by `groups` (HeadGroups, None: as many as q's): cuDNN's kernels where they apply, else the
-    RawKernel's; the dropout draws counters of the global problem."""
+    RawKernel's; the dropout draws counters of the global problem, and the forward keeps its
+    bits for the backward where `flash_attention.kept_bits` gives a store."""
     from cupytp.launchers import cudnn_attention, flash_attention
     drop = None
     if dropout_p > 0:       # inside a micro-batch, add skips the batch's rows before it
         seed, base, add = (generator or default_generator).philox_args(shape)
-        drop = flash_attention.AttentionDropout(dropout_p, seed, base, add, shape[1], *offsets)
+        drop = flash_attention.AttentionDropout(dropout_p, seed, base, add, shape[1], *offsets,
+                                                mask=flash_attention.kept_bits(q, k))
     kernels = cudnn_attention if cudnn_attention.applies(q, k, dropout_p, groups) else \
         flash_attention
     return kernels, 1.0 / math.sqrt(q.shape[-1]), drop

@@ -12,7 +12,7 @@ from cupytp.backend import asnumpy, bfloat16, on_gpu, xp
 from cupytp.launchers import cudnn_attention
 from cupytp.launchers.flash_attention import (
     AttentionDropout, attention_backward, attention_backward_numpy, attention_forward,
-    attention_forward_numpy, dropout_keep, keep_threshold)
+    attention_forward_numpy, dropout_keep, keep_threshold, kept_bits)
 from cupytp.tensor import Generator, Replicated, from_local, local_mesh
 from test_kernels import F16, F64, poisoned_allocations, requires_gpu
 
@@ -265,23 +265,72 @@ def test_flash_kernels_match_twin(b, h, t, d, causal, p, dtype):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("t_less", [0, 4])          # S a multiple of 8, and not
 @pytest.mark.parametrize("offset", [2 ** 33, 2 ** 33 - 4])      # counters from a multiple of 8
-def test_flash_kernel_dropout_mask_is_bit_exact(d, t_less, offset):
+@pytest.mark.parametrize("kept", [False, True])     # the backward draws again / reads the bits
+def test_flash_kernel_dropout_mask_is_bit_exact(d, t_less, offset, kept):
     """With v the identity, o = the dropped probabilities, and with do the identity, dv = their
     transpose: zero exactly where the twin drops, in the forward and in the backward (eight keys
-    to a Philox draw, shared across lanes, and a draw per probability)."""
+    to a Philox draw, shared across lanes, and a draw per probability). Kept bits: the forward
+    stores the twin's bits of every visible score where eight keys share a draw."""
     b, h, t = 2, 3, d - t_less
     q, k, _ = qkv(b, h, t, t, d, seed=4)
     eye = numpy.broadcast_to(numpy.eye(t, d), (b, h, t, d)).astype(bfloat16)
     dropout = host_dropout(0.5, 7, seed=123456789123, offset=offset, head_offset=2,
                            batch_offset=1)
     device = [xp.asarray(a) for a in (q, k, eye)]
+    if kept:
+        dropout = dropout._replace(mask=kept_bits(device[0], device[1]))
     o, lse = attention_forward(*device, True, 0.1, dropout)
     visible = numpy.tril(numpy.ones((t, t), bool))
     expected = dropout_keep(dropout, (b, h, t, t)) & visible
     numpy.testing.assert_array_equal(asnumpy(o)[..., :t].astype(F64) != 0, expected)
+    if kept and offset % 8 == 0 and t % 8 == 0:
+        bits = numpy.unpackbits(asnumpy(dropout.mask), axis=-1, bitorder="little")
+        stored = bits[..., :t].reshape(b, h, t, t).astype(bool)
+        numpy.testing.assert_array_equal(stored & visible, expected)
     _, _, dv = attention_backward(*device, o, lse, device[2], True, 0.1, dropout)
     numpy.testing.assert_array_equal(asnumpy(dv)[..., :t].astype(F64) != 0,
                                      expected.transpose(0, 1, 3, 2))
+
+
+KEPT_CASES = [  # b, h, t, d, causal, p: tails of query tiles and of 128-key blocks
+    (2, 3, 97, 64, True, 0.2), (1, 2, 200, 128, True, 0.3), (2, 2, 136, 64, False, 0.1),
+    (1, 2, 64, 128, False, 0.5), (64, 6, 256, 64, True, 0.2),
+]
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("b,h,t,d,causal,p", KEPT_CASES)
+def test_kept_dropout_bits_change_nothing(b, h, t, d, causal, p):
+    """The backward reading the forward's kept bits gives what drawing them again gives, bit
+    for bit, forward outputs included."""
+    _, device = strided_qkv(b, h, t, d, bfloat16, seed=t)
+    g = xp.asarray(numpy.random.default_rng(3).standard_normal((b, h, t, d)).astype(bfloat16))
+    drawn = host_dropout(p, h + 1, offset=2 ** 20, head_offset=1)
+    kept = drawn._replace(mask=kept_bits(device[0], device[1]))
+    results = []
+    for dropout in (drawn, kept):
+        with poisoned_allocations():
+            o, lse = attention_forward(*device, causal, d ** -0.5, dropout)
+            grads = attention_backward(*device, o, lse, g, causal, d ** -0.5, dropout)
+        results.append([asnumpy(a) for a in (o, lse, *grads)])
+    for name, a, b_ in zip(("o", "lse", "dq", "dk", "dv"), *results):
+        numpy.testing.assert_array_equal(a, b_, err_msg=name)
+
+
+@requires_gpu
+def test_kept_dropout_bits_are_checked():
+    q, k, v = (xp.asarray(a) for a in qkv(1, 2, 16, 16, 64))
+    assert kept_bits(q, k).shape == (2, 16, 16)          # 16 keys round up to a 128-key block
+    assert kept_bits(q, xp.empty((1, 2, 32 * 64 + 1, 64), bfloat16)) is None   # S > 32 D
+    assert kept_bits(asnumpy(q), asnumpy(k)) is None
+    dropout = host_dropout(0.1, 2)
+    with pytest.raises(ValueError, match="contiguous uint8"):
+        attention_forward(q, k, v, True, 0.125,
+                          dropout._replace(mask=xp.empty((2, 16, 8), numpy.uint8)))
+    with pytest.raises(ValueError, match="plain dropout"):
+        attention_forward(q, k, v, True, 0.125, dropout._replace(
+            mask=kept_bits(q, k), rows=xp.arange(16, dtype=xp.int64)))
 
 
 @pytest.mark.gpu

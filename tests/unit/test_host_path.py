@@ -295,6 +295,48 @@ def test_adamw_writes_the_kept_casts_in_its_update(monkeypatch):
     amp.clear_cache()
 
 
+def test_adamw_writes_the_casts_of_a_captured_step_of_several_regions(monkeypatch):
+    """A captured step of two autocast regions (micro-batches) takes the casts AdamW wrote in the
+    step before without a cast pass, so AdamW must write them again inside the capture: the
+    graph keeps each cast alive once however many regions read it."""
+    from cupytp import graph
+    from cupytp.optim import AdamW
+    amp.clear_cache()
+    w = dt(numpy.full((4, 4), 1.5, numpy.float32))
+    x = dt(numpy.ones((2, 4), numpy.float32), grad=False)
+    optimizer = AdamW([w], lr=0.5, weight_decay=0.0)
+
+    def step():
+        for _ in range(2):
+            with ops.autocast("bf16"):
+                (x @ w).astype("fp32").sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    step()
+    step()                                   # eager: the cast is kept and written
+    assert amp._state.written
+    capture = graph._Capture()
+    monkeypatch.setattr(graph._state, "capture", capture, raising=False)
+    step()                                   # as a capture records it
+    assert amp._state.written, "the captured step left the casts its forward skipped unwritten"
+    capture.end()
+    record = next(record for state, record in capture.states if state is amp._TAKEN)
+    assert record["pairs"] == ([], [])      # nothing to cast before a replay
+    # a captured optimizer that does not write a cast the forward took: cast before each replay
+    capture = graph._Capture()
+    monkeypatch.setattr(graph._state, "capture", capture)
+    monkeypatch.setattr(amp, "kept_cast", lambda p: None)
+    step()
+    monkeypatch.setattr(graph._state, "capture", None)
+    capture.end()
+    capture.before_replay()
+    cast = amp._state.kept[(id(w), backend.bfloat16)][2].to_local()
+    numpy.testing.assert_array_equal(backend.asnumpy(cast).astype(numpy.float32),
+                                     backend.asnumpy(w.full_tensor()).astype(backend.bfloat16)
+                                     .astype(numpy.float32))
+    amp.clear_cache()
+
+
 def test_a_parameter_written_in_place_after_adamw_is_cast_again():
     """A parameter handed out by to_local() after AdamW wrote its cast may have been written in
     place: the next region casts it again from its values."""
