@@ -22,9 +22,8 @@
 // draw, eight keys to a Philox call); kept values are scaled by 1/(1-p). The `_dropout_at` kernels
 // take a block of a longer sequence: t and s are then its rows' and keys' global positions
 // (`rows`, `cols`) in a problem of t_global queries and s_global keys. The plain `_dropout`
-// kernels may take the bits drawn ahead: given a `mask` of (B·H, T, mask_pitch) bytes that
-// `flash_dropout_bits` filled, the forward and the backward read them instead of drawing.
-// (Inside the attention kernels the Philox rounds compete with the softmax for issue slots.)
+// kernels may keep the bits: given a `mask` of (B·H, T, mask_pitch) bytes, the forward writes each
+// visited octet of keys and the backward reads it instead of drawing it again.
 // Inputs are strided views (D contiguous, rows 16-byte aligned); strides are in elements.
 #include "common.cuh"
 #include "philox.cuh"
@@ -230,10 +229,11 @@ struct Dropout {
         return last < l || (cols[l] % 8 == 0 && cols[last] - cols[l] == last - l);
     }
 
-    // Row t of head bh (blockIdx.y of the forward) in the kept bits' store: byte o holds the bits
-    // of keys 8 o .. 8 o + 7 (bit j: key 8 o + j). `dropout_bits` draws them ahead of the forward
-    // (plain dropout), and the forward and the backward read them (bytes of keys a query does not
-    // see are read with the scores they mask, never used).
+    // Row t of head bh (blockIdx.y of the forward) in the kept-bits store: byte o holds the bits
+    // of keys 8 o .. 8 o + 7 (bit j: key 8 o + j). The forward writes the octets of the key tiles
+    // it visits where eight keys share a Philox call (plain dropout, `grouped`), and the backward
+    // reads them instead of drawing again (bytes of keys a query does not see are never looked
+    // at: their scores are masked).
     __device__ __forceinline__ unsigned char* mask_row(long long bh, int t, int t_len) const
     {
         return mask + (bh * t_len + t) * mask_pitch;
@@ -267,67 +267,60 @@ __device__ __forceinline__ bool together(const Dropout<MAPS>& dropout, bool grou
 
 // Forward: accumulator c of octet nt is (row rows[c / 2], key n0 + 8 nt + 2 quad + c % 2): the
 // quad's four lanes hold the 16 octets (r, nt) of the same two rows, lane quad drawing octets
-// g = 4 quad .. 4 quad + 3 (g = 8 r + nt) into the bytes of one register (the kept bits of keys
-// n0 + 32 (quad % 2) .. + 31 of row quad / 2), or reading that word from the kept bits' store
-// (`stored`: row 0 of this head in it, or null; `t`: the query of the lane's row quad / 2).
+// g = 4 quad .. 4 quad + 3 (g = 8 r + nt) into the bytes of one register, which it returns (the
+// kept bits of keys n0 + 32 (quad % 2) .. + 31 of row rows[quad / 2]; 0 on the per-score path).
 template <bool MAPS, int OCTETS>
-__device__ __forceinline__ void forward_keeps(unsigned (&kept)[OCTETS],
+__device__ __forceinline__ unsigned forward_keeps(unsigned (&kept)[OCTETS],
                                               const Dropout<MAPS>& dropout, bool grouped,
-                                              const unsigned long long (&rows)[2],
-                                              const unsigned char* stored, int t, int t_len,
-                                              int n0, int quad, int s_len)
+                                              const unsigned long long (&rows)[2], int n0,
+                                              int quad, int s_len)
 {
     static_assert(OCTETS == 8, "a quad shares 16 octets: 8 per row");
-    const int nt0 = 4 * (quad % 2);
-    unsigned mine = 0;
-    if (stored) {
-        if (t < t_len)
-            mine = *reinterpret_cast<const unsigned*>(stored + t * dropout.mask_pitch + n0 / 8 +
-                                                      nt0);
-    } else if (together(dropout, grouped, n0, OCTETS, s_len)) {
+    if (together(dropout, grouped, n0, OCTETS, s_len)) {
         const unsigned long long row = quad >= 2 ? rows[1] : rows[0];
+        const int nt0 = 4 * (quad % 2);
+        unsigned mine = 0;
 #pragma unroll
         for (int j = 0; j < 4; ++j)
             mine |= dropout_byte(row + dropout.key(n0 + 8 * (nt0 + j), s_len), dropout.seed,
                                  dropout.threshold)
                     << 8 * j;
-    } else {
-        // one call per score, rolled: unrolled, its 32 calls would set the kernel's registers
-        unsigned bits = 0;
-#pragma unroll 1
-        for (int i = 0; i < 4 * OCTETS; ++i) {
-            const int nt = i / 4, c = i % 4;
-            bits |= static_cast<unsigned>(dropout_keeps(
-                        (c < 2 ? rows[0] : rows[1]) +
-                            dropout.key(n0 + 8 * nt + 2 * quad + c % 2, s_len),
-                        dropout.seed, dropout.threshold))
-                    << i;
+        const int lane = threadIdx.x % 32;
+        unsigned from[4];  // from[q]: lane quad q's register
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+            from[q] = __shfl_sync(0xffffffffu, mine, (lane & ~3) | q);
+#pragma unroll
+        for (int nt = 0; nt < OCTETS; ++nt) {
+            kept[nt] = 0;
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+                kept[nt] |= (from[2 * r + nt / 4] >> (8 * (nt % 4) + 2 * quad) & 3u) << 2 * r;
         }
-#pragma unroll
-        for (int nt = 0; nt < OCTETS; ++nt)
-            kept[nt] = bits >> 4 * nt & 15u;
-        return;
+        return mine;
     }
-    const int lane = threadIdx.x % 32;
-    unsigned from[4];  // from[q]: lane quad q's register
-#pragma unroll
-    for (int q = 0; q < 4; ++q)
-        from[q] = __shfl_sync(0xffffffffu, mine, (lane & ~3) | q);
-#pragma unroll
-    for (int nt = 0; nt < OCTETS; ++nt) {
-        kept[nt] = 0;
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-            kept[nt] |= (from[2 * r + nt / 4] >> (8 * (nt % 4) + 2 * quad) & 3u) << 2 * r;
+    // one call per score, rolled: unrolled, its 32 calls would set the kernel's register count
+    unsigned bits = 0;
+#pragma unroll 1
+    for (int i = 0; i < 4 * OCTETS; ++i) {
+        const int nt = i / 4, c = i % 4;
+        bits |= static_cast<unsigned>(dropout_keeps(
+                    (c < 2 ? rows[0] : rows[1]) + dropout.key(n0 + 8 * nt + 2 * quad + c % 2, s_len),
+                    dropout.seed, dropout.threshold))
+                << i;
     }
+#pragma unroll
+    for (int nt = 0; nt < OCTETS; ++nt)
+        kept[nt] = bits >> 4 * nt & 15u;
+    return 0;
 }
 
 // Backward (transposed): accumulator c of octet nt is (query queries(nt)[c % 2], key
 // key0 + group + 8 (c / 2)), key0 = n0 + 16 warp the warp's first key: the eight lanes of one
 // quad hold the 32 octets (nt, query, key octet) of the same queries, lane group drawing the four
-// of nt = group (byte 2 (c / 2) + c % 2 = c) into one register, or reading them from the kept
-// bits' store (`stored`: row 0 of this head in it, or null). `query(t)` gives query t's counter
-// at key 0.
+// of nt = group (byte 2 (c / 2) + c % 2 = c) into one register, or reading them from the
+// forward's store (`stored`: row 0 of this head in it, or null). `query(t)` gives query t's
+// counter at key 0.
 template <bool MAPS, int OCTETS, typename Query>
 __device__ __forceinline__ void backward_keeps(unsigned (&kept)[OCTETS],
                                                const Dropout<MAPS>& dropout, bool grouped,
@@ -336,74 +329,47 @@ __device__ __forceinline__ void backward_keeps(unsigned (&kept)[OCTETS],
                                                int s_len)
 {
     static_assert(OCTETS == 8, "one octet of queries per group of lanes");
-    const int t = m0 + 8 * group + 2 * quad;
-    unsigned mine = 0;
-    if (stored) {  // octets key0 / 8 and key0 / 8 + 1 of queries t and t + 1
-        const auto octets = [&](int row) -> unsigned {
-            return row < t_len ? *reinterpret_cast<const unsigned short*>(
-                                     stored + row * dropout.mask_pitch + key0 / 8)
-                               : 0u;
-        };
-        mine = __byte_perm(octets(t), octets(t + 1), 0x5140);
-    } else if (together(dropout, grouped, key0, 2, s_len)) {
-        const unsigned long long queries[2] = {query(t), query(t + 1)};
+    if (together(dropout, grouped, key0, 2, s_len)) {
+        const int t = m0 + 8 * group + 2 * quad;
+        unsigned mine = 0;
+        if (stored) {  // octets key0 / 8 and key0 / 8 + 1 of queries t and t + 1
+            const auto octets = [&](int row) -> unsigned {
+                return row < t_len ? *reinterpret_cast<const unsigned short*>(
+                                         stored + row * dropout.mask_pitch + key0 / 8)
+                                   : 0u;
+            };
+            mine = __byte_perm(octets(t), octets(t + 1), 0x5140);
+        } else {
+            const unsigned long long queries[2] = {query(t), query(t + 1)};
 #pragma unroll
-        for (int c = 0; c < 4; ++c)
-            mine |= dropout_byte(queries[c % 2] + dropout.key(key0 + 8 * (c / 2), s_len),
-                                 dropout.seed, dropout.threshold)
-                    << 8 * c;
-    } else {
-        unsigned bits = 0;  // one call per score, rolled (as in forward_keeps)
-#pragma unroll 1
-        for (int i = 0; i < 4 * OCTETS; ++i) {
-            const int nt = i / 4, c = i % 4;
-            const int ti = m0 + 8 * nt + 2 * quad + c % 2;
-            bits |= static_cast<unsigned>(dropout_keeps(
-                        query(ti) + dropout.key(key0 + group + 8 * (c / 2), s_len), dropout.seed,
-                        dropout.threshold))
-                    << i;
+            for (int c = 0; c < 4; ++c)
+                mine |= dropout_byte(queries[c % 2] + dropout.key(key0 + 8 * (c / 2), s_len),
+                                     dropout.seed, dropout.threshold)
+                        << 8 * c;
         }
 #pragma unroll
-        for (int nt = 0; nt < OCTETS; ++nt)
-            kept[nt] = bits >> 4 * nt & 15u;
+        for (int nt = 0; nt < OCTETS; ++nt) {
+            const unsigned x = __shfl_sync(0xffffffffu, mine, 4 * nt + quad);
+            kept[nt] = 0;
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+                kept[nt] |= (x >> (8 * c + group) & 1u) << c;
+        }
         return;
     }
-#pragma unroll
-    for (int nt = 0; nt < OCTETS; ++nt) {
-        const unsigned x = __shfl_sync(0xffffffffu, mine, 4 * nt + quad);
-        kept[nt] = 0;
-#pragma unroll
-        for (int c = 0; c < 4; ++c)
-            kept[nt] |= (x >> (8 * c + group) & 1u) << c;
-    }
-}
-
-// The kept bits' store of plain dropout (DROPOUT 1), drawn ahead of the forward so that the
-// attention kernels read them instead of drawing: one thread per 32 keys (a word) of one query
-// row of head blockIdx.y; words of keys no query of the row sees (causal) are left unwritten.
-__device__ void dropout_bits(const Dropout<false>& dropout, int heads, int t_len, int s_len,
-                             bool causal)
-{
-    const long long words = dropout.mask_pitch / 4;
-    const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-    const int t = static_cast<int>(i / words), key0 = static_cast<int>(i % words) * 32;
-    if (t >= t_len || key0 >= s_len || (causal && key0 > t + s_len - t_len))
-        return;
-    const int b = blockIdx.y / heads, h = blockIdx.y % heads;
-    const unsigned long long row = dropout.row_counter(dropout.head_counter(b, h), t, t_len);
-    unsigned word = 0;
-    if (dropout.groups_possible()) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-            word |= dropout_byte(row + key0 + 8 * j, dropout.seed, dropout.threshold) << 8 * j;
-    } else {
+    unsigned bits = 0;  // one call per score, rolled (as in forward_keeps)
 #pragma unroll 1
-        for (int k = 0; k < 32; ++k)
-            word |= static_cast<unsigned>(
-                        dropout_keeps(row + key0 + k, dropout.seed, dropout.threshold))
-                    << k;
+    for (int i = 0; i < 4 * OCTETS; ++i) {
+        const int nt = i / 4, c = i % 4;
+        const int t = m0 + 8 * nt + 2 * quad + c % 2;
+        bits |= static_cast<unsigned>(dropout_keeps(
+                    query(t) + dropout.key(key0 + group + 8 * (c / 2), s_len), dropout.seed,
+                    dropout.threshold))
+                << i;
     }
-    *reinterpret_cast<unsigned*>(dropout.mask_row(blockIdx.y, t, t_len) + key0 / 8) = word;
+#pragma unroll
+    for (int nt = 0; nt < OCTETS; ++nt)
+        kept[nt] = bits >> 4 * nt & 15u;
 }
 
 // ---- tiles ------------------------------------------------------------------------------------
@@ -450,8 +416,6 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
     const int row_in_block = warp * 16 + group;
     unsigned long long rows[2] = {0, 0};  // dropout's counters of this thread's rows at key 0
     bool grouped = false;
-    const unsigned char* stored =  // the kept bits of this head, where drawn ahead
-        DROPOUT == 1 && dropout.mask ? dropout.mask_row(blockIdx.y, 0, t_len) : nullptr;
     if (DROPOUT) {
         const unsigned long long head = dropout.head_counter(b, h);
         rows[0] = dropout.row_counter(head, m0 + row_in_block, t_len);
@@ -510,9 +474,13 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
             }
         }
         unsigned kept[BLOCK_N / 8];
-        if (DROPOUT)
-            forward_keeps(kept, dropout, grouped, rows, stored, m0 + row_in_block + 8 * (quad / 2),
-                          t_len, n0, quad, s_len);
+        if (DROPOUT) {
+            const unsigned drawn = forward_keeps(kept, dropout, grouped, rows, n0, quad, s_len);
+            const int t = m0 + row_in_block + 8 * (quad / 2);
+            if (DROPOUT == 1 && dropout.mask && grouped && t < t_len)
+                *reinterpret_cast<unsigned*>(dropout.mask_row(blockIdx.y, t, t_len) + n0 / 8 +
+                                             4 * (quad % 2)) = drawn;
+        }
         // online softmax (raw scores; the scale goes into the exponent): new running max,
         // rescale what was summed so far
 #pragma unroll
@@ -664,7 +632,7 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
     const float *lse_head = lse, *delta_head = delta;
     float* dq_head = dq_accum;
     unsigned long long counter0 = 0;
-    const unsigned char* stored = nullptr;  // the kept bits of this head, where drawn ahead
+    const unsigned char* stored = nullptr;  // the forward's kept bits of this head
     const bool grouped = DROPOUT && dropout.groups_possible();
 
     auto load_rows = [&](int m0) {  // q, do, lse and delta of the query tile at m0
@@ -698,7 +666,7 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
         dq_head = dq_accum + bh * t_len * D;
         if (DROPOUT) {
             counter0 = dropout.head_counter(b, h);
-            if (DROPOUT == 1 && dropout.mask)
+            if (DROPOUT == 1 && dropout.mask && grouped)
                 stored = dropout.mask_row(bh, 0, t_len);
         }
         if (m_begin < m_tiles)
@@ -880,13 +848,6 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
             FLASH_MAKE_STRIDES(dos), FLASH_MAKE_STRIDES(dks), FLASH_MAKE_STRIDES(dvs), scale,     \
             causal != 0, FLASH_MAKE_DROPOUT(DROPOUT));                                             \
     }
-
-// the kept bits' store ahead of the `_dropout` kernels (any dtype; one per head-dim module)
-extern "C" __global__ void flash_dropout_bits(int heads, int t_len, int s_len, int causal,
-                                              FLASH_DROPOUT_PARAMS)
-{
-    flash::dropout_bits(FLASH_MAKE_DROPOUT(1), heads, t_len, s_len, causal != 0);
-}
 
 #define FLASH_ATTENTION_HELPERS(T, SUFFIX, D)                                                     \
     extern "C" __global__ void flash_backward_delta_d##D##_##SUFFIX(                              \

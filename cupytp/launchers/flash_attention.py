@@ -22,11 +22,9 @@ s) in (B, heads, T, S), and scales the kept ones by 1/(1-p): the draw of `cupytp
 so the mask equals `ops.dropout`'s on the (B, H, T, S) probabilities. The kernels draw one Philox
 call per eight keys and share its bits across the lanes that hold them where S and base + add
 are multiples of 8 (always, but for S) and a block's key positions run in eights, else a call
-per probability. Plain dropout (no position maps) may draw its bits ahead: given a
-`kept_bits(q, k)` store as the dropout's `mask` (one bit a score: 1/16 of the bf16 scores), the
-forward launches `flash_dropout_bits` to fill it first, and the forward and the backward read
-the bits instead of drawing them (inside the attention kernels the Philox rounds compete with
-the softmax for issue slots; alone they run at the multiprocessors' full rate).
+per probability. Plain dropout (no position maps) may keep those bits for the backward: a
+`kept_bits(q, k)` store given as the dropout's `mask` is written by the forward (one bit a
+visible score: 1/16 of the bf16 scores) and read by the backward instead of drawing again.
 """
 import functools
 from typing import NamedTuple
@@ -47,7 +45,6 @@ BACKWARD_BLOCK_N = 128   # keys per block of the backward, as in flash_attention
 BACKWARD_THREADS = 256
 ROWS_PER_BLOCK = THREADS // 32   # flash_backward_delta: one warp per row
 ELEMENTS_PER_BLOCK = 256         # flash_backward_dq
-BITS_THREADS = 256               # flash_dropout_bits: one thread per 32 keys of a row
 NULL = numpy.uint64(0)
 MAX_PLANS = 256                  # planned shapes kept (all dropped when full)
 
@@ -197,19 +194,13 @@ def _outputs(q):
 
 
 class _ForwardPlan:
-    """The forward's launches for arrays like (q, k, v): the kept bits' (where the dropout keeps
-    them), the forward's. Called with (q, k, v, o, lse, then the dropout's open values)."""
+    """The forward's launch for arrays like (q, k, v): called with (q, k, v, o, lse, then the
+    dropout's seed, base and counter offset when it has one)."""
 
     def __init__(self, arrays, causal, scale, dropout, groups):
         q, k, v = arrays
         group, offset = _check(groups, q=q, k=k, v=v)
         b, h, t, d = q.shape
-        s = k.shape[2]
-        self.bits = None if dropout is None or dropout.mask is None or not q.size else \
-            _bits_kernel(d).planned(
-                (ceil_div(t * (_mask_pitch(s) // 4), BITS_THREADS), b * h), (BITS_THREADS,),
-                (numpy.int32(h), numpy.int32(t), numpy.int32(s), numpy.int32(causal),
-                 *_dropout_template(dropout, t, s)))
         self.launch = None if not q.size else _kernel("forward", d, q.dtype, _variant(dropout))\
             .planned((ceil_div(t, BLOCK_M), b * h), (THREADS,),
                      (None,) * 5 + (numpy.int32(h), numpy.int32(group), numpy.int32(offset),
@@ -222,8 +213,6 @@ class _ForwardPlan:
                      shared_mem=_shared_bytes("forward", d))
 
     def __call__(self, *args):
-        if self.bits is not None:
-            self.bits(*args[5:])
         if self.launch is not None:
             self.launch(*args)
 
@@ -366,12 +355,6 @@ def _variant(dropout):
     if dropout is None:
         return ""
     return "_dropout" if dropout.rows is None and dropout.cols is None else "_dropout_at"
-
-
-@functools.cache
-def _bits_kernel(d):
-    """`flash_dropout_bits` of the module for head dim d (the kernel does not depend on it)."""
-    return get_kernel("flash_attention.cu", "flash_dropout_bits", (f"-DFLASH_HEAD_DIM={d}",))
 
 
 @functools.cache

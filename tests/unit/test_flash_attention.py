@@ -265,12 +265,12 @@ def test_flash_kernels_match_twin(b, h, t, d, causal, p, dtype):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("t_less", [0, 4])          # S a multiple of 8, and not
 @pytest.mark.parametrize("offset", [2 ** 33, 2 ** 33 - 4])      # counters from a multiple of 8
-@pytest.mark.parametrize("kept", [False, True])     # the kernels draw / read the bits drawn ahead
+@pytest.mark.parametrize("kept", [False, True])     # the backward draws again / reads the bits
 def test_flash_kernel_dropout_mask_is_bit_exact(d, t_less, offset, kept):
     """With v the identity, o = the dropped probabilities, and with do the identity, dv = their
     transpose: zero exactly where the twin drops, in the forward and in the backward (eight keys
-    to a Philox draw, shared across lanes, and a draw per probability). Kept bits: drawn ahead
-    into the store (either way), the twin's bits of every visible score, which both read."""
+    to a Philox draw, shared across lanes, and a draw per probability). Kept bits: the forward
+    stores the twin's bits of every visible score where eight keys share a draw."""
     b, h, t = 2, 3, d - t_less
     q, k, _ = qkv(b, h, t, t, d, seed=4)
     eye = numpy.broadcast_to(numpy.eye(t, d), (b, h, t, d)).astype(bfloat16)
@@ -283,7 +283,7 @@ def test_flash_kernel_dropout_mask_is_bit_exact(d, t_less, offset, kept):
     visible = numpy.tril(numpy.ones((t, t), bool))
     expected = dropout_keep(dropout, (b, h, t, t)) & visible
     numpy.testing.assert_array_equal(asnumpy(o)[..., :t].astype(F64) != 0, expected)
-    if kept:
+    if kept and offset % 8 == 0 and t % 8 == 0:
         bits = numpy.unpackbits(asnumpy(dropout.mask), axis=-1, bitorder="little")
         stored = bits[..., :t].reshape(b, h, t, t).astype(bool)
         numpy.testing.assert_array_equal(stored & visible, expected)
@@ -302,8 +302,8 @@ KEPT_CASES = [  # b, h, t, d, causal, p: tails of query tiles and of 128-key blo
 @requires_gpu
 @pytest.mark.parametrize("b,h,t,d,causal,p", KEPT_CASES)
 def test_kept_dropout_bits_change_nothing(b, h, t, d, causal, p):
-    """The forward and the backward reading the bits drawn ahead give what drawing them in the
-    kernels gives, bit for bit."""
+    """The backward reading the forward's kept bits gives what drawing them again gives, bit
+    for bit, forward outputs included."""
     _, device = strided_qkv(b, h, t, d, bfloat16, seed=t)
     g = xp.asarray(numpy.random.default_rng(3).standard_normal((b, h, t, d)).astype(bfloat16))
     drawn = host_dropout(p, h + 1, offset=2 ** 20, head_offset=1)
