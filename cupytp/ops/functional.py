@@ -215,11 +215,14 @@ def embedding(ids, weight):
 
     def backward(g):
         g = linear_grad(g, placements, strict=sharded)
-        grad = embedding_backward(local_ids, xp.ascontiguousarray(g._local), rows, offset)
         grad_placements = tuple(pw if isinstance(pw, Shard) else
                                 (Partial() if gp.is_partial() or isinstance(gp, Shard) else gp)
                                 for pw, gp in zip(weight.placements, g.placements))
-        return (None, make(grad, weight.mesh, weight.shape, grad_placements))
+        into = weight.grad_to_sum_into(grad_placements, g.dtype) \
+            if _compute_dtype(g.dtype) == g.dtype else None     # a tied table's other gradient
+        grad = embedding_backward(local_ids, xp.ascontiguousarray(g._local), rows, offset, into)
+        return (None, None if into is not None else
+                make(grad, weight.mesh, weight.shape, grad_placements))
     return engine.record(out, (ids, weight), backward, "embedding")
 
 

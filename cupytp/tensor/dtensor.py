@@ -215,6 +215,21 @@ class DTensor:
             self.grad = DTensor._make(backend.xp.array(local, copy=True, order="C"),
                                       grad.layout)
 
+    def grad_to_sum_into(self, placements, dtype):
+        """The local array of `.grad` into which a gradient contribution laid out by
+        `placements`, of `dtype`, may be summed in place, just as `accumulate_grad` would sum it;
+        None where that would do more (no `.grad` yet, a gradient sink or a data-parallel
+        reduction to serve, a redistribution or a cast on the way, a buffer that is not
+        contiguous). An op that sums into it gives no gradient for this tensor (a tied
+        embedding table: its lookup's gradient joins the output product's)."""
+        grad = self.grad
+        if grad is None or self._node is not None or id(self) in _grad_sinks or \
+                id(self) in _grad_reductions or dtype != self.dtype or \
+                not backend.c_contiguous(grad._local):
+            return None
+        target = leaf_grad_placements(self.placements, tuple(placements), self.mesh.shape)
+        return grad._local if tuple(placements) == target == grad.placements else None
+
     def zero_grad(self):
         self.grad = None
 

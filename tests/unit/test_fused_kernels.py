@@ -334,6 +334,13 @@ def test_embedding_backward_numpy_matches_loop(dtype):
     # a part of a vocab-parallel table: rows [4, 10), the rest elsewhere
     assert_close(embedding_backward(ids, g, 6, offset=4),
                  embedding_grad_reference(ids - 4, g, 6), dtype)
+    # added into a given gradient of the compute dtype (a tied table's), which is returned
+    base = random((6, 6), compute_dtype(dtype), seed=9)
+    into = base.copy()
+    assert embedding_backward(ids, g, 6, into=into) is into
+    assert_close(into, base.astype(F64) + embedding_grad_reference(ids, g, 6), dtype)
+    with pytest.raises(ValueError, match="contiguous .* of shape \\(6, 6\\)"):
+        embedding_backward(ids, g, 6, into=base[:5])
 
 
 @pytest.mark.parametrize("dtype", [F64, F32, bfloat16], ids=dtype_suffix)
@@ -599,3 +606,8 @@ def test_embedding_backward_kernel_matches_twin(dtype):
             asnumpy(embedding_backward(xp.asarray(ids), xp.asarray(integers), 37,
                                        offset)).astype(F64),
             embedding_backward_numpy(ids, integers, 37, offset).astype(F64))
+    base = integers[0, :37].astype(compute_dtype(dtype))
+    into = xp.asarray(base)
+    embedding_backward(xp.asarray(ids), xp.asarray(integers), 37, into=into)
+    numpy.testing.assert_array_equal(asnumpy(into), embedding_backward_numpy(ids, integers, 37,
+                                                                             into=base.copy()))

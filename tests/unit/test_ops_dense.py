@@ -188,6 +188,30 @@ def test_embedding_and_take():
                                   numpy.take_along_axis(x, ids[..., None], -1)[..., 0])
 
 
+def test_a_tied_tables_lookup_gradient_sums_into_its_other_gradient(monkeypatch):
+    """A table used as the output product's weight and then looked up: the lookup's gradient
+    is added into the product's (in place, no gradient of its own), and the sum is that of two
+    untied copies; with nothing there yet (the lookup alone), it makes its own."""
+    from cupytp.launchers import embedding as kernels
+    given = []
+    backward = kernels.embedding_backward
+    monkeypatch.setattr(kernels, "embedding_backward",
+                        lambda *a, **k: (given.append(a[4] is not None), backward(*a, **k))[1])
+    ids, probe = numpy.array([[0, 3, 3], [1, 4, 0]]), r(2, 3, 5)
+
+    def loss(lookup, output):
+        x = ops.embedding(ids, lookup)
+        return (ops.einsum("btc,vc->btv", x, output) * dt(probe, grad=False)).sum()
+    table = r(5, 4)
+    tied = dt(table)
+    loss(tied, tied).backward()
+    lookup, output = dt(table), dt(table)
+    loss(lookup, output).backward()
+    numpy.testing.assert_allclose(value(tied.grad), value(lookup.grad) + value(output.grad),
+                                  rtol=1e-13, atol=1e-13)
+    assert given == [True, False]           # the tied table's, then the untied lookup's own
+
+
 def test_cross_entropy():
     x = r(4, 7)
     t = numpy.array([1, 6, -100, 0])
