@@ -8,10 +8,14 @@
 // `partials` [gridDim.y, cols] (dtype O): with gridDim.y == 1 that row is the result itself (the
 // `direct` kernels write it rounded to T), else the launcher runs the kernel twice, the second
 // time over the partials (always in the same order: the sums are deterministic).
+// The `column_sum_cast` kernels also write x converted to U (bf16 or fp16 of a float32 x, rounded
+// as `cast_rows` rounds) into `cast`: a gradient cast for the products, its column sums the
+// bias's gradient, in one read of x.
 #include "common.cuh"
 
-template <typename T, typename C, typename O, int V>
-__device__ void column_sum(const T* x, const C* y, O* partials, long long rows, int cols)
+template <typename T, typename C, typename O, int V, typename U = T>
+__device__ void column_sum(const T* x, const C* y, O* partials, long long rows, int cols,
+                           U* cast = nullptr)
 {
     __shared__ C lanes[CUPYTP_BLOCK_THREADS * V];
     const int col = vector_column<V>();
@@ -20,6 +24,13 @@ __device__ void column_sum(const T* x, const C* y, O* partials, long long rows, 
         FOR_EACH_ROW(row) {
             const long long at = row * cols + col;
             const Pack<T, V> xv = load_pack<V>(x + at);
+            if (cast) {
+                Pack<U, V> cv;
+#pragma unroll
+                for (int k = 0; k < V; ++k)
+                    cv.v[k] = static_cast<U>(widen<C>(xv.v[k]));
+                store_pack(cast + at, cv);
+            }
             if (y) {
                 const Pack<C, V> yv = load_pack<V>(y + at);
 #pragma unroll
@@ -53,6 +64,12 @@ __device__ void column_sum(const T* x, const C* y, O* partials, long long rows, 
     {                                                                                            \
         column_sum<T, C, T, V>(x, y, out, rows, cols);                                           \
     }
+#define COLUMN_SUM_CAST_KERNEL(T, U, SUFFIX, V)                                                   \
+    extern "C" __global__ void column_sum_cast_##SUFFIX##_v##V(                                 \
+        const T* x, const float* unused, float* partials, long long rows, int cols, U* cast)     \
+    {                                                                                            \
+        column_sum<T, float, float, V, U>(x, nullptr, partials, rows, cols, cast);               \
+    }
 // V: 16 bytes of T per load; the finish reads the partials (C), 16 bytes of those.
 #define COLUMN_SUM_KERNELS(T, C, SUFFIX, V, FINISH_V)                                            \
     COLUMN_SUM_KERNEL(T, C, SUFFIX, 1) COLUMN_SUM_KERNEL(T, C, SUFFIX, V)                        \
@@ -63,3 +80,7 @@ COLUMN_SUM_KERNELS(float, float, f32, 4, 4)
 COLUMN_SUM_KERNELS(double, double, f64, 2, 2)
 COLUMN_SUM_KERNELS(__nv_bfloat16, float, bf16, 8, 4)
 COLUMN_SUM_KERNELS(__half, float, f16, 8, 4)
+COLUMN_SUM_CAST_KERNEL(float, __nv_bfloat16, f32_bf16, 1)
+COLUMN_SUM_CAST_KERNEL(float, __nv_bfloat16, f32_bf16, 4)
+COLUMN_SUM_CAST_KERNEL(float, __half, f32_f16, 1)
+COLUMN_SUM_CAST_KERNEL(float, __half, f32_f16, 4)

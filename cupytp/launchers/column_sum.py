@@ -5,6 +5,10 @@
 y is given: x's shape, in the compute dtype), accumulated in the compute dtype (float32 for 16-bit
 and float32 inputs, float64 for float64) and returned in `dtype` (x's by default). Deterministic: a
 fixed grid of partial sums, then one pass over them.
+
+`column_sum_and_cast(x, cast, dtype=None)` → (the sums, x converted to `cast`): a float32 x's
+column sums and its bf16 or fp16 copy (rounded as `cast.converted` rounds) from one read of x
+(an output gradient's cast for the products and its bias's gradient).
 """
 import functools
 import math
@@ -28,7 +32,7 @@ class _Plan:
     alignment the vectors need, the finishing pass's, and the sizes."""
     __slots__ = ("rows", "cols", "out_dtype", "compute", "row_blocks", "first", "finish")
 
-    def __init__(self, shape, x_dtype, dtype):
+    def __init__(self, shape, x_dtype, dtype, cast=None):
         self.cols = shape[-1] if shape else 1
         self.rows = math.prod(shape) // self.cols if self.cols else 0
         self.compute = compute_dtype(x_dtype)
@@ -39,7 +43,9 @@ class _Plan:
         one_pass = self.row_blocks == 1     # the one row of partial sums is the result, ...
         kernel = "column_sum_direct" if one_pass and self.out_dtype != self.compute else \
             "column_sum"                    # ... rounded to x's dtype
-        self.first = self._forms("column_sum.cu", f"{kernel}_{suffix}", x_dtype)
+        first = f"{kernel}_{suffix}" if cast is None else \
+            f"column_sum_cast_{suffix}_{dtype_suffix(cast)}"     # (a float32 x, float32 sums)
+        self.first = self._forms("column_sum.cu", first, x_dtype)
         finish = f"column_sum_finish_{suffix}" if self.out_dtype == x_dtype else \
             f"column_sum_{dtype_suffix(self.compute)}"
         self.finish = None if one_pass else self._forms("column_sum.cu", finish, self.compute)
@@ -68,16 +74,44 @@ def _signature(array):
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(x, y, dtype):
+def _plan(x, y, dtype, cast=None):
     _check(x, y)
-    return _Plan(x[0], x[1], dtype)
+    if cast is not None and (x[1] != numpy.float32 or y is not None
+                             or dtype_suffix(cast) not in ("bf16", "f16")):
+        raise ValueError(f"column_sum_and_cast takes a float32 x to bf16 or fp16, got {x[1]} to "
+                         f"{cast}")
+    return _Plan(x[0], x[1], dtype, cast)
 
 
 def column_sum(x, y=None, dtype=None):
     dtype = numpy.dtype(dtype or x.dtype)
     if not is_device_array(x):
         return column_sum_numpy(x, y, dtype)
-    plan = _plan(_signature(x), _signature(y), dtype)
+    return _sums(_plan(_signature(x), _signature(y), dtype), x, y, dtype)
+
+
+def column_sum_and_cast(x, cast, dtype=None):
+    """(column_sum(x, dtype=dtype), x converted to `cast`) from one read of x (float32, cast
+    bf16 or fp16)."""
+    dtype, cast = numpy.dtype(dtype or x.dtype), numpy.dtype(cast)
+    if not is_device_array(x):
+        return column_sum_numpy(x, dtype=dtype), _cast_numpy(x, cast)
+    plan = _plan(_signature(x), None, x.dtype, cast)
+    copy = xp.empty(x.shape, cast)
+    return _sums(plan, x, None, dtype, copy), copy
+
+
+def _cast_numpy(x, cast):
+    if x.dtype != numpy.float32 or dtype_suffix(cast) not in ("bf16", "f16"):
+        raise ValueError(f"column_sum_and_cast takes a float32 x to bf16 or fp16, got {x.dtype} "
+                         f"to {cast}")
+    with numpy.errstate(over="ignore"):     # out-of-range values become inf, as on GPUs
+        return x.astype(cast)
+
+
+def _sums(plan, x, y, dtype, copy=None):
+    """The column sums of x (times y) in `dtype` by `plan`'s passes; the first also writes x's
+    `copy` where the plan casts."""
     rows, cols = plan.rows, plan.cols
     out = xp.empty((cols,), dtype=plan.out_dtype)
     if cols == 0:
@@ -87,9 +121,10 @@ def column_sum(x, y=None, dtype=None):
         return out.astype(dtype, copy=False)
     operands = (x,) if y is None else (x, y)
     partials = out if plan.finish is None else xp.empty((plan.row_blocks, cols), plan.compute)
-    plan.launch(plan.first, cols, operands + (partials,),
-                (plan.row_blocks, x, NULL if y is None else y, partials, numpy.int64(rows),
-                 numpy.int32(cols)))
+    args = (plan.row_blocks, x, NULL if y is None else y, partials, numpy.int64(rows),
+            numpy.int32(cols))
+    plan.launch(plan.first, cols, operands + (partials,) + (() if copy is None else (copy,)),
+                args if copy is None else args + (copy,))
     if plan.finish is not None:
         plan.launch(plan.finish, cols, (partials, out),
                     (1, partials, NULL, out, numpy.int64(plan.row_blocks), numpy.int32(cols)))

@@ -45,6 +45,7 @@ import numpy
 from cupytp import env
 from cupytp.launchers import compute_dtype, cudnn_attention, dropout as dropouts, flash_attention
 from cupytp.launchers.cast import converted
+from cupytp.launchers.column_sum import column_sum_and_cast
 from cupytp.launchers.gemm_epilogue import (
     matmul_bias, matmul_bias_gelu, matmul_bias_grad, matmul_gelu_grad)
 from cupytp.launchers.layernorm import layer_norm_backward, layer_norm_forward
@@ -220,10 +221,14 @@ class _Dropout:
                                                dtype))
 
 
-def _weight_grads(x, g, weight, bias):
+def _weight_grads(x, g, weight, bias, bias_grad=None):
     """(the weight's gradient, the bias's; None where not needed) of x @ w + bias given the
     output's gradient g: x (rows, K), g (rows, N); one product with the bias's gradient as its
-    epilogue."""
+    epilogue, or, where `bias_grad` was summed already (`_grad_and_bias_grad`), the product
+    alone."""
+    if bias_grad is not None:
+        return (local_einsum("xy", "xz", "yz", x, g, weight.dtype) if weight.requires_grad
+                else None), bias_grad.astype(bias.dtype, copy=False)
     if bias is not None and bias.requires_grad:
         gw, gb = matmul_bias_grad(x.T, g, weight.dtype)
         return (gw if weight.requires_grad else None), gb.astype(bias.dtype, copy=False)
@@ -257,6 +262,17 @@ def _reduced_later(gx, layout, tp):
 def _grad_as(g, dtype):
     """The output's gradient g (local) as a (rows, C) matrix of the products' dtype."""
     return _rows(g if g.dtype == dtype else converted(g, dtype))
+
+
+def _grad_and_bias_grad(g, dtype, bias):
+    """(`_grad_as(g, dtype)`, the bias's gradient or None): where a float32 g is cast to a
+    16-bit dtype, the cast's pass sums its columns too (cuBLASLt's bias-gradient epilogue runs a
+    reduction kernel of its own after the product); else None, and the weight's product sums
+    them (`_weight_grads`)."""
+    if bias is None or not bias.requires_grad or g.dtype != numpy.float32 or \
+            numpy.dtype(dtype).itemsize != 2 or not backend.c_contiguous(g):
+        return _grad_as(g, dtype), None
+    return column_sum_and_cast(_rows(g), dtype, bias.dtype)[::-1]
 
 
 def _recorded(out, inputs, input_part, weight_part, name, placements, normed):
@@ -341,14 +357,15 @@ def mlp_residual(x, residual, fc_weight, fc_bias, proj_weight, proj_bias, norm=N
     x_info = _input_info(x, x_local, normed, tp)
 
     def input_part(g):
-        gy = _grad_as(g, u.dtype) if drop is None else drop.backward(g, mask, u.dtype)
+        gy, gb2 = _grad_and_bias_grad(g, u.dtype, proj_bias) if drop is None else \
+            (drop.backward(g, mask, u.dtype), None)
         needs_b1 = fc_bias is not None and fc_bias.requires_grad
         dh, gb1 = matmul_gelu_grad(gy, w2.T, pre, needs_b1)     # gb1 in dh's epilogue
-        return _input_grad(dh, w1, x_info), (gy, dh, gb1)
+        return _input_grad(dh, w1, x_info), (gy, gb2, dh, gb1)
 
     def weight_part(state):
-        gy, dh, gb1 = state
-        gw2, gb2 = _weight_grads(u, gy, proj_weight, proj_bias)
+        gy, gb2, dh, gb1 = state
+        gw2, gb2 = _weight_grads(u, gy, proj_weight, proj_bias, gb2)
         gw1, _ = _weight_grads(_rows(x_local), dh, fc_weight, None)
         return gw1, gb1 if gb1 is None else gb1.astype(fc_bias.dtype, copy=False), gw2, gb2
     return _recorded(out, (x, residual, *params), input_part, weight_part, "mlp_residual",
@@ -417,17 +434,18 @@ def attention_residual(x, residual, qkv_weight, qkv_bias, proj_weight, proj_bias
     x_info = _input_info(x, x_local, normed, tp)
 
     def input_part(g):
-        gy = _grad_as(g, a.dtype) if drop is None else drop.backward(g, mask, a.dtype)
+        gy, gbp = _grad_and_bias_grad(g, a.dtype, proj_bias) if drop is None else \
+            (drop.backward(g, mask, a.dtype), None)
         ga = local_einsum("xz", "yz", "xy", gy, wp)
         grad = backend.xp.empty_like(qkv)
         do = ga.reshape(rows, t, heads, d).astype(o.dtype, copy=False).transpose(0, 2, 1, 3)
         kernels.attention_backward(*views, o, lse, do, True, scale, attention_drop,
                                    grads=unpacked(grad.reshape(rows, t, 3, heads, d)))
-        return _input_grad(grad, wq, x_info), (gy, grad)
+        return _input_grad(grad, wq, x_info), (gy, gbp, grad)
 
     def weight_part(state):
-        gy, grad = state
-        gwp, gbp = _weight_grads(a, gy, proj_weight, proj_bias)
+        gy, gbp, grad = state
+        gwp, gbp = _weight_grads(a, gy, proj_weight, proj_bias, gbp)
         gwq, gbq = _weight_grads(_rows(x_local), grad, qkv_weight, qkv_bias)
         return (None if gwq is None else gwq.reshape(wq.shape),
                 None if gbq is None else gbq.reshape(qkv_bias.local_shape), gwp, gbp)

@@ -12,7 +12,7 @@ from cupytp.launchers.bias_add import applies as bias_add_applies, bias_add, bia
 from cupytp.launchers.bias_add import bias_residual_add, bias_residual_add_numpy, residual_applies
 from cupytp.launchers.cast import applies as cast_applies, cast_rows, cast_rows_numpy, converted
 from cupytp.launchers.column_sum import MAX_ROW_BLOCKS as SUM_ROW_BLOCKS, ROW_LANES, ROWS_PER_THREAD
-from cupytp.launchers.column_sum import column_sum
+from cupytp.launchers.column_sum import column_sum, column_sum_and_cast
 from cupytp.launchers.column_sum import column_sum_numpy
 from cupytp.launchers.cross_entropy import cross_entropy_backward, cross_entropy_backward_numpy
 from cupytp.launchers.cross_entropy import cross_entropy_forward, cross_entropy_forward_numpy
@@ -146,6 +146,17 @@ def test_column_sum_numpy_matches_row_loop(dtype):
     assert_close(column_sum(x), plain, dtype)
     assert column_sum(x, h, dtype=F32 if dtype != F64 else F64).dtype == compute_dtype(dtype)
     assert_close(column_sum(x, h, dtype=compute_dtype(dtype)), product, compute_dtype(dtype))
+
+
+@pytest.mark.parametrize("cast", [bfloat16, F16], ids=dtype_suffix)
+def test_column_sum_and_cast_numpy_sums_and_rounds(cast):
+    x = random((3, 4, 9), F32, seed=24)
+    sums, copy = column_sum_and_cast(x, cast, F64)
+    assert sums.dtype == F64 and copy.dtype == cast and copy.shape == x.shape
+    assert_close(sums, x.reshape(-1, 9).astype(F64).sum(axis=0), F32)
+    numpy.testing.assert_array_equal(copy, x.astype(cast))
+    with pytest.raises(ValueError, match="float32 x to bf16 or fp16"):
+        column_sum_and_cast(x.astype(F64), cast)
 
 
 def test_column_sum_rejects_bad_inputs():
@@ -504,6 +515,25 @@ def test_column_sum_kernel_matches_twin(dtype, shape, offset):
         scale = max(1.0, float(numpy.sqrt(rows)))            # a sum over many rows
         assert_close(asnumpy(actual).astype(F64) / scale,
                      numpy.asarray(expected).astype(F64) / scale, kind)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("cast", [bfloat16, F16], ids=dtype_suffix)
+@pytest.mark.parametrize("shape", [(3, 1), (5, 7, 33), (8, 1024, 768),
+                                   (ROW_LANES * ROWS_PER_THREAD * SUM_ROW_BLOCKS + 3, 64)])
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "unaligned"])
+def test_column_sum_and_cast_kernel_matches_twin(cast, shape, offset):
+    """The sums as column_sum's kernel gives them, the copy rounded as the twin rounds, bit for
+    bit (vector and scalar loads, more rows than one pass covers)."""
+    x = random(shape, F32, seed=25)
+    with poisoned_allocations():
+        sums, copy = column_sum_and_cast(_at_offset(x, offset), cast)
+    numpy.testing.assert_array_equal(asnumpy(sums), asnumpy(column_sum(_at_offset(x, offset))))
+    numpy.testing.assert_array_equal(asnumpy(copy).astype(F32), x.astype(cast).astype(F32))
+    twin, _ = column_sum_and_cast(x, cast)
+    scale = max(1.0, float(numpy.sqrt(max(1, x.size // shape[-1]))))
+    assert_close(asnumpy(sums).astype(F64) / scale, twin.astype(F64) / scale, F32)
 
 
 def bias_row_cases(test):
