@@ -166,26 +166,6 @@ __device__ __forceinline__ void accumulators_as_a(unsigned (&a)[4], const float 
     a[3] = pack<T>(hi[2], hi[3]);
 }
 
-// The mask of two 16-bit values kept by bits 0 (the low half) and 1 (the high half) of `bits`:
-// the product puts those bits at 7 and 15 (no carries: each bit lands on two distinct places),
-// and prmt spreads each byte's sign over the half.
-__device__ __forceinline__ unsigned pair_mask(unsigned bits)
-{
-    unsigned m;
-    asm("prmt.b32 %0, %1, 0, 0x9988;\n" : "=r"(m) : "r"(bits * 0x4080u));
-    return m;
-}
-
-// The A fragment of two key octets' accumulators (accumulators_as_a), with the scores dropout
-// drops zeroed: `lo` and `hi` are the octets' kept bits (bit c for accumulator c).
-__device__ __forceinline__ void drop_scores(unsigned (&a)[4], unsigned lo, unsigned hi)
-{
-    a[0] &= pair_mask(lo);
-    a[1] &= pair_mask(lo >> 2);
-    a[2] &= pair_mask(hi);
-    a[3] &= pair_mask(hi >> 2);
-}
-
 template <int N>
 __device__ __forceinline__ void zero(float (&x)[N][4])
 {
@@ -524,9 +504,11 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
             for (int nt = 0; nt < BLOCK_N / 8; ++nt) {
 #pragma unroll
                 for (int c = 2 * r; c < 2 * r + 2; ++c) {
-                    const float p = fast_exp2(fmaf(s[nt][c], scale_log2, -shift));
+                    float p = fast_exp2(fmaf(s[nt][c], scale_log2, -shift));
                     row_sum[r] += p;
-                    s[nt][c] = p;  // dropped in the A fragments below, scaled at the end
+                    if (DROPOUT)
+                        p = kept[nt] >> c & 1u ? p * dropout.scale : 0.f;
+                    s[nt][c] = p;
                 }
             }
         }
@@ -540,8 +522,6 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
         for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
             unsigned pa[4];
             accumulators_as_a<T>(pa, s[2 * kk], s[2 * kk + 1]);
-            if (DROPOUT)
-                drop_scores(pa, kept[2 * kk], kept[2 * kk + 1]);
 #pragma unroll
             for (int dp = 0; dp < D / 16; ++dp) {
                 unsigned vb[4];
@@ -565,7 +545,7 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
         const int row = m0 + row_in_block + r * 8;
         if (row >= t_len)
             continue;
-        const float inverse = total > 0.f ? (DROPOUT ? dropout.scale : 1.f) / total : 0.f;
+        const float inverse = total > 0.f ? 1.f / total : 0.f;
         T* out = o + row * os.row + quad * 2;
 #pragma unroll
         for (int dt = 0; dt < D / 8; ++dt)
@@ -737,9 +717,13 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
                     if (edge && (key >= s_len || (causal && key > t + diagonal)))
                         p = 0.f;
                     float dp = dpt[nt][c];
-                    if (DROPOUT)
-                        dp = kept[nt] >> c & 1u ? dp * dropout.scale : 0.f;
-                    st[nt][c] = p;  // dropped in the A fragments below, dv scaled at the end
+                    if (DROPOUT) {
+                        const bool keeps = kept[nt] >> c & 1u;
+                        st[nt][c] = keeps ? p * dropout.scale : 0.f;
+                        dp = keeps ? dp * dropout.scale : 0.f;
+                    } else {
+                        st[nt][c] = p;
+                    }
                     dpt[nt][c] = p * (dp - sdelta[t_in_tile]);
                 }
             }
@@ -748,8 +732,6 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
             for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
                 unsigned pa[4], dsa[4];
                 accumulators_as_a<T>(pa, st[2 * kk], st[2 * kk + 1]);
-                if (DROPOUT)
-                    drop_scores(pa, kept[2 * kk], kept[2 * kk + 1]);
                 accumulators_as_a<T>(dsa, dpt[2 * kk], dpt[2 * kk + 1]);
     #pragma unroll
                 for (int dp = 0; dp < D / 16; ++dp) {
@@ -808,7 +790,6 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
     }
     cp_async_wait<0>();
 
-    const float dv_scale = DROPOUT ? dropout.scale : 1.f;  // the kept probabilities' 1 / (1 - p)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int key = key_in_block + r * 8;
@@ -819,7 +800,7 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
             *reinterpret_cast<unsigned*>(dk + key * dks.row + dt * 8 + quad * 2) =
                 pack<T>(scale * dk_acc[dt][2 * r], scale * dk_acc[dt][2 * r + 1]);
             *reinterpret_cast<unsigned*>(dv + key * dvs.row + dt * 8 + quad * 2) =
-                pack<T>(dv_scale * dv_acc[dt][2 * r], dv_scale * dv_acc[dt][2 * r + 1]);
+                pack<T>(dv_acc[dt][2 * r], dv_acc[dt][2 * r + 1]);
         }
     }
 }
