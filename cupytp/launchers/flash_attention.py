@@ -74,7 +74,9 @@ class AttentionDropout(NamedTuple):
     B·heads·T·S counters, the global head count and this tensor's batch and head offsets. A block
     of a longer sequence (context parallelism's) gives the global position of each of its
     queries and keys (`rows`, `cols`: int64 arrays of the inputs' module; None: the index itself)
-    and the global query and key counts (`t_global`, `s_global`; 0: the block's own)."""
+    and the global query and key counts (`t_global`, `s_global`; 0: the block's own). Plain
+    dropout may give a `kept_bits` store as `mask`: the forward writes the bits the backward
+    then reads (None: the backward draws them again)."""
     p: float
     seed: int
     base: object
@@ -87,7 +89,6 @@ class AttentionDropout(NamedTuple):
     t_global: int = 0
     s_global: int = 0
     mask: object = None
-
 
 
 def kept_bits(q, k):
