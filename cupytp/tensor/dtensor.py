@@ -201,8 +201,11 @@ class DTensor:
                 local, layout = redistribute_local(self.grad._local, self.grad.layout, target)
                 self.grad = DTensor._make(local, layout)
         if grad.placements != target:
-            local, _ = redistribute_local(grad._local, grad.layout, target)
-            handed_over = handed_over and local.base is None
+            if _moves_no_data(grad.placements, target, self.mesh.shape):
+                local = grad._local
+            else:
+                local, _ = redistribute_local(grad._local, grad.layout, target)
+                handed_over = handed_over and local.base is None
             grad = DTensor._make(local, self.layout.with_placements(target))
         local = grad._local
         if grad.dtype != self.dtype:
@@ -228,7 +231,8 @@ class DTensor:
                 not backend.c_contiguous(grad._local):
             return None
         target = leaf_grad_placements(self.placements, tuple(placements), self.mesh.shape)
-        return grad._local if tuple(placements) == target == grad.placements else None
+        return grad._local if target == grad.placements and \
+            _moves_no_data(tuple(placements), target, self.mesh.shape) else None
 
     def zero_grad(self):
         self.grad = None
@@ -325,6 +329,12 @@ def leaf_grad_placements(placements, grad_placements_, mesh_shape):
     kept = grad_placements(placements)
     return tuple(g if g.is_partial() and n > 1 and not p.is_shard() else k
                  for p, g, k, n in zip(placements, grad_placements_, kept, mesh_shape))
+
+
+def _moves_no_data(current, target, mesh_shape):
+    """True when a local array laid out by `current` placements is already laid out by `target`:
+    they differ only along mesh dimensions of one rank."""
+    return all(c == t or n == 1 for c, t, n in zip(current, target, mesh_shape))
 
 
 def _either_partial(a, b):

@@ -12,6 +12,7 @@ import pytest
 import cupytp
 from cupytp import backend, ops
 from cupytp.autograd import engine
+from cupytp.launchers import is_device_array
 from cupytp.ops import amp
 from cupytp.optim import SGD
 from cupytp.tensor import Partial, Replicated, Shard
@@ -353,3 +354,31 @@ def test_a_parameter_written_in_place_after_adamw_is_cast_again():
     with ops.autocast("bf16"):
         assert float(amp.master_cast(w).to_local()[0, 0]) == 7.0
     amp.clear_cache()
+
+
+@pytest.mark.parametrize("mesh_shape", [(1,), (1, 1)])
+def test_a_fresh_gradient_is_handed_over_where_its_layout_differs_only_on_one_rank_dims(
+        mesh_shape):
+    """A leaf's first gradient contribution, a whole view of a buffer nothing else holds (a
+    product's reshaped result), becomes `.grad` without a copy, also where it is Partial along
+    a one-rank data-parallel dimension on which the leaf is Replicated (no data moves)."""
+    names = ("dp", "tp")[-len(mesh_shape):]
+    mesh = cupytp.DeviceMesh(mesh_shape, names)
+    leaf_placements = (Replicated(), Shard(0))[-len(mesh_shape):]
+    grad_placements = (Partial(), Shard(0))[-len(mesh_shape):]
+    w = cupytp.from_local(backend.asarray(numpy.ones((4, 6))), mesh, leaf_placements,
+                          requires_grad=True)
+    made = []
+
+    def address(a):
+        return a.data.ptr if is_device_array(a) else a.__array_interface__["data"][0]
+
+    def contribution():
+        local = backend.xp.arange(24.0).reshape(4, 6)
+        made.append(address(local))
+        return cupytp.from_local(local, mesh, grad_placements, run_check=False)
+    w.accumulate_grad(contribution())
+    grad = w.grad._local
+    assert address(grad) == made[0]
+    assert w.grad.placements == leaf_placements
+    numpy.testing.assert_array_equal(backend.asnumpy(grad), numpy.arange(24.0).reshape(4, 6))

@@ -7,6 +7,7 @@ import pytest
 
 import cupytp
 from cupytp import backend, ops
+from cupytp.tensor import Replicated, Shard
 from cupytp.autograd import no_grad
 
 rng = numpy.random.default_rng(0)
@@ -188,10 +189,14 @@ def test_embedding_and_take():
                                   numpy.take_along_axis(x, ids[..., None], -1)[..., 0])
 
 
-def test_a_tied_tables_lookup_gradient_sums_into_its_other_gradient(monkeypatch):
+@pytest.mark.parametrize("mesh_shape", [None, (1, 1)])
+def test_a_tied_tables_lookup_gradient_sums_into_its_other_gradient(monkeypatch, mesh_shape):
     """A table used as the output product's weight and then looked up: the lookup's gradient
     is added into the product's (in place, no gradient of its own), and the sum is that of two
-    untied copies; with nothing there yet (the lookup alone), it makes its own."""
+    untied copies; with nothing there yet (the lookup alone), it makes its own. On a (dp, tp)
+    mesh of one rank each, the batch split over dp and the table over tp (as GPT-2 lays them
+    out), the lookup's Partial gradient over dp is the product's Replicated one: it sums in
+    place."""
     from cupytp.launchers import embedding as kernels
     given = []
     backward = kernels.embedding_backward
@@ -199,8 +204,15 @@ def test_a_tied_tables_lookup_gradient_sums_into_its_other_gradient(monkeypatch)
                         lambda *a, **k: (given.append(a[4] is not None), backward(*a, **k))[1])
     ids, probe = numpy.array([[0, 3, 3], [1, 4, 0]]), r(2, 3, 5)
 
+    def dt(array, grad=True):
+        if mesh_shape is None:
+            return cupytp.from_local(backend.asarray(array), requires_grad=grad)
+        mesh = cupytp.DeviceMesh(mesh_shape, ("dp", "tp"))
+        placements = (Replicated(), Shard(0)) if grad else (Shard(0), Replicated())
+        return cupytp.from_local(backend.asarray(array), mesh, placements, requires_grad=grad)
+
     def loss(lookup, output):
-        x = ops.embedding(ids, lookup)
+        x = ops.embedding(dt(ids, grad=False), lookup)
         return (ops.einsum("btc,vc->btv", x, output) * dt(probe, grad=False)).sum()
     table = r(5, 4)
     tied = dt(table)
