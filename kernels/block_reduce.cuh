@@ -34,3 +34,8 @@ __device__ C block_reduce(C v, Op op)
     __syncthreads();  // the next reduction may reuse `storage` and `result`
     return v;
 }
+
+// Blocks per multiprocessor the norms' row-cached backward kernels keep registers for: the
+// one-vector-per-thread kernels (N = 1) run as PARAM_GRAD_BLOCKS_PER_SM (cupytp.launchers.
+// layernorm) blocks of partial sums per multiprocessor, all resident at once.
+#define NORM_BACKWARD_BLOCKS(N) ((N) == 1 ? 4 : 1)

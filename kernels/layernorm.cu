@@ -113,19 +113,21 @@ __device__ void layer_norm_forward_cached(const T* x, const T* w, const T* b, O*
 
 // The cached backward strides over rows (block b: rows b, b + gridDim.x, ...). With `partials`
 // it also sums the weight and bias gradients of its rows per column, g xhat and g, and writes
-// them to partials[blockIdx.x][0] and partials[blockIdx.x][1] ([gridDim.x, 2, cols], summed
-// over blocks by the caller).
+// them to partials[blockIdx.x][0] and partials[blockIdx.x][1] ([gridDim.x, 2 + dx_sum, cols],
+// summed over blocks by the caller); with `dx_sum` also the column sums of dx, to
+// partials[blockIdx.x][2]. `dx_cast` (may be null): dx once more, in O (a gradient a product
+// reads in its 16-bit dtype), rounded from the stored dx.
 template <typename T, typename O, typename C, int V, int N>
 __device__ void layer_norm_backward_cached(const O* g, const T* x, const C* mean, const C* rstd,
                                            const T* w, const T* add, T* dx, C* partials,
-                                           long long rows, int cols)
+                                           O* dx_cast, int dx_sum, long long rows, int cols)
 {
-    C d[N][V], h[N][V], dw[N][V], db[N][V];
+    C d[N][V], h[N][V], dw[N][V], db[N][V], ds[N][V];
 #pragma unroll
     for (int j = 0; j < N; ++j)
 #pragma unroll
         for (int k = 0; k < V; ++k)
-            dw[j][k] = db[j][k] = 0;
+            dw[j][k] = db[j][k] = ds[j][k] = 0;
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
         const long long start = row * cols;
         const C m = mean[row], r = rstd[row];
@@ -151,27 +153,36 @@ __device__ void layer_norm_backward_cached(const O* g, const T* x, const C* mean
         const C mean_dh = block_reduce(dot, Sum<C>()) / C(cols);
         FOR_EACH_VECTOR(j, col) {
             Pack<T, V> addv, out;
+            Pack<O, V> cast;
             if (add)
                 addv = load_pack<V>(add + start + col);
 #pragma unroll
             for (int k = 0; k < V; ++k) {
                 const C value = r * (d[j][k] - mean_d - h[j][k] * mean_dh);
                 out.v[k] = static_cast<T>(add ? value + widen<C>(addv.v[k]) : value);
+                cast.v[k] = static_cast<O>(out.v[k]);
+                ds[j][k] += widen<C>(out.v[k]);
             }
             store_pack(dx + start + col, out);
+            if (dx_cast)
+                store_pack(dx_cast + start + col, cast);
         }
     }
     if (!partials)
         return;
+    const long long slots = 2 + (dx_sum ? 1 : 0);
     FOR_EACH_VECTOR(j, col) {
-        Pack<C, V> wv, bv;
+        Pack<C, V> wv, bv, sv;
 #pragma unroll
         for (int k = 0; k < V; ++k) {
             wv.v[k] = dw[j][k];
             bv.v[k] = db[j][k];
+            sv.v[k] = ds[j][k];
         }
-        store_pack(partials + 2LL * blockIdx.x * cols + col, wv);
-        store_pack(partials + (2LL * blockIdx.x + 1) * cols + col, bv);
+        store_pack(partials + slots * blockIdx.x * cols + col, wv);
+        store_pack(partials + (slots * blockIdx.x + 1) * cols + col, bv);
+        if (dx_sum)
+            store_pack(partials + (slots * blockIdx.x + 2) * cols + col, sv);
     }
 }
 
@@ -181,12 +192,13 @@ __device__ void layer_norm_backward_cached(const O* g, const T* x, const C* mean
     {                                                                                            \
         layer_norm_forward_cached<T, O, C, V, N>(x, w, b, y, mean, rstd, cols, eps);             \
     }                                                                                            \
-    extern "C" __global__ void layer_norm_backward_cached_##SUFFIX##_v##V##_n##N(               \
+    extern "C" __global__ void __launch_bounds__(CUPYTP_BLOCK_THREADS, NORM_BACKWARD_BLOCKS(N))          \
+        layer_norm_backward_cached_##SUFFIX##_v##V##_n##N(               \
         const O* g, const T* x, const C* mean, const C* rstd, const T* w, const T* add, T* dx,   \
-        C* partials, long long rows, int cols)                                                   \
+        C* partials, O* dx_cast, int dx_sum, long long rows, int cols)                           \
     {                                                                                            \
-        layer_norm_backward_cached<T, O, C, V, N>(g, x, mean, rstd, w, add, dx, partials, rows,  \
-                                                  cols);                                         \
+        layer_norm_backward_cached<T, O, C, V, N>(g, x, mean, rstd, w, add, dx, partials,        \
+                                                  dx_cast, dx_sum, rows, cols);                  \
     }
 // V: 16 bytes of the narrower of x and y per vector
 #define LAYER_NORM_ALL_KERNELS(T, O, C, SUFFIX, V)                                               \

@@ -87,18 +87,20 @@ __device__ void rms_norm_forward_cached(const T* x, const T* w, O* y, C* rstd, i
 }
 
 // Strides over rows (block b: rows b, b + gridDim.x, ...); with `partials`, also the column sums
-// of g xhat over its rows (the weight gradient) into partials[blockIdx.x].
+// of g xhat over its rows (the weight gradient) into partials[blockIdx.x][0] ([gridDim.x,
+// 1 + dx_sum, cols]), and with `dx_sum` those of dx into partials[blockIdx.x][1]. `dx_cast`
+// (may be null): dx once more, in O, rounded from the stored dx (layernorm.cu's).
 template <typename T, typename O, typename C, int V, int N>
 __device__ void rms_norm_backward_cached(const O* g, const T* x, const C* rstd, const T* w,
-                                         const T* add, T* dx, C* partials, long long rows,
-                                         int cols)
+                                         const T* add, T* dx, C* partials, O* dx_cast,
+                                         int dx_sum, long long rows, int cols)
 {
-    C d[N][V], h[N][V], dw[N][V];
+    C d[N][V], h[N][V], dw[N][V], ds[N][V];
 #pragma unroll
     for (int j = 0; j < N; ++j)
 #pragma unroll
         for (int k = 0; k < V; ++k)
-            dw[j][k] = 0;
+            dw[j][k] = ds[j][k] = 0;
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
         const long long start = row * cols;
         const C r = rstd[row];
@@ -121,24 +123,34 @@ __device__ void rms_norm_backward_cached(const O* g, const T* x, const C* rstd, 
         const C mean_dh = block_reduce(dot, Sum<C>()) / C(cols);
         FOR_EACH_VECTOR(j, col) {
             Pack<T, V> addv, out;
+            Pack<O, V> cast;
             if (add)
                 addv = load_pack<V>(add + start + col);
 #pragma unroll
             for (int k = 0; k < V; ++k) {
                 const C value = r * (d[j][k] - h[j][k] * mean_dh);
                 out.v[k] = static_cast<T>(add ? value + widen<C>(addv.v[k]) : value);
+                cast.v[k] = static_cast<O>(out.v[k]);
+                ds[j][k] += widen<C>(out.v[k]);
             }
             store_pack(dx + start + col, out);
+            if (dx_cast)
+                store_pack(dx_cast + start + col, cast);
         }
     }
     if (!partials)
         return;
+    const long long slots = 1 + (dx_sum ? 1 : 0);
     FOR_EACH_VECTOR(j, col) {
-        Pack<C, V> wv;
+        Pack<C, V> wv, sv;
 #pragma unroll
-        for (int k = 0; k < V; ++k)
+        for (int k = 0; k < V; ++k) {
             wv.v[k] = dw[j][k];
-        store_pack(partials + (long long)blockIdx.x * cols + col, wv);
+            sv.v[k] = ds[j][k];
+        }
+        store_pack(partials + slots * blockIdx.x * cols + col, wv);
+        if (dx_sum)
+            store_pack(partials + (slots * blockIdx.x + 1) * cols + col, sv);
     }
 }
 
@@ -161,11 +173,13 @@ __device__ void rms_norm_backward_cached(const O* g, const T* x, const C* rstd, 
     {                                                                                            \
         rms_norm_forward_cached<T, O, C, V, N>(x, w, y, rstd, cols, eps);                        \
     }                                                                                            \
-    extern "C" __global__ void rms_norm_backward_cached_##SUFFIX##_v##V##_n##N(                 \
+    extern "C" __global__ void __launch_bounds__(CUPYTP_BLOCK_THREADS, NORM_BACKWARD_BLOCKS(N))          \
+        rms_norm_backward_cached_##SUFFIX##_v##V##_n##N(                 \
         const O* g, const T* x, const C* rstd, const T* w, const T* add, T* dx, C* partials,     \
-        long long rows, int cols)                                                                \
+        O* dx_cast, int dx_sum, long long rows, int cols)                                        \
     {                                                                                            \
-        rms_norm_backward_cached<T, O, C, V, N>(g, x, rstd, w, add, dx, partials, rows, cols);   \
+        rms_norm_backward_cached<T, O, C, V, N>(g, x, rstd, w, add, dx, partials, dx_cast,       \
+                                                dx_sum, rows, cols);                             \
     }
 
 // V: as layernorm.cu's (16 bytes of the narrower of x and y per vector)

@@ -24,7 +24,8 @@ from cupytp.backend import c_contiguous, xp
 from cupytp.launchers import (
     BLOCK_THREADS, ceil_div, compute_dtype, dtype_suffix, get_kernel, is_device_array,
     multiprocessors)
-from cupytp.launchers.column_sum import column_sum
+from cupytp.launchers.cast import converted
+from cupytp.launchers.column_sum import column_sum, column_sum_and_cast
 
 NULL = numpy.uint64(0)
 # blocks (partial sums per column) of a backward that sums the parameter gradients; on an H200,
@@ -132,12 +133,14 @@ def layer_norm_forward(x, weight, bias, eps, out_dtype=None, saved=True):
     return y, mean, rstd
 
 
-def layer_norm_backward(g, x, mean, rstd, weight, dx_dtype=None, add=None, param_grads=False):
+def layer_norm_backward(g, x, mean, rstd, weight, dx_dtype=None, add=None, param_grads=False,
+                        cast=None):
     dx_dtype = numpy.dtype(dx_dtype or g.dtype)
     if not is_device_array(g):
         check_add(None if add is None else (add.shape, add.dtype), g.shape, dx_dtype)
         _suffix(dx_dtype, g.dtype)
-        return layer_norm_backward_numpy(g, x, mean, rstd, weight, dx_dtype, add, param_grads)
+        return layer_norm_backward_numpy(g, x, mean, rstd, weight, dx_dtype, add, param_grads,
+                                         cast)
     plan = _backward_plan(_signature(g), _signature(x), _signature(mean), _signature(rstd),
                           _signature(weight), _signature(add), dx_dtype)
     dx = xp.empty(g.shape, dtype=dx_dtype)
@@ -147,34 +150,69 @@ def layer_norm_backward(g, x, mean, rstd, weight, dx_dtype=None, add=None, param
     def streaming_sums():       # the rows the cached kernel does not take: xhat made here
         xhat = (x.astype(rstd.dtype) - mean) * rstd
         return column_sum(g, xhat, dtype=rstd.dtype), column_sum(g, dtype=rstd.dtype)
-    sums = run_backward(plan, args, (g, x, weight, add, dx), 2 if param_grads else 0,
-                        streaming_sums)
-    return (dx, *sums) if param_grads else dx
+    sums, made = run_backward(plan, args, (g, x, weight, add, dx), 2 if param_grads else 0,
+                              streaming_sums, cast, 2)
+    return _returned(dx, sums if param_grads else None, made, cast)
 
 
-def run_backward(plan, args, aligned, sums, streaming_sums):
+def _returned(dx, sums, made, cast):
+    """A norm backward's result: dx, then the parameter sums where asked (`sums` not None),
+    then the (cast, column sums) of dx where `cast` was asked."""
+    out = (dx,) + (() if sums is None else tuple(sums)) + (() if cast is None else (made,))
+    return out if len(out) > 1 else dx
+
+
+def run_backward(plan, args, aligned, sums, streaming_sums, cast, param_slots):
     """Launch a norm's backward (`args`: its arrays up to dx) by `plan`: the row-cached kernel
     where it applies to the `aligned` arrays, which also sums the `sums` parameter gradients per
     column in its pass (partial sums of PARAM_GRAD_BLOCKS_PER_SM blocks per multiprocessor, then
-    `column_sum`), else the streaming one and `streaming_sums()`. Returns the `sums` column sums
-    (cols,) each."""
+    `column_sum`; the kernel's partials hold `param_slots` of them, then dx's), else the
+    streaming one and `streaming_sums()`. `cast`: None, or (dtype, with_sum) for dx once more
+    in that 16-bit dtype and, with_sum, dx's column sums (a gradient the next product reads in
+    its dtype, and that product's bias gradient): made in the kernel's pass where it is the
+    cached one, dx is float32 and `dtype` is g's, else by `column_sum_and_cast` after it.
+    Returns (the `sums` column sums (cols,) each, (dx's cast, its column sums or None) or
+    None)."""
     rows, cols = plan.rows, plan.cols
+    g, dx = args[0], args[-1]
     kernel = plan.kernel(*aligned) if rows else None
     if kernel is None or kernel is plan.streaming:  # the parameter gradients by column sums
         if rows:
             kernel((rows,), (BLOCK_THREADS,), args + (numpy.int32(cols),))
-        return streaming_sums() if sums else ()
-    blocks = min(rows, PARAM_GRAD_BLOCKS_PER_SM * multiprocessors()) if sums else rows
-    partials = xp.empty((blocks, sums * cols), plan.compute) if sums else None
+        return streaming_sums() if sums else (), _cast_after(dx, cast, plan.compute)
+    in_pass = cast is not None and dx.dtype == numpy.float32 and numpy.dtype(cast[0]) == g.dtype
+    dx_cast = xp.empty(dx.shape, g.dtype) if in_pass else None
+    dx_sum = in_pass and cast[1]
+    slots = param_slots + 1 if dx_sum else sums
+    blocks = min(rows, PARAM_GRAD_BLOCKS_PER_SM * multiprocessors()) if slots else rows
+    partials = xp.empty((blocks, slots * cols), plan.compute) if slots else None
     kernel((blocks,), (BLOCK_THREADS,),
-           args + (NULL if partials is None else partials, numpy.int64(rows), numpy.int32(cols)))
-    if not sums:
-        return ()
+           args + (NULL if partials is None else partials,
+                   NULL if dx_cast is None else dx_cast, numpy.int32(dx_sum),
+                   numpy.int64(rows), numpy.int32(cols)))
+    made = _cast_after(dx, cast, plan.compute) if not in_pass else None
+    if not slots:
+        return (), made if cast else None
     total = column_sum(partials)
     # arrays over each part, not views: each is the one array over its bytes, so the
     # parameters take them as their gradients without a copy
-    return tuple(xp.ndarray((cols,), total.dtype, total.data + i * cols * total.itemsize)
-                 for i in range(sums))
+    parts = tuple(xp.ndarray((cols,), total.dtype, total.data + i * cols * total.itemsize)
+                  for i in range(slots))
+    if in_pass:
+        made = (dx_cast, parts[param_slots] if dx_sum else None)
+    return parts[:sums], made
+
+
+def _cast_after(dx, cast, compute):
+    """(dx in cast[0], with cast[1] dx's column sums in `compute`) by passes after the norm's,
+    or None without `cast`."""
+    if cast is None:
+        return None
+    rows = dx.reshape(-1, dx.shape[-1])
+    if cast[1]:
+        sums, copy = column_sum_and_cast(rows, cast[0], compute)
+        return copy.reshape(dx.shape), sums
+    return converted(dx, cast[0]), None
 
 
 def _suffix(dtype, out_dtype, op="layer_norm"):
@@ -201,7 +239,7 @@ def layer_norm_forward_numpy(x, weight, bias, eps, out_dtype=None, saved=True):
 
 
 def layer_norm_backward_numpy(g, x, mean, rstd, weight, dx_dtype=None, add=None,
-                              param_grads=False):
+                              param_grads=False, cast=None):
     compute = rstd.dtype
     xhat = (x.astype(compute) - mean) * rstd
     gc = g.astype(compute)
@@ -210,8 +248,18 @@ def layer_norm_backward_numpy(g, x, mean, rstd, weight, dx_dtype=None, add=None,
                  - xhat * (d * xhat).mean(axis=-1, keepdims=True))
     dx = dx if add is None else dx + add.astype(compute)
     dx = dx.astype(dx_dtype or g.dtype)
-    if not param_grads:
-        return dx
     cols = g.shape[-1]
-    return (dx, (gc * xhat).reshape(-1, cols).sum(axis=0),
-            gc.reshape(-1, cols).sum(axis=0))
+    sums = ((gc * xhat).reshape(-1, cols).sum(axis=0), gc.reshape(-1, cols).sum(axis=0)) \
+        if param_grads else None
+    return _returned(dx, sums, cast_numpy(dx, cast, compute), cast)
+
+
+def cast_numpy(dx, cast, compute):
+    """The twin of a norm backward's (cast, column sums) of dx: dx rounded to cast[0], and with
+    cast[1] the column sums of dx in `compute`; None without `cast`."""
+    if cast is None:
+        return None
+    with numpy.errstate(over="ignore"):     # out-of-range values become inf, as on GPUs
+        copy = dx.astype(cast[0])
+    return copy, (dx.astype(compute).reshape(-1, dx.shape[-1]).sum(axis=0)
+                  if cast[1] else None)

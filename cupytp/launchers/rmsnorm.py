@@ -20,7 +20,7 @@ from cupytp.backend import xp
 from cupytp.launchers import BLOCK_THREADS, compute_dtype, is_device_array
 from cupytp.launchers.column_sum import column_sum
 from cupytp.launchers.layernorm import (
-    NULL, _Plan, _check, _signature, _suffix, check_add, run_backward)
+    NULL, _Plan, _check, _returned, _signature, _suffix, cast_numpy, check_add, run_backward)
 
 OP = "rms_norm"
 
@@ -58,20 +58,21 @@ def rms_norm_forward(x, weight, eps, out_dtype=None):
     return y, rstd
 
 
-def rms_norm_backward(g, x, rstd, weight, dx_dtype=None, add=None, weight_grad=False):
+def rms_norm_backward(g, x, rstd, weight, dx_dtype=None, add=None, weight_grad=False,
+                      cast=None):
     dx_dtype = numpy.dtype(dx_dtype or g.dtype)
     if not is_device_array(g):
         check_add(None if add is None else (add.shape, add.dtype), g.shape, dx_dtype, OP)
         _suffix(dx_dtype, g.dtype, OP)
-        return rms_norm_backward_numpy(g, x, rstd, weight, dx_dtype, add, weight_grad)
+        return rms_norm_backward_numpy(g, x, rstd, weight, dx_dtype, add, weight_grad, cast)
     plan = _backward_plan(_signature(g), _signature(x), _signature(rstd), _signature(weight),
                           _signature(add), dx_dtype)
     dx = xp.empty(g.shape, dtype=dx_dtype)
     args = (g, x, rstd, NULL if weight is None else weight, NULL if add is None else add, dx)
-    sums = run_backward(plan, args, (g, x, weight, add, dx), 1 if weight_grad else 0,
-                        lambda: (column_sum(g, x.astype(plan.compute) * rstd,
-                                            dtype=plan.compute),))
-    return (dx, *sums) if weight_grad else dx
+    sums, made = run_backward(plan, args, (g, x, weight, add, dx), 1 if weight_grad else 0,
+                              lambda: (column_sum(g, x.astype(plan.compute) * rstd,
+                                                  dtype=plan.compute),), cast, 1)
+    return _returned(dx, sums if weight_grad else None, made, cast)
 
 
 def rms_norm_forward_numpy(x, weight, eps, out_dtype=None):
@@ -83,7 +84,8 @@ def rms_norm_forward_numpy(x, weight, eps, out_dtype=None):
     return y.astype(out_dtype or x.dtype), rstd
 
 
-def rms_norm_backward_numpy(g, x, rstd, weight, dx_dtype=None, add=None, weight_grad=False):
+def rms_norm_backward_numpy(g, x, rstd, weight, dx_dtype=None, add=None, weight_grad=False,
+                            cast=None):
     compute = rstd.dtype
     gc = g.astype(compute)
     xhat = x.astype(compute) * rstd
@@ -91,6 +93,5 @@ def rms_norm_backward_numpy(g, x, rstd, weight, dx_dtype=None, add=None, weight_
     dx = rstd * (d - xhat * (d * xhat).mean(axis=-1, keepdims=True))
     dx = dx if add is None else dx + add.astype(compute)
     dx = dx.astype(dx_dtype or g.dtype)
-    if not weight_grad:
-        return dx
-    return dx, (gc * xhat).reshape(-1, g.shape[-1]).sum(axis=0)
+    sums = ((gc * xhat).reshape(-1, g.shape[-1]).sum(axis=0),) if weight_grad else None
+    return _returned(dx, sums, cast_numpy(dx, cast, compute), cast)

@@ -193,8 +193,9 @@ def _whole_heads(heads, size, kv_split):
 class _RMSNorm:
     """The RMSNorm a fused sublayer reads its input through: its output on x's local array
     (`out`, in the products' dtype, dropped once the first product has read it and made again
-    in backward by `recompute`) and rstd; `backward(g, add)` gives x's gradient (plus `add`)
-    and the weight's. Keeps x's local array (the residual stream)."""
+    in backward by `recompute`) and rstd; `backward(g, add, cast=None)` gives x's gradient
+    (plus `add`) and the weight's, then with `cast` x's gradient's (cast, column sums) as
+    `ops.fused`'s norm does. Keeps x's local array (the residual stream)."""
 
     def __init__(self, x, norm):
         weight, self.eps = norm
@@ -207,10 +208,11 @@ class _RMSNorm:
     def recompute(self):
         return rms_norm_forward(self.x, self.weight, self.eps, self.out_dtype)[0]
 
-    def backward(self, g, add):
-        dx, dw = rms_norm_backward(g.reshape(self.x.shape), self.x, self.rstd, self.weight,
-                                   self.dtype, add, weight_grad=True)
-        return dx, dw.astype(self.params[0].dtype, copy=False)
+    def backward(self, g, add, cast=None):
+        dx, dw, *made = rms_norm_backward(g.reshape(self.x.shape), self.x, self.rstd,
+                                          self.weight, self.dtype, add, weight_grad=True,
+                                          cast=cast)
+        return (dx, dw.astype(self.params[0].dtype, copy=False), *made)
 
 
 def _input(x, norm):
@@ -266,7 +268,7 @@ def _fused_mlp(x, residual, params, norm, plan):
         return (None if gwgu is None else gwgu.reshape(wgu.shape),
                 None if gbgu is None else gbgu.reshape(gate_up_bias.local_shape), gwd)
     return _recorded(out, (x, residual, *params), input_part, weight_part, "swiglu_mlp",
-                     placements, normed)
+                     placements, normed, (h.dtype, None))
 
 
 def _fused_attention(x, residual, params, rope, num_heads, num_kv_heads, norm, plan):
@@ -328,7 +330,7 @@ def _fused_attention(x, residual, params, rope, num_heads, num_kv_heads, norm, p
         return (gwq, gbq, None if gwkv is None else gwkv.reshape(wkv.shape),
                 None if gbkv is None else gbkv.reshape(kv_bias.local_shape), gwo)
     return _recorded(out, (x, residual, *params), input_part, weight_part,
-                     "grouped_attention", placements, normed)
+                     "grouped_attention", placements, normed, (a.dtype, None))
 
 
 def _attention_input_grad(dq, dkv, wq, wkv2, x, normed):

@@ -38,6 +38,7 @@ Any other layout, attention the flash kernels do not take, or dropout on a resid
 dtype than the products' (or their compute dtype) runs the chain of ops, as does everything
 inside `fusion(False)` (or with CUPYTP_FUSED=0).
 """
+import weakref
 from contextlib import contextmanager
 
 import numpy
@@ -142,13 +143,16 @@ class _Norm:
         self.out, self.mean, self.rstd = layer_norm_forward(
             self.x, self.weight, bias_local, eps, operand_dtype(x), saved)
 
-    def backward(self, g, add):
+    def backward(self, g, add, cast=None):
         """(x's gradient, plus `add` (x's dtype, or None), then the gradients of the weight and
-        bias given) from g, the gradient of `out`."""
+        bias given) from g, the gradient of `out`; with `cast` (see `_cast_wanted`), then the
+        (cast, column sums) of x's gradient."""
         dx, *sums = layer_norm_backward(g.reshape(self.x.shape), self.x, self.mean, self.rstd,
-                                        self.weight, self.dtype, add, param_grads=True)
+                                        self.weight, self.dtype, add, param_grads=True,
+                                        cast=cast)
+        made = (sums.pop(),) if cast is not None else ()
         return (dx, *[grad.astype(p.dtype, copy=False) for grad, p in zip(sums, self.given)
-                      if p is not None])
+                      if p is not None], *made)
 
 
 def _input(x, norm, saved):
@@ -260,22 +264,84 @@ def _reduced_later(gx, layout, tp):
 
 
 def _grad_as(g, dtype):
-    """The output's gradient g (local) as a (rows, C) matrix of the products' dtype."""
+    """The output's gradient g (local) as a (rows, C) matrix of the products' dtype (the cast
+    the norm backward that made g gave with it, where there is one)."""
+    given = _given_cast(g, dtype, False)
+    if given is not None:
+        return _rows(given[0])
     return _rows(g if g.dtype == dtype else converted(g, dtype))
 
 
 def _grad_and_bias_grad(g, dtype, bias):
     """(`_grad_as(g, dtype)`, the bias's gradient or None): where a float32 g is cast to a
     16-bit dtype, the cast's pass sums its columns too (cuBLASLt's bias-gradient epilogue runs a
-    reduction kernel of its own after the product); else None, and the weight's product sums
-    them (`_weight_grads`)."""
-    if bias is None or not bias.requires_grad or g.dtype != numpy.float32 or \
-            numpy.dtype(dtype).itemsize != 2 or not backend.c_contiguous(g):
+    reduction kernel of its own after the product), or the norm backward that made g did both;
+    else None, and the weight's product sums them (`_weight_grads`)."""
+    if not _sums_with_cast(g.dtype, dtype, bias) or not backend.c_contiguous(g):
         return _grad_as(g, dtype), None
+    given = _given_cast(g, dtype, True)
+    if given is not None:
+        return _rows(given[0]), given[1].astype(bias.dtype, copy=False)
     return column_sum_and_cast(_rows(g), dtype, bias.dtype)[::-1]
 
 
-def _recorded(out, inputs, input_part, weight_part, name, placements, normed):
+def _sums_with_cast(g_dtype, dtype, bias):
+    """True when a float32 gradient cast to the 16-bit `dtype` also gives `bias`'s gradient."""
+    return bias is not None and bias.requires_grad and g_dtype == numpy.float32 and \
+        numpy.dtype(dtype).itemsize == 2
+
+
+# ---- a sublayer's output gradient in its products' dtype, made by the next norm's backward -----
+# A fused sublayer's backward reads its output's float32 gradient once more to cast it (and sum
+# its columns for its bias); the fused sublayer after it, whose norm's backward writes that
+# gradient (summing in the residual's), writes the cast (and the sums) in the same pass instead.
+# The first asks for it in its forward (`_cast_wanted`), the second hands it over with the
+# gradient array it belongs to (`_give_cast`), the first takes it if its gradient is that array.
+_wanted_casts = {}      # id(output) -> (weak ref to the output, (dtype, with_sum))
+_given_casts = {}       # id(gradient array) -> (the array, its cast, its column sums or None)
+
+
+def _want_cast(out, dtype, bias):
+    """Note that the backward of the fused sublayer that made `out` reads out's gradient in
+    `dtype`, summing its columns for `bias` (None: no bias); nothing where that is out's own
+    dtype."""
+    if numpy.dtype(dtype) == out.dtype:
+        return
+    key = id(out)
+
+    def forget(ref):
+        if _wanted_casts.get(key, (None,))[0] is ref:
+            del _wanted_casts[key]
+    _wanted_casts[key] = (weakref.ref(out, forget),
+                          (numpy.dtype(dtype), _sums_with_cast(out.dtype, dtype, bias)))
+
+
+def _cast_wanted(x):
+    """The (dtype, with_sum) in which x's maker reads x's gradient, or None."""
+    entry = _wanted_casts.get(id(x))
+    return entry[1] if entry is not None and entry[0]() is x else None
+
+
+def _give_cast(gradient, made):
+    """Hand `made` (cast, column sums or None) over with the gradient array it was made from,
+    until the end of this backward pass."""
+    if not _given_casts:
+        engine.queue_callback(_given_casts.clear)
+    _given_casts[id(gradient)] = (gradient, *made)
+
+
+def _given_cast(g, dtype, with_sum):
+    """(cast, column sums) handed over with the gradient array g, if of `dtype` and with the
+    sums where `with_sum`; None otherwise."""
+    entry = _given_casts.get(id(g))
+    if entry is None or entry[0] is not g or entry[1].dtype != dtype or \
+            (with_sum and entry[2] is None):
+        return None
+    del _given_casts[id(g)]
+    return entry[1], entry[2]
+
+
+def _recorded(out, inputs, input_part, weight_part, name, placements, normed, grad_cast=None):
     """`out` with the fused node recorded. Its backward has two parts: `input_part(g)` gives,
     from the output's local gradient g, a function returning the first product's input
     gradient (None where none is needed; see `_input_grad`) and the state from which
@@ -286,11 +352,16 @@ def _recorded(out, inputs, input_part, weight_part, name, placements, normed):
     parameters' with them, when those are asked for, and runs the weights' products only when
     the parameters' gradients are. `placements`: the parameters' (and the norm's) gradient
     placements; `normed`: the _Norm in front, or None. The closure keeps layouts, not x or the
-    residual (the residual stream is not held for backward)."""
+    residual (the residual stream is not held for backward). `grad_cast`: (dtype, bias) where
+    `input_part` reads g in that dtype through `_grad_as` or `_grad_and_bias_grad`, so that the
+    norm backward of the fused sublayer that reads `out` may make that cast (`_want_cast`)."""
     x, residual, *params = inputs
     x_layout, layout, residual_needed = x.layout, residual.layout, residual.requires_grad
     strict, joined, x_dtype = range(layout.mesh.ndim), x is residual, x.dtype
     norms = () if normed is None else normed.params
+    if grad_cast is not None:
+        _want_cast(out, *grad_cast)
+    cast = _cast_wanted(x) if normed is not None and joined else None
     inputs = inputs + norms
     owed = []      # a split backward's later part: (its first part's gradients, the state)
 
@@ -301,7 +372,10 @@ def _recorded(out, inputs, input_part, weight_part, name, placements, normed):
         if normed is not None:
             add = g._local if joined and residual_needed and g.dtype == x_dtype and \
                 backend.c_contiguous(g._local) else None
-            gx, *norm_grads = normed.backward(gx, add)
+            wanted = cast if add is not None else None
+            gx, *norm_grads = normed.backward(gx, add, wanted)
+            if wanted is not None:
+                _give_cast(gx, norm_grads.pop())
             g_residual = None if add is not None else g_residual
         gx = None if gx is None else make(gx, x_layout.mesh, x_layout.shape, x_layout.placements)
         return [gx, g_residual], norm_grads
@@ -369,7 +443,7 @@ def mlp_residual(x, residual, fc_weight, fc_bias, proj_weight, proj_bias, norm=N
         gw1, _ = _weight_grads(_rows(x_local), dh, fc_weight, None)
         return gw1, gb1 if gb1 is None else gb1.astype(fc_bias.dtype, copy=False), gw2, gb2
     return _recorded(out, (x, residual, *params), input_part, weight_part, "mlp_residual",
-                     placements, normed)
+                     placements, normed, None if drop is not None else (u.dtype, proj_bias))
 
 
 def _input_info(x, x_local, normed, tp):
@@ -450,4 +524,5 @@ def attention_residual(x, residual, qkv_weight, qkv_bias, proj_weight, proj_bias
         return (None if gwq is None else gwq.reshape(wq.shape),
                 None if gbq is None else gbq.reshape(qkv_bias.local_shape), gwp, gbp)
     return _recorded(out, (x, residual, *params), input_part, weight_part,
-                     "attention_residual", placements, normed)
+                     "attention_residual", placements, normed,
+                     None if drop is not None else (a.dtype, proj_bias))

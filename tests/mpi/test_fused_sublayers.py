@@ -76,6 +76,39 @@ def test_fused_block_matches_its_chain(mesh, batch_sharded, bias, dropout):
         close(grads[name], grads_chain[name], name)
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_norm_backward_after_a_sublayer_casts_its_gradient(mesh, bias, monkeypatch):
+    """bf16: the attention sublayer reads its output's gradient as the MLP's LayerNorm backward
+    cast it (and summed its columns for the projection's bias) in its own pass, instead of
+    casting it again; every gradient is the one of the attention casting it itself (the bias's
+    to float32 summation order)."""
+    skip_unless_heads_split(mesh, HEADS)
+    x = rng_array((3, 4, WIDTH), 1).astype(numpy.float32)
+    w = rng_array((3, 4, WIDTH), 2).astype(numpy.float32)
+    block = build(lambda m: nn.DBlock(WIDTH, HEADS, m, bias=bias), mesh)
+    placements = placements_of(mesh, True)
+    taken, given = [], fused._given_cast
+
+    def spy(g, dtype, with_sum):
+        made = given(g, dtype, with_sum)
+        taken.append((made is not None, with_sum))
+        return made
+    monkeypatch.setattr(fused, "_given_cast", spy)
+    y, grads, _ = run(block, x, w, mesh, placements, fused=True)
+    assert taken == [(False, bias), (True, bias)]    # the MLP's (the loss's gradient), then
+    #                                                  the attention's, made by the MLP's norm
+    monkeypatch.setattr(fused, "_cast_wanted", lambda x: None)
+    taken.clear()
+    y_own, grads_own, _ = run(block, x, w, mesh, placements, fused=True)
+    assert taken == [(False, bias)] * 2
+    numpy.testing.assert_array_equal(y, y_own)
+    for name in grads:
+        numpy.testing.assert_allclose(grads[name], grads_own[name], rtol=1e-6,
+                                      atol=1e-6 * numpy.abs(grads_own[name]).max(),
+                                      err_msg=name)
+    assert not fused._given_casts           # none left over after the pass
+
+
 def close(got, want, name):
     """Within 2% of want's largest magnitude: a few bf16 roundings (2^-8 relative each)."""
     scale = numpy.abs(want).max()

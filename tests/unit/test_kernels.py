@@ -831,3 +831,16 @@ def test_layer_norm_kernel_matches_twin(dtype, out, tol, shape, affine, form):
         assert got.dtype == want.dtype
         numpy.testing.assert_allclose(asnumpy(got).astype(numpy.float64) / unit,
                                       want.astype(numpy.float64) / unit, rtol=tol, atol=tol)
+    # dx once more in bf16 and its column sums: in the pass (g in bf16) or after it
+    if dtype == numpy.float32:
+        for with_sum in (True, False):
+            with poisoned_allocations():
+                *got, (copy, sums) = layer_norm_backward(on(g), *saved, on(w), dtype, on(add),
+                                                         True, (bfloat16, with_sum))
+            *want, (_, sums_twin) = layer_norm_backward_numpy(
+                g, x, mean_twin, rstd_twin, w, dtype, add, True, (bfloat16, with_sum))
+            assert copy.dtype == bfloat16 and (sums is None) == (not with_sum)
+            numpy.testing.assert_array_equal(asnumpy(copy), asnumpy(got[0]).astype(bfloat16))
+            if with_sum:
+                numpy.testing.assert_allclose(asnumpy(sums) / scale, sums_twin / scale,
+                                              rtol=tol, atol=tol)

@@ -190,6 +190,19 @@ def test_rms_norm_kernels_match_twin(dtype, out_dtype, cols):
     rtol = 1e-10 if dtype == F64 else 1e-3
     numpy.testing.assert_allclose(asnumpy(dw), dw_twin, rtol=rtol, atol=rtol)
     assert_close(dx_plain, rms_norm_backward_numpy(g, x, rstd_twin, None, dtype), dtype)
+    if dtype == F32:        # dx once more in bf16 and its column sums, in the pass or after
+        for with_sum in (True, False):
+            with poisoned_allocations():
+                dx, dw, (copy, sums) = rms_norm_backward(
+                    xp.asarray(g), xp.asarray(x), rstd, xp.asarray(w), dtype, xp.asarray(add),
+                    True, (bfloat16, with_sum))
+            *_, (_, sums_twin) = rms_norm_backward_numpy(g, x, rstd_twin, w, dtype, add, True,
+                                                         (bfloat16, with_sum))
+            assert copy.dtype == bfloat16 and (sums is None) == (not with_sum)
+            numpy.testing.assert_array_equal(asnumpy(copy), asnumpy(dx).astype(bfloat16))
+            if with_sum:
+                numpy.testing.assert_allclose(asnumpy(sums) / 37 ** 0.5, sums_twin / 37 ** 0.5,
+                                              rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.gpu
