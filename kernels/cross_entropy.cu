@@ -10,6 +10,9 @@
 //   backward, with M, S and g = dL/dloss per row:
 //     dx_j = (exp(x_j - M) g / S - [offset + j == target] g),
 //     zero in the padding columns and in rows whose target is ignore_index.
+//   forward_grad (an unsharded row, so m and s are M and S): the forward's statistics and dx for
+//     the g that the last backward brought (learned[0]), from the row read a second time (from
+//     L2: the row was just read); the backward then writes only rows whose g is another.
 // Storage dtype T, compute dtype C (float for fp32/bf16/fp16, double for fp64).
 //
 // Both directions stream the row (the forward reads it once, the backward reads it once and
@@ -124,19 +127,17 @@ __device__ __forceinline__ void add_row(RunningSum<C>& sum, const T* __restrict_
     }
 }
 
+// The row's max m and s = sum of exp(x - m) over its `existing` columns (every thread gets both),
+// and thread 0's the target's logit (0 when another shard holds it, NaN when the target is
+// outside [0, vocab_size) and not ignore_index).
 template <int V, typename T, typename C>
-__device__ void cross_entropy_forward(const T* __restrict__ logits,
-                                      const long long* __restrict__ targets,
-                                      C* __restrict__ row_max, C* __restrict__ stats, int cols,
-                                      long long offset, long long vocab_size,
-                                      long long ignore_index)
+__device__ __forceinline__ void row_statistics(const T* __restrict__ xr, long long target,
+                                               int existing, long long offset,
+                                               long long vocab_size, long long ignore_index,
+                                               C& m, C& s, C& picked)
 {
-    const long long row = blockIdx.x;
-    const T* xr = logits + row * cols;
-    const int existing = existing_columns(cols, offset, vocab_size);
-    C picked = 0;   // the target's logit: loaded first, so that it arrives while the row streams
+    picked = 0;     // the target's logit: loaded first, so that it arrives while the row streams
     if (threadIdx.x == 0) {
-        const long long target = targets[row];
         const long long local = target - offset;
         if (target != ignore_index && (target < 0 || target >= vocab_size))
             picked = quiet_nan<C>();
@@ -145,35 +146,42 @@ __device__ void cross_entropy_forward(const T* __restrict__ logits,
     }
     RunningSum<C> sum{negative_infinity<C>(), C(0)};
     add_row<V>(sum, xr, existing);
-    const C block_max = block_reduce(sum.m, Max<C>());
+    m = block_reduce(sum.m, Max<C>());
     // each thread's sum against the block's max (a NaN sum stays NaN)
-    const C s = block_reduce(sum.s * shifted_exp(sum.m, shift_of(block_max)), Sum<C>());
+    s = block_reduce(sum.s * shifted_exp(sum.m, shift_of(m)), Sum<C>());
+}
+
+template <int V, typename T, typename C>
+__device__ void cross_entropy_forward(const T* __restrict__ logits,
+                                      const long long* __restrict__ targets,
+                                      C* __restrict__ row_max, C* __restrict__ stats, int cols,
+                                      long long offset, long long vocab_size,
+                                      long long ignore_index)
+{
+    const long long row = blockIdx.x;
+    C m, s, picked;
+    row_statistics<V>(logits + row * cols, targets[row],
+                      existing_columns(cols, offset, vocab_size), offset, vocab_size,
+                      ignore_index, m, s, picked);
     if (threadIdx.x == 0) {
-        row_max[row] = block_max;
+        row_max[row] = m;
         stats[2 * row] = s;
         stats[2 * row + 1] = picked;
     }
 }
 
-// cols is a multiple of V.
+// dx of the row xr into dr (cols a multiple of V): (exp(x_j - m) g / sum - [j == target] g) in
+// its existing columns, 0 in the others (all of them where the target is ignore_index).
 template <int V, typename T, typename C>
-__device__ void cross_entropy_backward(const T* __restrict__ logits,
-                                       const C* __restrict__ row_max,
-                                       const C* __restrict__ row_sum,
-                                       const long long* __restrict__ targets,
-                                       const C* __restrict__ grad, T* __restrict__ dx, int cols,
-                                       long long offset, long long vocab_size,
-                                       long long ignore_index)
+__device__ __forceinline__ void row_gradient(const T* __restrict__ xr, T* __restrict__ dr,
+                                             long long target, C m, C sum, C g, int cols,
+                                             long long offset, long long vocab_size,
+                                             long long ignore_index)
 {
-    const long long row = blockIdx.x;
-    const T* xr = logits + row * cols;
-    T* dr = dx + row * cols;
-    const long long target = targets[row];
     const int existing = target == ignore_index ? 0 : existing_columns(cols, offset, vocab_size);
     const long long local = target - offset;
     const int hit = local >= 0 && local < existing ? (int)local : -1;   // the target's column
-    const C m = row_max[row], g = grad[row];
-    const C scale = g / row_sum[row];
+    const C scale = g / sum;
     const auto d = [=](C x, int col) {     // dx of column col holding x
         return shifted_exp(x, m) * scale - (col == hit ? g : C(0));
     };
@@ -201,6 +209,61 @@ __device__ void cross_entropy_backward(const T* __restrict__ logits,
     }
 }
 
+// The forward's statistics and, in the same pass (the row read again from L2), dx for the
+// per-row upstream gradient g = expected[0] = learned[0] (a whole, unsharded vocabulary).
+template <int V, typename T, typename C>
+__device__ void cross_entropy_forward_grad(const T* __restrict__ logits,
+                                           const long long* __restrict__ targets,
+                                           const C* __restrict__ learned,
+                                           C* __restrict__ expected, C* __restrict__ row_max,
+                                           C* __restrict__ stats, T* __restrict__ dx, int cols,
+                                           long long offset, long long vocab_size,
+                                           long long ignore_index)
+{
+    const long long row = blockIdx.x;
+    const T* xr = logits + row * cols;
+    const long long target = targets[row];
+    const C g = learned[0];
+    C m, s, picked;
+    row_statistics<V>(xr, target, existing_columns(cols, offset, vocab_size), offset,
+                      vocab_size, ignore_index, m, s, picked);
+    if (threadIdx.x == 0) {
+        row_max[row] = m;
+        stats[2 * row] = s;
+        stats[2 * row + 1] = picked;
+        if (row == 0)
+            expected[0] = g;
+    }
+    row_gradient<V>(xr, dx + row * cols, target, m, s, g, cols, offset, vocab_size,
+                    ignore_index);
+}
+
+// dx with the global M and S and g = grad[row]. With `expected` (the g a forward_grad wrote dx
+// for): rows whose g is that one keep dx as it is; the others are written, and learned[0]
+// becomes row 0's g where it differs and is finite and not 0 (the next forward writes for it).
+template <int V, typename T, typename C>
+__device__ void cross_entropy_backward(const T* __restrict__ logits,
+                                       const C* __restrict__ row_max,
+                                       const C* __restrict__ row_sum,
+                                       const long long* __restrict__ targets,
+                                       const C* __restrict__ grad, const C* __restrict__ expected,
+                                       C* __restrict__ learned, T* __restrict__ dx, int cols,
+                                       long long offset, long long vocab_size,
+                                       long long ignore_index)
+{
+    const long long row = blockIdx.x;
+    const C g = grad[row];
+    if (expected) {
+        const C e = expected[0];
+        if (g == e)
+            return;
+        if (row == 0 && threadIdx.x == 0 && isfinite(g) && g != C(0))
+            learned[0] = g;
+    }
+    row_gradient<V>(logits + row * cols, dx + row * cols, targets[row], row_max[row],
+                    row_sum[row], g, cols, offset, vocab_size, ignore_index);
+}
+
 #define CROSS_ENTROPY_KERNELS(T, C, SUFFIX, V)                                                   \
     extern "C" __global__ void cross_entropy_forward_##SUFFIX##_v##V(                            \
         const T* __restrict__ logits, const long long* __restrict__ targets,                     \
@@ -210,14 +273,24 @@ __device__ void cross_entropy_backward(const T* __restrict__ logits,
         cross_entropy_forward<V, T, C>(logits, targets, row_max, stats, cols, offset,            \
                                        vocab_size, ignore_index);                                \
     }                                                                                            \
+    extern "C" __global__ void cross_entropy_forward_grad_##SUFFIX##_v##V(                       \
+        const T* __restrict__ logits, const long long* __restrict__ targets,                     \
+        const C* __restrict__ learned, C* __restrict__ expected, C* __restrict__ row_max,        \
+        C* __restrict__ stats, T* __restrict__ dx, int cols, long long offset,                   \
+        long long vocab_size, long long ignore_index)                                            \
+    {                                                                                            \
+        cross_entropy_forward_grad<V, T, C>(logits, targets, learned, expected, row_max, stats,  \
+                                            dx, cols, offset, vocab_size, ignore_index);         \
+    }                                                                                            \
     extern "C" __global__ void cross_entropy_backward_##SUFFIX##_v##V(                           \
         const T* __restrict__ logits, const C* __restrict__ row_max,                             \
         const C* __restrict__ row_sum, const long long* __restrict__ targets,                    \
-        const C* __restrict__ grad, T* __restrict__ dx, int cols, long long offset,              \
-        long long vocab_size, long long ignore_index)                                            \
+        const C* __restrict__ grad, const C* __restrict__ expected, C* __restrict__ learned,     \
+        T* __restrict__ dx, int cols, long long offset, long long vocab_size,                    \
+        long long ignore_index)                                                                  \
     {                                                                                            \
-        cross_entropy_backward<V, T, C>(logits, row_max, row_sum, targets, grad, dx, cols,       \
-                                        offset, vocab_size, ignore_index);                       \
+        cross_entropy_backward<V, T, C>(logits, row_max, row_sum, targets, grad, expected,       \
+                                        learned, dx, cols, offset, vocab_size, ignore_index);    \
     }
 
 // Each dtype's two forms: one element at a time, and vectors of 16 bytes.

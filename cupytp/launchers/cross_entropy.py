@@ -12,6 +12,15 @@ ignore_index). `cross_entropy_backward(logits, row_max, row_sum, targets, grad, 
 with the global M and S. Computed in float32 (float64 for float64); dlogits has the logits'
 dtype, the per-row arrays the compute dtype.
 
+`cross_entropy_forward_grad(logits, targets, offset, vocab_size, ignore_index, learned)` →
+(row_max, stats, dlogits, expected), for logits holding every column: the forward's statistics
+and, in the same pass, dlogits for the per-row gradient `learned` (1 element, the compute dtype,
+kept by the caller across steps), which `expected` keeps for `cross_entropy_backward(...,
+expected=, learned=, dx=)`: that writes into `dx` only the rows whose gradient is not the
+expected one (bit for bit what it writes otherwise), and makes row 0's gradient the one learned
+for the next forward. A training step whose loss gradient stays the same (the mean's 1/count
+under a backward seeded with 1, times any fixed factor) so reads and writes the logits once.
+
 The kernels move 16-byte vectors where the columns are a multiple of the vector and the arrays
 start on one (a logits view at another address takes the element-at-a-time form), and take exp
 in float32 by the hardware's 2^x (about 1e-6 relative; `exp` itself in float64).
@@ -23,6 +32,8 @@ import numpy
 from cupytp.backend import xp
 from cupytp.launchers import BLOCK_THREADS, check_lists, compute_dtype, dtype_suffix, get_kernel
 from cupytp.launchers import is_device_array, vector_width
+
+NULL = numpy.uint64(0)
 
 VECTOR_BYTES = 16       # the kernels' *_vV form moves V = 16 bytes / itemsize elements at once
 
@@ -39,17 +50,50 @@ def cross_entropy_forward(logits, targets, offset, vocab_size, ignore_index):
     return row_max, stats
 
 
+def cross_entropy_forward_grad(logits, targets, offset, vocab_size, ignore_index, learned):
+    """(row_max, stats, dlogits for the per-row gradient learned[0], expected: that gradient)
+    of logits holding every column; see the module docstring."""
+    if not is_device_array(logits):
+        return cross_entropy_forward_grad_numpy(logits, targets, offset, vocab_size,
+                                                ignore_index, learned)
+    compute = _check(logits, targets)
+    _check_scalars(compute, learned=learned)
+    row_max = xp.empty(targets.shape, dtype=compute)
+    stats = xp.empty(targets.shape + (2,), dtype=compute)
+    dx, expected = xp.empty_like(logits), xp.empty(1, dtype=compute)
+    _launch("cross_entropy_forward_grad", logits,
+            (logits, targets, learned, expected, row_max, stats, dx), (logits, dx), offset,
+            vocab_size, ignore_index)
+    return row_max, stats, dx, expected
+
+
 def cross_entropy_backward(logits, row_max, row_sum, targets, grad, offset, vocab_size,
-                           ignore_index):
-    """d loss / d logits of this shard, given the global per-row max and sum and d loss / d row."""
+                           ignore_index, expected=None, learned=None, dx=None):
+    """d loss / d logits of this shard, given the global per-row max and sum and d loss / d row;
+    with `expected`, `learned` and `dx` (a forward_grad's), written into dx where the row's
+    gradient is not the expected one."""
     if not is_device_array(logits):
         return cross_entropy_backward_numpy(logits, row_max, row_sum, targets, grad, offset,
-                                            vocab_size, ignore_index)
-    _check(logits, targets, row_max=row_max, row_sum=row_sum, grad=grad)
-    dx = xp.empty_like(logits)
-    _launch("cross_entropy_backward", logits, (logits, row_max, row_sum, targets, grad, dx),
-            (logits, dx), offset, vocab_size, ignore_index)
+                                            vocab_size, ignore_index, expected, learned, dx)
+    compute = _check(logits, targets, row_max=row_max, row_sum=row_sum, grad=grad)
+    if expected is None:
+        dx, expected, learned = xp.empty_like(logits), NULL, NULL
+    else:
+        _check_scalars(compute, expected=expected, learned=learned)
+        if dx.shape != logits.shape or dx.dtype != logits.dtype:
+            raise ValueError(f"cross_entropy: dx must be {logits.dtype} {logits.shape}, got "
+                             f"{dx.dtype} {dx.shape}")
+    _launch("cross_entropy_backward", logits,
+            (logits, row_max, row_sum, targets, grad, expected, learned, dx), (logits, dx),
+            offset, vocab_size, ignore_index)
     return dx
+
+
+def _check_scalars(compute, **scalars):
+    for name, array in scalars.items():
+        if array.dtype != compute or array.shape != (1,):
+            raise ValueError(f"cross_entropy: {name} must be {compute} of shape (1,), got "
+                             f"{array.dtype} {array.shape}")
 
 
 def _check(logits, targets, **rows):
@@ -106,15 +150,35 @@ def cross_entropy_forward_numpy(logits, targets, offset, vocab_size, ignore_inde
     return m, numpy.stack([total, picked], axis=-1).astype(compute)
 
 
+def cross_entropy_forward_grad_numpy(logits, targets, offset, vocab_size, ignore_index,
+                                     learned):
+    """NumPy twin of `cross_entropy_forward_grad`."""
+    row_max, stats = cross_entropy_forward_numpy(logits, targets, offset, vocab_size,
+                                                 ignore_index)
+    _check_scalars(row_max.dtype, learned=learned)
+    grad = numpy.full(targets.shape, learned[0], row_max.dtype)
+    dx = cross_entropy_backward_numpy(logits, row_max, numpy.ascontiguousarray(stats[..., 0]),
+                                      targets, grad, offset, vocab_size, ignore_index)
+    return row_max, stats, dx, learned.copy()
+
+
 def cross_entropy_backward_numpy(logits, row_max, row_sum, targets, grad, offset, vocab_size,
-                                 ignore_index):
+                                 ignore_index, expected=None, learned=None, dx=None):
     """NumPy twin of `cross_entropy_backward`."""
-    _check(logits, targets, row_max=row_max, row_sum=row_sum, grad=grad)
+    compute = _check(logits, targets, row_max=row_max, row_sum=row_sum, grad=grad)
     existing = existing_columns(logits.shape[-1], offset, vocab_size)
     x = logits[..., :existing].astype(row_max.dtype)
     onehot = numpy.arange(offset, offset + existing) == targets[..., None]
     d = numpy.exp(x - row_max[..., None]) * (grad / row_sum)[..., None] \
         - numpy.where(onehot, grad[..., None], 0)
-    dx = numpy.zeros(logits.shape, logits.dtype)
-    dx[..., :existing] = numpy.where((targets != ignore_index)[..., None], d, 0)
+    written = numpy.zeros(logits.shape, logits.dtype)
+    written[..., :existing] = numpy.where((targets != ignore_index)[..., None], d, 0)
+    if expected is None:
+        return written
+    _check_scalars(compute, expected=expected, learned=learned)
+    other = grad != expected[0]
+    dx[other] = written[other]
+    first = grad.reshape(-1)[:1]
+    if first.size and first[0] != expected[0] and numpy.isfinite(first[0]) and first[0] != 0:
+        learned[0] = first[0]
     return dx

@@ -297,9 +297,12 @@ def cross_entropy(logits, targets, ignore_index=-100, reduction="mean", vocab_si
     equal to `ignore_index` count for nothing ("mean" divides by the number of the others; where
     the tokens are split over ranks, their loss sum and count are all-reduced together, once);
     any other target outside [0, vocab_size) makes the loss NaN (checked on the device: no
-    sync).
+    sync). Where a backward will follow and the vocabulary is whole on each rank, the forward
+    writes the logits' gradient in its pass, for the per-row gradient the last backward brought
+    (`_learned_gradient`); the backward then rewrites only rows whose gradient differs.
     """
-    from cupytp.launchers.cross_entropy import cross_entropy_backward, cross_entropy_forward
+    from cupytp.launchers.cross_entropy import (
+        cross_entropy_backward, cross_entropy_forward, cross_entropy_forward_grad)
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"cross_entropy: reduction {reduction!r} is not mean, sum or none")
     vocab_size = logits.shape[-1] if vocab_size is None else vocab_size
@@ -316,7 +319,13 @@ def cross_entropy(logits, targets, ignore_index=-100, reduction="mean", vocab_si
     x = xp.ascontiguousarray(logits._local)
     ids = xp.ascontiguousarray(targets._local, dtype=xp.int64)
     window = (offset, vocab_size, ignore_index)
-    local_max, stats = cross_entropy_forward(x, ids, *window)    # (rows,), (rows, 2)
+    if engine.records((logits,)) and not any(logits.mesh.shape[d] > 1 for d in vocab_dims):
+        learned = _learned_gradient(x)      # the gradient written now: the last backward's
+        local_max, stats, dx, expected = cross_entropy_forward_grad(x, ids, *window, learned)
+        written = (expected, learned, dx)
+    else:
+        local_max, stats = cross_entropy_forward(x, ids, *window)    # (rows,), (rows, 2)
+        written = ()
     max_placements = tuple(Partial("max") if p.is_partial() else p for p in placements)
     row_max = reduce_all("cross_entropy", make(local_max, logits.mesh, targets.shape,
                                                max_placements))
@@ -332,7 +341,8 @@ def cross_entropy(logits, targets, ignore_index=-100, reduction="mean", vocab_si
     def backward(g):
         g = linear_grad(g, out.placements, strict=vocab_dims)
         grad = cross_entropy_backward(x, m, row_sum, ids,
-                                      xp.ascontiguousarray(g._local, dtype=m.dtype), *window)
+                                      xp.ascontiguousarray(g._local, dtype=m.dtype), *window,
+                                      *written)
         grad_placements = tuple(px if isinstance(px, Shard) else gp
                                 for px, gp in zip(logits.placements, g.placements))
         return (make(grad, logits.mesh, logits.shape, grad_placements), None)
@@ -344,6 +354,27 @@ def cross_entropy(logits, targets, ignore_index=-100, reduction="mean", vocab_si
         return total
     valid = make(kept.astype(m.dtype), targets.mesh, targets.shape, targets.placements)
     return _packed_mean(total, reduce_sum(valid))
+
+
+_learned_gradients = {}     # (array module, rows' shape, compute dtype) -> 1-element array
+
+
+def _learned_gradient(logits):
+    """The per-row loss gradient the last backward of cross-entropy over logits of this shape
+    brought (1 before any): the forward writes its gradient for it (`cross_entropy_forward_grad`).
+    One lasting array per shape, read and written by the kernels (so also by CUDA graphs)."""
+    from cupytp.launchers import lasting_buffer
+    compute = compute_dtype(logits.dtype)
+    key = (is_device_array(logits), logits.shape[:-1], compute)
+    learned = _learned_gradients.get(key)
+    if learned is None:
+        if key[0]:
+            learned = lasting_buffer(compute.itemsize).view(compute)
+            learned[...] = 1
+        else:
+            learned = numpy.ones(1, compute)
+        learned = _learned_gradients[key] = learned
+    return learned
 
 
 def _packed_mean(total, count):

@@ -16,6 +16,8 @@ from cupytp.launchers.column_sum import column_sum, column_sum_and_cast
 from cupytp.launchers.column_sum import column_sum_numpy
 from cupytp.launchers.cross_entropy import cross_entropy_backward, cross_entropy_backward_numpy
 from cupytp.launchers.cross_entropy import cross_entropy_forward, cross_entropy_forward_numpy
+from cupytp.launchers.cross_entropy import (
+    cross_entropy_forward_grad, cross_entropy_forward_grad_numpy)
 from cupytp.launchers.embedding import (
     embedding_backward, embedding_backward_numpy, embedding_forward, embedding_forward_numpy)
 from cupytp.launchers.gelu import MAX_ROW_BLOCKS, THREADS, bias_gelu, bias_gelu_backward
@@ -129,6 +131,49 @@ def test_cross_entropy_rejects_bad_arrays():
     m, stats = cross_entropy_forward(logits, targets, 0, 7, IGNORE)
     with pytest.raises(ValueError, match="row_sum must be float32 of shape"):
         cross_entropy_backward(logits, m, stats[:, 0].astype(F64), targets, m, 0, 7, IGNORE)
+
+
+@pytest.mark.parametrize("dtype", [F64, F32, bfloat16], ids=dtype_suffix)
+def test_cross_entropy_twin_writes_the_gradient_the_backward_keeps(dtype):
+    """forward_grad: the forward's statistics and the backward's dlogits for the learned per-row
+    gradient, bit for bit; the backward given what it expected leaves the rows whose gradient is
+    that one as written (poison there stays) and writes the others, bit for bit the plain
+    backward's; row 0's new gradient is learned, unless 0 or not finite."""
+    logits, targets = ce_inputs((2, 3, 9), 8, dtype, seed=4)
+    compute = compute_dtype(dtype)
+    learned = numpy.array([0.25], compute)
+    m, stats, dx, expected = cross_entropy_forward_grad_numpy(logits, targets, 0, 8, IGNORE,
+                                                              learned)
+    m_plain, stats_plain = cross_entropy_forward_numpy(logits, targets, 0, 8, IGNORE)
+    numpy.testing.assert_array_equal(m, m_plain)
+    numpy.testing.assert_array_equal(stats, stats_plain)
+    row_sum = numpy.ascontiguousarray(stats[..., 0])
+
+    def plain(g):
+        return cross_entropy_backward_numpy(logits, m, row_sum, targets, g, 0, 8, IGNORE)
+    same = numpy.full(targets.shape, 0.25, compute)
+    numpy.testing.assert_array_equal(bits(dx), bits(plain(same)))
+    assert expected[0] == 0.25 and expected is not learned
+    g = same.copy()
+    g[1, 2] = 0.5                                       # one row brings another gradient
+    poisoned = numpy.full(dx.shape, numpy.nan, dtype)
+    out = cross_entropy_backward_numpy(logits, m, row_sum, targets, g, 0, 8, IGNORE, expected,
+                                       learned, poisoned)
+    assert out is poisoned and learned[0] == 0.25       # row 0's gradient is the expected one
+    numpy.testing.assert_array_equal(bits(out[1, 2]), bits(plain(g)[1, 2]))
+    assert numpy.isnan(numpy.delete(out.reshape(6, 9), 5, axis=0).astype(F64)).all()
+    for first, kept in ((0.125, 0.125), (0.0, 0.125), (numpy.inf, 0.125)):
+        g = numpy.full(targets.shape, first, compute)
+        with numpy.errstate(invalid="ignore"):          # inf times 0 in the target's column
+            out = cross_entropy_backward_numpy(logits, m, row_sum, targets, g, 0, 8, IGNORE,
+                                               expected, learned, dx.copy())
+            numpy.testing.assert_array_equal(bits(out), bits(plain(g)))
+        assert learned[0] == kept
+
+
+def bits(a):
+    """The bits of a float array (equal NaNs of any dtype compare equal)."""
+    return numpy.ascontiguousarray(a).view(f"u{a.dtype.itemsize}")
 
 
 # ---- column sums twin ---------------------------------------------------------------------------
@@ -422,6 +467,56 @@ def test_cross_entropy_kernels_match_twin(dtype, shape, offset, vocab_size, star
     assert dx.dtype == dtype and dx.shape == shape
     assert_close(dx, cross_entropy_backward_numpy(logits, *args, offset, vocab_size, IGNORE),
                  dtype)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype", [F32, F64, bfloat16, F16], ids=dtype_suffix)
+@pytest.mark.parametrize("shape,vocab_size,start", [
+    ((4, 7, 64), 64, 0), ((3, 50304), 50257, 0), ((5, 1000), 1000, 1), ((2, 130), 129, 0)])
+def test_cross_entropy_forward_grad_kernel_is_the_backward_bit_for_bit(dtype, shape, vocab_size,
+                                                                       start):
+    """forward_grad on the GPU: the forward kernel's statistics and the backward kernel's
+    dlogits for the learned gradient, bit for bit (vector and element-at-a-time forms); the
+    backward given what it expected keeps those rows (poison stays) and writes the others as the
+    plain backward does; row 0's gradient is learned. The twin agrees to the kernels' accuracy."""
+    rng = numpy.random.default_rng(7)
+    logits = (3 * rng.standard_normal(shape)).astype(dtype)
+    targets = ce_kernel_targets(rng, shape, 0, vocab_size)
+    targets[targets >= vocab_size] = 0
+    targets[targets < 0] = IGNORE
+    device, ids = _at_offset(logits, start), xp.asarray(targets)
+    compute = compute_dtype(dtype)
+    learned = xp.asarray(numpy.array([0.375], compute))
+    with poisoned_allocations():
+        m, stats, dx, expected = cross_entropy_forward_grad(device, ids, 0, vocab_size, IGNORE,
+                                                            learned)
+        m_plain, stats_plain = cross_entropy_forward(device, ids, 0, vocab_size, IGNORE)
+    numpy.testing.assert_array_equal(bits(asnumpy(m)), bits(asnumpy(m_plain)))
+    numpy.testing.assert_array_equal(bits(asnumpy(stats)), bits(asnumpy(stats_plain)))
+    row_sum = xp.ascontiguousarray(stats[..., 0])
+
+    def plain(g):
+        return asnumpy(cross_entropy_backward(device, m, row_sum, ids, g, 0, vocab_size, IGNORE))
+    g = xp.full(targets.shape, 0.375, compute)
+    numpy.testing.assert_array_equal(bits(asnumpy(dx)), bits(plain(g)))
+    assert float(expected[0]) == 0.375
+    twin = cross_entropy_forward_grad_numpy(logits, targets, 0, vocab_size, IGNORE,
+                                            numpy.array([0.375], compute))
+    assert_close(dx, twin[2], dtype)
+    g[-1] = 0.5                                 # the last row brings another gradient
+    poisoned = xp.full(shape, numpy.nan, dtype)
+    out = cross_entropy_backward(device, m, row_sum, ids, g, 0, vocab_size, IGNORE, expected,
+                                 learned, poisoned)
+    assert out is poisoned and float(learned[0]) == 0.375
+    got = asnumpy(out).reshape(-1, shape[-1])
+    numpy.testing.assert_array_equal(bits(got[-1]), bits(plain(g).reshape(-1, shape[-1])[-1]))
+    assert numpy.isnan(got[:-1].astype(F64)).all()
+    g[...] = 0.125                              # every row: row 0's gradient is learned
+    out = cross_entropy_backward(device, m, row_sum, ids, g, 0, vocab_size, IGNORE, expected,
+                                 learned, dx.copy())
+    numpy.testing.assert_array_equal(bits(asnumpy(out)), bits(plain(g)))
+    assert float(learned[0]) == 0.125
 
 
 @pytest.mark.gpu

@@ -233,6 +233,29 @@ def test_cross_entropy():
     numpy.testing.assert_allclose(out, ((lse - picked) * (t != -100)).sum() / 3, rtol=1e-12)
 
 
+def test_cross_entropy_gradient_written_in_the_forward_is_the_backwards(monkeypatch):
+    """The forward writes the logits' gradient for the per-row gradient the last backward
+    brought; over steps whose loss is scaled by 1, 1, 0.5, 0.5, 1 (a gradient seen first, then
+    again) the logits' gradient is bit for bit the backward computing it, and the backward
+    rewrites rows only at the steps where the gradient changed."""
+    from cupytp.launchers import cross_entropy as kernels
+    from cupytp.ops import functional
+    monkeypatch.setattr(functional, "_learned_gradients", {})
+    rewritten, backward = [], kernels.cross_entropy_backward
+    monkeypatch.setattr(kernels, "cross_entropy_backward", lambda *a, **k: (
+        rewritten.append(bool((a[4] != a[8][0]).any())), backward(*a, **k))[1])
+    x, t = r(3, 4, 9), numpy.array([[1, 6, -100, 0], [8, 8, 2, -100], [3, 4, 5, 6]])
+    valid = (t != -100).sum()
+    for factor in (1.0, 1.0, 0.5, 0.5, 1.0):
+        logits = dt(x)
+        (ops.cross_entropy(logits, dt(t, grad=False)) * factor).backward()
+        m, stats = kernels.cross_entropy_forward_numpy(x, t, 0, 9, -100)
+        g = numpy.full(t.shape, numpy.float64(factor) / valid)
+        want = kernels.cross_entropy_backward_numpy(x, m, stats[..., 0].copy(), t, g, 0, 9, -100)
+        numpy.testing.assert_array_equal(value(logits.grad), want)
+    assert rewritten == [True, False, True, False, True]
+
+
 def cross_entropy_ref(x, t, vocab_size):
     """Mean cross-entropy over the rows whose target is not -100, softmax over the first
     `vocab_size` columns only."""
