@@ -11,8 +11,8 @@
 //     dx_j = (exp(x_j - M) g / S - [offset + j == target] g),
 //     zero in the padding columns and in rows whose target is ignore_index.
 //   forward_grad (an unsharded row, so m and s are M and S): the forward's statistics and dx for
-//     the g that the last backward brought (learned[0]), from the row read a second time (from
-//     L2: the row was just read); the backward then writes only rows whose g is another.
+//     the g that the last backward brought (learned[0]), from the row kept in shared memory as
+//     it was read; the backward then writes only rows whose g is another.
 // Storage dtype T, compute dtype C (float for fp32/bf16/fp16, double for fp64).
 //
 // Both directions stream the row (the forward reads it once, the backward reads it once and
@@ -73,19 +73,24 @@ struct RunningSum {
 };
 
 // x = the U vectors v, v + blockDim.x, ..., v + (U - 1) blockDim.x of V elements of the row xr,
-// widened; the U loads are issued before any is used.
+// widened; the U loads are issued before any is used. With `keep`, the vectors are also stored
+// there as they were read (a copy of the row in shared memory).
 template <typename C, int V, int U, typename T>
-__device__ __forceinline__ void load_vectors(C (&x)[U * V], const T* __restrict__ xr, int v)
+__device__ __forceinline__ void load_vectors(C (&x)[U * V], const T* __restrict__ xr, int v,
+                                             T* keep = nullptr)
 {
     Pack<T, V> p[U];
 #pragma unroll
     for (int u = 0; u < U; ++u)
         p[u] = load_pack<V>(xr + (v + u * (int)blockDim.x) * V);
 #pragma unroll
-    for (int u = 0; u < U; ++u)
+    for (int u = 0; u < U; ++u) {
+        if (keep)
+            store_pack(keep + (v + u * (int)blockDim.x) * V, p[u]);
 #pragma unroll
         for (int k = 0; k < V; ++k)
             x[u * V + k] = widen<C>(p[u].v[k]);
+    }
 }
 
 // Writes d(x, column) to the row dr at the columns of the U vectors load_vectors read into x.
@@ -107,22 +112,26 @@ __device__ __forceinline__ void store_vectors(T* __restrict__ dr, int v, const C
 // Adds the first n values of the row xr to the thread's running sum (its vectors of V, by
 // UNROLL, then the columns past the last whole vector one at a time).
 template <int V, typename T, typename C>
-__device__ __forceinline__ void add_row(RunningSum<C>& sum, const T* __restrict__ xr, int n)
+__device__ __forceinline__ void add_row(RunningSum<C>& sum, const T* __restrict__ xr, int n,
+                                        T* keep = nullptr)
 {
     const int vectors = n / V, stride = blockDim.x;
     int v = threadIdx.x;
     for (; v + (UNROLL - 1) * stride < vectors; v += UNROLL * stride) {
         C x[UNROLL * V];
-        load_vectors<C, V, UNROLL>(x, xr, v);
+        load_vectors<C, V, UNROLL>(x, xr, v, keep);
         sum.add(x);
     }
     for (; v < vectors; v += stride) {
         C x[V];
-        load_vectors<C, V, 1>(x, xr, v);
+        load_vectors<C, V, 1>(x, xr, v, keep);
         sum.add(x);
     }
     for (int j = vectors * V + threadIdx.x; j < n; j += stride) {
-        const C x[1] = {widen<C>(xr[j])};
+        const T value = xr[j];
+        if (keep)
+            keep[j] = value;
+        const C x[1] = {widen<C>(value)};
         sum.add(x);
     }
 }
@@ -134,7 +143,7 @@ template <int V, typename T, typename C>
 __device__ __forceinline__ void row_statistics(const T* __restrict__ xr, long long target,
                                                int existing, long long offset,
                                                long long vocab_size, long long ignore_index,
-                                               C& m, C& s, C& picked)
+                                               C& m, C& s, C& picked, T* keep = nullptr)
 {
     picked = 0;     // the target's logit: loaded first, so that it arrives while the row streams
     if (threadIdx.x == 0) {
@@ -145,7 +154,7 @@ __device__ __forceinline__ void row_statistics(const T* __restrict__ xr, long lo
             picked = widen<C>(xr[local]);
     }
     RunningSum<C> sum{negative_infinity<C>(), C(0)};
-    add_row<V>(sum, xr, existing);
+    add_row<V>(sum, xr, existing, keep);
     m = block_reduce(sum.m, Max<C>());
     // each thread's sum against the block's max (a NaN sum stays NaN)
     s = block_reduce(sum.s * shifted_exp(sum.m, shift_of(m)), Sum<C>());
@@ -209,8 +218,9 @@ __device__ __forceinline__ void row_gradient(const T* __restrict__ xr, T* __rest
     }
 }
 
-// The forward's statistics and, in the same pass (the row read again from L2), dx for the
-// per-row upstream gradient g = expected[0] = learned[0] (a whole, unsharded vocabulary).
+// The forward's statistics and, in the same pass, dx for the per-row upstream gradient
+// g = expected[0] = learned[0] (a whole, unsharded vocabulary): the row is read once, kept in
+// shared memory (the launch's dynamic shared memory holds cols elements) for dx.
 template <int V, typename T, typename C>
 __device__ void cross_entropy_forward_grad(const T* __restrict__ logits,
                                            const long long* __restrict__ targets,
@@ -220,13 +230,15 @@ __device__ void cross_entropy_forward_grad(const T* __restrict__ logits,
                                            long long offset, long long vocab_size,
                                            long long ignore_index)
 {
+    extern __shared__ __align__(16) unsigned char cache[];
+    T* kept = reinterpret_cast<T*>(cache);
     const long long row = blockIdx.x;
     const T* xr = logits + row * cols;
     const long long target = targets[row];
     const C g = learned[0];
     C m, s, picked;
     row_statistics<V>(xr, target, existing_columns(cols, offset, vocab_size), offset,
-                      vocab_size, ignore_index, m, s, picked);
+                      vocab_size, ignore_index, m, s, picked, kept);
     if (threadIdx.x == 0) {
         row_max[row] = m;
         stats[2 * row] = s;
@@ -234,8 +246,8 @@ __device__ void cross_entropy_forward_grad(const T* __restrict__ logits,
         if (row == 0)
             expected[0] = g;
     }
-    row_gradient<V>(xr, dx + row * cols, target, m, s, g, cols, offset, vocab_size,
-                    ignore_index);
+    row_gradient<V>(kept, dx + row * cols, target, m, s, g, cols, offset, vocab_size,
+                    ignore_index);   // block_reduce synchronized the block: the row is kept
 }
 
 // dx with the global M and S and g = grad[row]. With `expected` (the g a forward_grad wrote dx

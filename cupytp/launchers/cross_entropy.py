@@ -13,8 +13,9 @@ with the global M and S. Computed in float32 (float64 for float64); dlogits has 
 dtype, the per-row arrays the compute dtype.
 
 `cross_entropy_forward_grad(logits, targets, offset, vocab_size, ignore_index, learned)` →
-(row_max, stats, dlogits, expected), for logits holding every column: the forward's statistics
-and, in the same pass, dlogits for the per-row gradient `learned` (1 element, the compute dtype,
+(row_max, stats, dlogits, expected), for logits holding every column, each row fitting a block's
+shared memory (`forward_grad_fits`): the forward's statistics and, in the same pass (the row read
+once, kept in shared memory), dlogits for the per-row gradient `learned` (1 element, the compute dtype,
 kept by the caller across steps), which `expected` keeps for `cross_entropy_backward(...,
 expected=, learned=, dx=)`: that writes into `dx` only the rows whose gradient is not the
 expected one (bit for bit what it writes otherwise), and makes row 0's gradient the one learned
@@ -25,6 +26,7 @@ The kernels move 16-byte vectors where the columns are a multiple of the vector 
 start on one (a logits view at another address takes the element-at-a-time form), and take exp
 in float32 by the hardware's 2^x (about 1e-6 relative; `exp` itself in float64).
 """
+import functools
 import math
 
 import numpy
@@ -60,11 +62,32 @@ def cross_entropy_forward_grad(logits, targets, offset, vocab_size, ignore_index
     _check_scalars(compute, learned=learned)
     row_max = xp.empty(targets.shape, dtype=compute)
     stats = xp.empty(targets.shape + (2,), dtype=compute)
+    if not forward_grad_fits(logits):
+        raise ValueError(f"cross_entropy_forward_grad: a row of {logits.shape[-1]} "
+                         f"{logits.dtype} is more than a block's shared memory "
+                         f"({_shared_memory_limit()} bytes): use cross_entropy_forward")
     dx, expected = xp.empty_like(logits), xp.empty(1, dtype=compute)
     _launch("cross_entropy_forward_grad", logits,
             (logits, targets, learned, expected, row_max, stats, dx), (logits, dx), offset,
-            vocab_size, ignore_index)
+            vocab_size, ignore_index, _row_bytes(logits))
     return row_max, stats, dx, expected
+
+
+def forward_grad_fits(logits):
+    """True when `cross_entropy_forward_grad` takes these logits: always for NumPy arrays; on
+    the GPU where a row fits the dynamic shared memory of one block (50304 bf16 columns do,
+    128256 do not)."""
+    return not is_device_array(logits) or _row_bytes(logits) <= _shared_memory_limit()
+
+
+def _row_bytes(logits):
+    return -(-logits.shape[-1] * logits.itemsize // 16) * 16
+
+
+@functools.cache
+def _shared_memory_limit():
+    """The most dynamic shared memory one block of this GPU may ask for."""
+    return xp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
 
 
 def cross_entropy_backward(logits, row_max, row_sum, targets, grad, offset, vocab_size,
@@ -113,17 +136,20 @@ def _check(logits, targets, **rows):
     return compute
 
 
-def _launch(name, logits, arrays, rows_arrays, offset, vocab_size, ignore_index):
+def _launch(name, logits, arrays, rows_arrays, offset, vocab_size, ignore_index, shared=0):
     """One block of BLOCK_THREADS per row (a step's thousands of rows fill every multiprocessor
-    many times over); the vector form where every array of `rows_arrays` (the logits' shape)
-    allows it."""
+    many times over), with `shared` bytes of dynamic shared memory; the vector form where every
+    array of `rows_arrays` (the logits' shape) allows it."""
     rows, cols = math.prod(logits.shape[:-1]), logits.shape[-1]
     if rows == 0:                        # launched even for 0 columns: the row stats exist
         return
     width = vector_width(VECTOR_BYTES // logits.itemsize, cols, rows_arrays)
     kernel = get_kernel("cross_entropy.cu", f"{name}_{dtype_suffix(logits.dtype)}_v{width}")
+    if shared > kernel.raw.max_dynamic_shared_size_bytes:
+        kernel.raw.max_dynamic_shared_size_bytes = shared
     kernel((rows,), (BLOCK_THREADS,), (*arrays, numpy.int32(cols), numpy.int64(offset),
-                                       numpy.int64(vocab_size), numpy.int64(ignore_index)))
+                                       numpy.int64(vocab_size), numpy.int64(ignore_index)),
+           shared_mem=shared)
 
 
 def existing_columns(cols, offset, vocab_size):

@@ -297,12 +297,14 @@ def cross_entropy(logits, targets, ignore_index=-100, reduction="mean", vocab_si
     equal to `ignore_index` count for nothing ("mean" divides by the number of the others; where
     the tokens are split over ranks, their loss sum and count are all-reduced together, once);
     any other target outside [0, vocab_size) makes the loss NaN (checked on the device: no
-    sync). Where a backward will follow and the vocabulary is whole on each rank, the forward
-    writes the logits' gradient in its pass, for the per-row gradient the last backward brought
-    (`_learned_gradient`); the backward then rewrites only rows whose gradient differs.
+    sync). Where a backward will follow, the vocabulary is whole on each rank and a row fits a
+    block's shared memory, the forward writes the logits' gradient in its pass, for the per-row
+    gradient the last backward brought (`_learned_gradient`); the backward then rewrites only
+    rows whose gradient differs.
     """
     from cupytp.launchers.cross_entropy import (
-        cross_entropy_backward, cross_entropy_forward, cross_entropy_forward_grad)
+        cross_entropy_backward, cross_entropy_forward, cross_entropy_forward_grad,
+        forward_grad_fits)
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"cross_entropy: reduction {reduction!r} is not mean, sum or none")
     vocab_size = logits.shape[-1] if vocab_size is None else vocab_size
@@ -319,7 +321,8 @@ def cross_entropy(logits, targets, ignore_index=-100, reduction="mean", vocab_si
     x = xp.ascontiguousarray(logits._local)
     ids = xp.ascontiguousarray(targets._local, dtype=xp.int64)
     window = (offset, vocab_size, ignore_index)
-    if engine.records((logits,)) and not any(logits.mesh.shape[d] > 1 for d in vocab_dims):
+    if engine.records((logits,)) and forward_grad_fits(x) and \
+            not any(logits.mesh.shape[d] > 1 for d in vocab_dims):
         learned = _learned_gradient(x)      # the gradient written now: the last backward's
         local_max, stats, dx, expected = cross_entropy_forward_grad(x, ids, *window, learned)
         written = (expected, learned, dx)

@@ -17,7 +17,7 @@ from cupytp.launchers.column_sum import column_sum_numpy
 from cupytp.launchers.cross_entropy import cross_entropy_backward, cross_entropy_backward_numpy
 from cupytp.launchers.cross_entropy import cross_entropy_forward, cross_entropy_forward_numpy
 from cupytp.launchers.cross_entropy import (
-    cross_entropy_forward_grad, cross_entropy_forward_grad_numpy)
+    cross_entropy_forward_grad, cross_entropy_forward_grad_numpy, forward_grad_fits)
 from cupytp.launchers.embedding import (
     embedding_backward, embedding_backward_numpy, embedding_forward, embedding_forward_numpy)
 from cupytp.launchers.gelu import MAX_ROW_BLOCKS, THREADS, bias_gelu, bias_gelu_backward
@@ -479,7 +479,10 @@ def test_cross_entropy_forward_grad_kernel_is_the_backward_bit_for_bit(dtype, sh
     """forward_grad on the GPU: the forward kernel's statistics and the backward kernel's
     dlogits for the learned gradient, bit for bit (vector and element-at-a-time forms); the
     backward given what it expected keeps those rows (poison stays) and writes the others as the
-    plain backward does; row 0's gradient is learned. The twin agrees to the kernels' accuracy."""
+    plain backward does; row 0's gradient is learned. The twin agrees to the kernels' accuracy.
+    A row must fit a block's shared memory: GPT-2's 50304 bf16 columns do, Llama 3's 128256 not."""
+    assert forward_grad_fits(xp.empty((1, 50304), bfloat16))
+    assert not forward_grad_fits(xp.empty((1, 128256), bfloat16))
     rng = numpy.random.default_rng(7)
     logits = (3 * rng.standard_normal(shape)).astype(dtype)
     targets = ce_kernel_targets(rng, shape, 0, vocab_size)
@@ -504,7 +507,7 @@ def test_cross_entropy_forward_grad_kernel_is_the_backward_bit_for_bit(dtype, sh
     twin = cross_entropy_forward_grad_numpy(logits, targets, 0, vocab_size, IGNORE,
                                             numpy.array([0.375], compute))
     assert_close(dx, twin[2], dtype)
-    g[-1] = 0.5                                 # the last row brings another gradient
+    g.reshape(-1)[-1] = 0.5                     # the last row brings another gradient
     poisoned = xp.full(shape, numpy.nan, dtype)
     out = cross_entropy_backward(device, m, row_sum, ids, g, 0, vocab_size, IGNORE, expected,
                                  learned, poisoned)
