@@ -491,6 +491,10 @@ def test_cross_entropy_forward_grad_kernel_is_the_backward_bit_for_bit(dtype, sh
     device, ids = _at_offset(logits, start), xp.asarray(targets)
     compute = compute_dtype(dtype)
     learned = xp.asarray(numpy.array([0.375], compute))
+    if not forward_grad_fits(device):           # 50304 doubles
+        with pytest.raises(ValueError, match="more than a block's shared memory"):
+            cross_entropy_forward_grad(device, ids, 0, vocab_size, IGNORE, learned)
+        return
     with poisoned_allocations():
         m, stats, dx, expected = cross_entropy_forward_grad(device, ids, 0, vocab_size, IGNORE,
                                                             learned)
