@@ -84,14 +84,9 @@ def vector_width(width, cols, arrays):
 def rows_grid(rows, vectors, threads=256, rows_per_thread=1, max_row_blocks=65535):
     """(grid, block) of a kernel whose thread (x, y) owns one vector of columns and strides over
     rows: blocks of `threads`, `vectors` per row across x (a multiple of 32 lanes, at most
-    `threads`; the most lanes of 32 times a power of two that divide `vectors`, where `vectors`
-    is a multiple of 64 and more than `threads`, so that no block's lanes idle: 384 vectors take
-    3 blocks of 128 lanes, not 2 of 256), the rest of the block and grid across rows, about
-    `rows_per_thread` rows each (at most `max_row_blocks` blocks across rows: then more)."""
+    `threads`), the rest of the block and grid across rows, about `rows_per_thread` rows each
+    (at most `max_row_blocks` blocks across rows: then more)."""
     lanes = min(threads, ceil_div(vectors, 32) * 32)
-    if vectors > threads and vectors % 64 == 0:
-        while vectors % lanes:
-            lanes //= 2
     row_lanes = threads // lanes
     row_blocks = ceil_div(rows, row_lanes * rows_per_thread)
     return ((ceil_div(vectors, lanes), max(1, min(row_blocks, max_row_blocks))),
