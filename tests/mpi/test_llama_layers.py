@@ -204,6 +204,55 @@ def test_fused_attention_equals_chain_in_bf16(mesh, kv_heads, bias, dtype):
         assert numpy.linalg.norm(got - want) <= 2e-2 * numpy.linalg.norm(want) + 1e-6
 
 
+def test_the_mlps_norm_backward_casts_the_attentions_gradient(mesh, monkeypatch):
+    """bf16 autocast on fp32 parameters, an attention sublayer then an MLP sublayer (both fused
+    with their RMSNorms): the attention reads its output's gradient as the MLP's norm backward
+    cast it in its own pass, not by a cast of its own; every gradient is the one of the
+    attention casting it itself, bit for bit."""
+    if 4 % tp_size(mesh):
+        pytest.skip("heads do not split")
+    from cupytp.ops import fused
+    make_attention = attention(2, sublayer=True, dim=256, heads=4)
+
+    class Pair(nn.Module):
+        def __init__(self, mesh):
+            super().__init__()
+            self.attention = make_attention(mesh)
+            self.mlp = Sublayer(lambda m: nn.SwiGLU(256, 512, m, dtype="fp64", init_std=0.3),
+                                mesh, 256)
+
+        def forward(self, x):
+            return self.mlp(self.attention(x))
+    x = rng_array((2, 6, 256), 9) * 0.5
+    taken, given = [], fused._given_cast
+
+    def spy(g, dtype, with_sum):
+        made = given(g, dtype, with_sum)
+        taken.append(made is not None)
+        return made
+    monkeypatch.setattr(fused, "_given_cast", spy)
+
+    def run():
+        cupytp.manual_seed(3)
+        pair = Pair(mesh).to("fp32")
+        xt = lay_out(x.astype(numpy.float32), mesh, (Replicated(),) * mesh.ndim,
+                     requires_grad=True)
+        with ops.autocast("bf16"):
+            y = pair(xt)
+        assert y._node.name == "swiglu_mlp"
+        (y * lay_out(rng_array(y.shape, 10).astype(numpy.float32), mesh,
+                     y.placements)).sum().backward()
+        return [full(xt.grad)] + [full(p.grad) for p in pair.parameters()]
+    handed = run()
+    assert taken == [False, True]           # the MLP's (the loss's gradient), the attention's
+    monkeypatch.setattr(fused, "_cast_wanted", lambda x: None)
+    taken.clear()
+    own = run()
+    assert taken == [False, False]
+    for got, want in zip(handed, own):
+        numpy.testing.assert_array_equal(got, want)
+
+
 def test_fused_mlp_equals_chain_in_float64(mesh):
     """The fused SwiGLU sublayer computes in the parameters' float64 on the CPU: it equals the
     chain to rounding."""
