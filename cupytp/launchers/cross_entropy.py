@@ -14,13 +14,14 @@ dtype, the per-row arrays the compute dtype.
 
 `cross_entropy_forward_grad(logits, targets, offset, vocab_size, ignore_index, learned)` →
 (row_max, stats, dlogits, expected), for logits holding every column, each row fitting a block's
-shared memory (`forward_grad_fits`): the forward's statistics and, in the same pass (the row read
-once, kept in shared memory), dlogits for the per-row gradient `learned` (1 element, the compute dtype,
-kept by the caller across steps), which `expected` keeps for `cross_entropy_backward(...,
-expected=, learned=, dx=)`: that writes into `dx` only the rows whose gradient is not the
-expected one (bit for bit what it writes otherwise), and makes row 0's gradient the one learned
-for the next forward. A training step whose loss gradient stays the same (the mean's 1/count
-under a backward seeded with 1, times any fixed factor) so reads and writes the logits once.
+shared memory (`forward_grad_fits`): the forward's statistics and, in the same pass (the row
+read once, kept in shared memory), dlogits for the per-row gradient `learned` (1 element, the
+compute dtype, kept by the caller across steps), which `expected` keeps for
+`cross_entropy_backward(..., expected=, learned=, dx=)`: that writes into `dx` only the rows
+whose gradient is not the expected one (bit for bit what it writes otherwise), and makes row 0's
+gradient the one learned for the next forward. A training step whose loss gradient stays the
+same (the mean's 1/count under a backward seeded with 1, times any fixed factor) so reads and
+writes the logits once.
 
 The kernels move 16-byte vectors where the columns are a multiple of the vector and the arrays
 start on one (a logits view at another address takes the element-at-a-time form), and take exp
@@ -60,12 +61,12 @@ def cross_entropy_forward_grad(logits, targets, offset, vocab_size, ignore_index
                                                 ignore_index, learned)
     compute = _check(logits, targets)
     _check_scalars(compute, learned=learned)
-    row_max = xp.empty(targets.shape, dtype=compute)
-    stats = xp.empty(targets.shape + (2,), dtype=compute)
     if not forward_grad_fits(logits):
         raise ValueError(f"cross_entropy_forward_grad: a row of {logits.shape[-1]} "
                          f"{logits.dtype} is more than a block's shared memory "
                          f"({_shared_memory_limit()} bytes): use cross_entropy_forward")
+    row_max = xp.empty(targets.shape, dtype=compute)
+    stats = xp.empty(targets.shape + (2,), dtype=compute)
     dx, expected = xp.empty_like(logits), xp.empty(1, dtype=compute)
     _launch("cross_entropy_forward_grad", logits,
             (logits, targets, learned, expected, row_max, stats, dx), (logits, dx), offset,

@@ -325,8 +325,7 @@ def _cast_wanted(x):
 def _give_cast(gradient, made):
     """Hand `made` (cast, column sums or None) over with the gradient array it was made from,
     until the end of this backward pass."""
-    if not _given_casts:
-        engine.queue_callback(_given_casts.clear)
+    engine.queue_callback(_given_casts.clear, once=True)
     _given_casts[id(gradient)] = (gradient, *made)
 
 
