@@ -10,12 +10,14 @@
 // time over the partials (always in the same order: the sums are deterministic).
 // The `column_sum_cast` kernels also write x converted to U (bf16 or fp16 of a float32 x, rounded
 // as `cast_rows` rounds) into `cast`: a gradient cast for the products, its column sums the
-// bias's gradient, in one read of x.
+// bias's gradient, in one read of x. With a dropout `mask` (dropout.cu's: bit i % 8 of byte i / 8
+// for element i), x is first multiplied by (bit ? scale : 0) in C, as dropout_backward does: the
+// gradient of a dropped-out product, its cast and its bias's gradient in one pass.
 #include "common.cuh"
 
 template <typename T, typename C, typename O, int V, typename U = T>
 __device__ void column_sum(const T* x, const C* y, O* partials, long long rows, int cols,
-                           U* cast = nullptr)
+                           U* cast = nullptr, const unsigned char* mask = nullptr, C scale = 1)
 {
     __shared__ C lanes[CUPYTP_BLOCK_THREADS * V];
     const int col = vector_column<V>();
@@ -24,22 +26,32 @@ __device__ void column_sum(const T* x, const C* y, O* partials, long long rows, 
         FOR_EACH_ROW(row) {
             const long long at = row * cols + col;
             const Pack<T, V> xv = load_pack<V>(x + at);
+            C v[V];
+#pragma unroll
+            for (int k = 0; k < V; ++k)
+                v[k] = widen<C>(xv.v[k]);
+            if (mask) {     // V divides 8 and `at`: the vector's bits lie in one byte
+                const unsigned bits = mask[at / 8] >> (at % 8);
+#pragma unroll
+                for (int k = 0; k < V; ++k)
+                    v[k] *= (bits >> k) & 1u ? scale : C(0);
+            }
             if (cast) {
                 Pack<U, V> cv;
 #pragma unroll
                 for (int k = 0; k < V; ++k)
-                    cv.v[k] = static_cast<U>(widen<C>(xv.v[k]));
+                    cv.v[k] = static_cast<U>(v[k]);
                 store_pack(cast + at, cv);
             }
             if (y) {
                 const Pack<C, V> yv = load_pack<V>(y + at);
 #pragma unroll
                 for (int k = 0; k < V; ++k)
-                    sum[k] += widen<C>(xv.v[k]) * yv.v[k];
+                    sum[k] += v[k] * yv.v[k];
             } else {
 #pragma unroll
                 for (int k = 0; k < V; ++k)
-                    sum[k] += widen<C>(xv.v[k]);
+                    sum[k] += v[k];
             }
         }
     }
@@ -66,9 +78,10 @@ __device__ void column_sum(const T* x, const C* y, O* partials, long long rows, 
     }
 #define COLUMN_SUM_CAST_KERNEL(T, U, SUFFIX, V)                                                   \
     extern "C" __global__ void column_sum_cast_##SUFFIX##_v##V(                                 \
-        const T* x, const float* unused, float* partials, long long rows, int cols, U* cast)     \
+        const T* x, const float* unused, float* partials, long long rows, int cols, U* cast,     \
+        const unsigned char* mask, float scale)                                                  \
     {                                                                                            \
-        column_sum<T, float, float, V, U>(x, nullptr, partials, rows, cols, cast);               \
+        column_sum<T, float, float, V, U>(x, nullptr, partials, rows, cols, cast, mask, scale);  \
     }
 // V: 16 bytes of T per load; the finish reads the partials (C), 16 bytes of those.
 #define COLUMN_SUM_KERNELS(T, C, SUFFIX, V, FINISH_V)                                            \

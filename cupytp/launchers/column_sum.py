@@ -6,9 +6,11 @@ y is given: x's shape, in the compute dtype), accumulated in the compute dtype (
 and float32 inputs, float64 for float64) and returned in `dtype` (x's by default). Deterministic: a
 fixed grid of partial sums, then one pass over them.
 
-`column_sum_and_cast(x, cast, dtype=None)` → (the sums, x converted to `cast`): a float32 x's
-column sums and its bf16 or fp16 copy (rounded as `cast.converted` rounds) from one read of x
-(an output gradient's cast for the products and its bias's gradient).
+`column_sum_and_cast(x, cast, dtype=None, mask=None, p=0.0)` → (the sums, x converted to
+`cast`): a float32 x's column sums and its bf16 or fp16 copy (rounded as `cast.converted`
+rounds) from one read of x (an output gradient's cast for the products and its bias's
+gradient); with a dropout mask, of x dropped out as `dropout.dropout_backward` does (the
+gradient of a dropped-out product).
 """
 import functools
 import math
@@ -90,15 +92,30 @@ def column_sum(x, y=None, dtype=None):
     return _sums(_plan(_signature(x), _signature(y), dtype), x, y, dtype)
 
 
-def column_sum_and_cast(x, cast, dtype=None):
+def column_sum_and_cast(x, cast, dtype=None, mask=None, p=0.0):
     """(column_sum(x, dtype=dtype), x converted to `cast`) from one read of x (float32, cast
-    bf16 or fp16)."""
+    bf16 or fp16). With a dropout `mask` of probability p (`dropout.dropout`'s, over x's
+    elements), x is first `dropout_backward`'s x * (bit ? 1/(1-p) : 0)."""
     dtype, cast = numpy.dtype(dtype or x.dtype), numpy.dtype(cast)
+    if mask is not None and mask.shape != (ceil_div(x.size, 8),):
+        raise ValueError(f"column_sum_and_cast: the mask must hold {ceil_div(x.size, 8)} bytes "
+                         f"(one bit per element), got {mask.shape}")
+    scale = numpy.float32(1 / (1 - p))
     if not is_device_array(x):
-        return column_sum_numpy(x, dtype=dtype), _cast_numpy(x, cast)
+        dropped = _dropped(x, mask, scale)
+        copy = _cast_numpy(dropped, cast)
+        return column_sum_numpy(dropped, dtype=dtype), copy
     plan = _plan(_signature(x), None, x.dtype, cast)
     copy = xp.empty(x.shape, cast)
-    return _sums(plan, x, None, dtype, copy), copy
+    return _sums(plan, x, None, dtype, copy, (NULL if mask is None else mask, scale)), copy
+
+
+def _dropped(x, mask, scale):
+    """x (float32) times (bit ? scale : 0) per element, x itself without a mask."""
+    if mask is None:
+        return x
+    keep = numpy.unpackbits(mask, count=x.size, bitorder="little").reshape(x.shape)
+    return x * numpy.where(keep, scale, numpy.float32(0))
 
 
 def _cast_numpy(x, cast):
@@ -109,9 +126,9 @@ def _cast_numpy(x, cast):
         return x.astype(cast)
 
 
-def _sums(plan, x, y, dtype, copy=None):
+def _sums(plan, x, y, dtype, copy=None, dropout=None):
     """The column sums of x (times y) in `dtype` by `plan`'s passes; the first also writes x's
-    `copy` where the plan casts."""
+    `copy` where the plan casts, x first dropped out by `dropout` (mask or NULL, scale)."""
     rows, cols = plan.rows, plan.cols
     out = xp.empty((cols,), dtype=plan.out_dtype)
     if cols == 0:
@@ -124,7 +141,7 @@ def _sums(plan, x, y, dtype, copy=None):
     args = (plan.row_blocks, x, NULL if y is None else y, partials, numpy.int64(rows),
             numpy.int32(cols))
     plan.launch(plan.first, cols, operands + (partials,) + (() if copy is None else (copy,)),
-                args if copy is None else args + (copy,))
+                args if copy is None else args + (copy,) + dropout)
     if plan.finish is not None:
         plan.launch(plan.finish, cols, (partials, out),
                     (1, partials, NULL, out, numpy.int64(plan.row_blocks), numpy.int32(cols)))

@@ -219,10 +219,16 @@ class _Dropout:
         """The _Dropout of probability p (None for p = 0)."""
         return _Dropout(p, generator, residual, saved) if p > 0 else None
 
-    def backward(self, g, mask, dtype):
-        """The gradient of the product (rows, C) in `dtype` from the output's g."""
-        return _rows(dropouts.dropout_backward(backend.xp.ascontiguousarray(g), mask, self.p,
-                                               dtype))
+    def backward(self, g, mask, dtype, bias=None):
+        """(the gradient of the product (rows, C) in `dtype` from the output's g, the bias's
+        gradient or None): where `_sums_with_cast` allows, the dropout's backward, the cast and
+        the bias's sums are one pass (`column_sum_and_cast` with the mask); else None, and the
+        weight's product sums them."""
+        g = backend.xp.ascontiguousarray(g)
+        if _sums_with_cast(g.dtype, dtype, bias):
+            sums, copy = column_sum_and_cast(_rows(g), dtype, bias.dtype, mask, self.p)
+            return copy, sums
+        return _rows(dropouts.dropout_backward(g, mask, self.p, dtype)), None
 
 
 def _weight_grads(x, g, weight, bias, bias_grad=None):
@@ -431,7 +437,7 @@ def mlp_residual(x, residual, fc_weight, fc_bias, proj_weight, proj_bias, norm=N
 
     def input_part(g):
         gy, gb2 = _grad_and_bias_grad(g, u.dtype, proj_bias) if drop is None else \
-            (drop.backward(g, mask, u.dtype), None)
+            drop.backward(g, mask, u.dtype, proj_bias)
         needs_b1 = fc_bias is not None and fc_bias.requires_grad
         dh, gb1 = matmul_gelu_grad(gy, w2.T, pre, needs_b1)     # gb1 in dh's epilogue
         return _input_grad(dh, w1, x_info), (gy, gb2, dh, gb1)
@@ -508,7 +514,7 @@ def attention_residual(x, residual, qkv_weight, qkv_bias, proj_weight, proj_bias
 
     def input_part(g):
         gy, gbp = _grad_and_bias_grad(g, a.dtype, proj_bias) if drop is None else \
-            (drop.backward(g, mask, a.dtype), None)
+            drop.backward(g, mask, a.dtype, proj_bias)
         ga = local_einsum("xz", "yz", "xy", gy, wp)
         grad = backend.xp.empty_like(qkv)
         do = ga.reshape(rows, t, heads, d).astype(o.dtype, copy=False).transpose(0, 2, 1, 3)

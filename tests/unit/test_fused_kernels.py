@@ -15,6 +15,7 @@ from cupytp.launchers.column_sum import MAX_ROW_BLOCKS as SUM_ROW_BLOCKS, ROW_LA
 from cupytp.launchers.column_sum import column_sum, column_sum_and_cast
 from cupytp.launchers.column_sum import column_sum_numpy
 from cupytp.launchers.cross_entropy import cross_entropy_backward, cross_entropy_backward_numpy
+from cupytp.launchers.dropout import dropout_backward_numpy
 from cupytp.launchers.cross_entropy import cross_entropy_forward, cross_entropy_forward_numpy
 from cupytp.launchers.cross_entropy import (
     cross_entropy_forward_grad, cross_entropy_forward_grad_numpy, forward_grad_fits)
@@ -202,6 +203,21 @@ def test_column_sum_and_cast_numpy_sums_and_rounds(cast):
     numpy.testing.assert_array_equal(copy, x.astype(cast))
     with pytest.raises(ValueError, match="float32 x to bf16 or fp16"):
         column_sum_and_cast(x.astype(F64), cast)
+
+
+def test_column_sum_and_cast_numpy_drops_out_as_the_dropout_backward():
+    """With a dropout mask: the copy is dropout_backward's bit for bit, the sums its column sums;
+    a mask of another size is refused."""
+    x = random((6, 16), F32, seed=26)
+    mask = numpy.random.default_rng(3).integers(0, 256, size=12, dtype=numpy.uint8)
+    sums, copy = column_sum_and_cast(x, bfloat16, F32, mask, 0.3)
+    want = dropout_backward_numpy(x, mask, 0.3, bfloat16)
+    numpy.testing.assert_array_equal(bits(copy), bits(want))
+    dropped = dropout_backward_numpy(x, mask, 0.3, F32)
+    assert_close(sums, dropped.astype(F64).sum(axis=0), F32)
+    assert (copy.astype(F32) == 0).sum() > 0
+    with pytest.raises(ValueError, match="the mask must hold 12 bytes"):
+        column_sum_and_cast(x, bfloat16, F32, mask[:11], 0.3)
 
 
 def test_column_sum_rejects_bad_inputs():
@@ -635,6 +651,15 @@ def test_column_sum_and_cast_kernel_matches_twin(cast, shape, offset):
     numpy.testing.assert_array_equal(asnumpy(copy).astype(F32), x.astype(cast).astype(F32))
     twin, _ = column_sum_and_cast(x, cast)
     scale = max(1.0, float(numpy.sqrt(max(1, x.size // shape[-1]))))
+    assert_close(asnumpy(sums).astype(F64) / scale, twin.astype(F64) / scale, F32)
+    # with a dropout mask: the copy the dropout backward's, bit for bit
+    mask = numpy.random.default_rng(4).integers(0, 256, size=-(-x.size // 8), dtype=numpy.uint8)
+    with poisoned_allocations():
+        sums, copy = column_sum_and_cast(_at_offset(x, offset), cast, F32, xp.asarray(mask),
+                                         0.1)
+    numpy.testing.assert_array_equal(bits(asnumpy(copy)),
+                                     bits(dropout_backward_numpy(x, mask, 0.1, cast)))
+    twin, _ = column_sum_and_cast(x, cast, F32, mask, 0.1)
     assert_close(asnumpy(sums).astype(F64) / scale, twin.astype(F64) / scale, F32)
 
 
