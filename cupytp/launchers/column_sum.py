@@ -19,6 +19,7 @@ import numpy
 
 from cupytp.backend import c_contiguous, xp
 from cupytp.launchers import ceil_div, compute_dtype, dtype_suffix, get_kernel, is_device_array
+from cupytp.launchers.dropout import dropout_backward_numpy
 
 LANES = 32               # blockDim.x: column vectors per block
 ROW_LANES = 8            # blockDim.y: rows summed side by side, then across the block
@@ -100,22 +101,14 @@ def column_sum_and_cast(x, cast, dtype=None, mask=None, p=0.0):
     if mask is not None and mask.shape != (ceil_div(x.size, 8),):
         raise ValueError(f"column_sum_and_cast: the mask must hold {ceil_div(x.size, 8)} bytes "
                          f"(one bit per element), got {mask.shape}")
-    scale = numpy.float32(1 / (1 - p))
     if not is_device_array(x):
-        dropped = _dropped(x, mask, scale)
+        dropped = x if mask is None else dropout_backward_numpy(x, mask, p)
         copy = _cast_numpy(dropped, cast)
         return column_sum_numpy(dropped, dtype=dtype), copy
     plan = _plan(_signature(x), None, x.dtype, cast)
     copy = xp.empty(x.shape, cast)
-    return _sums(plan, x, None, dtype, copy, (NULL if mask is None else mask, scale)), copy
-
-
-def _dropped(x, mask, scale):
-    """x (float32) times (bit ? scale : 0) per element, x itself without a mask."""
-    if mask is None:
-        return x
-    keep = numpy.unpackbits(mask, count=x.size, bitorder="little").reshape(x.shape)
-    return x * numpy.where(keep, scale, numpy.float32(0))
+    dropout = (NULL if mask is None else mask, numpy.float32(1 / (1 - p)))
+    return _sums(plan, x, None, dtype, copy, dropout), copy
 
 
 def _cast_numpy(x, cast):

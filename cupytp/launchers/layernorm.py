@@ -179,7 +179,7 @@ def run_backward(plan, args, aligned, sums, streaming_sums, cast, param_slots):
     if kernel is None or kernel is plan.streaming:  # the parameter gradients by column sums
         if rows:
             kernel((rows,), (BLOCK_THREADS,), args + (numpy.int32(cols),))
-        return streaming_sums() if sums else (), _cast_after(dx, cast, plan.compute)
+        return streaming_sums() if sums else (), dx_cast_after(dx, cast, plan.compute)
     in_pass = cast is not None and dx.dtype == numpy.float32 and numpy.dtype(cast[0]) == g.dtype
     dx_cast = xp.empty(dx.shape, g.dtype) if in_pass else None
     dx_sum = in_pass and cast[1]
@@ -190,22 +190,22 @@ def run_backward(plan, args, aligned, sums, streaming_sums, cast, param_slots):
            args + (NULL if partials is None else partials,
                    NULL if dx_cast is None else dx_cast, numpy.int32(dx_sum),
                    numpy.int64(rows), numpy.int32(cols)))
-    made = _cast_after(dx, cast, plan.compute) if not in_pass else None
+    made = (dx_cast, None) if in_pass else dx_cast_after(dx, cast, plan.compute)
     if not slots:
-        return (), made if cast else None
+        return (), made
     total = column_sum(partials)
     # arrays over each part, not views: each is the one array over its bytes, so the
     # parameters take them as their gradients without a copy
     parts = tuple(xp.ndarray((cols,), total.dtype, total.data + i * cols * total.itemsize)
                   for i in range(slots))
-    if in_pass:
-        made = (dx_cast, parts[param_slots] if dx_sum else None)
+    if dx_sum:
+        made = (dx_cast, parts[param_slots])
     return parts[:sums], made
 
 
-def _cast_after(dx, cast, compute):
-    """(dx in cast[0], with cast[1] dx's column sums in `compute`) by passes after the norm's,
-    or None without `cast`."""
+def dx_cast_after(dx, cast, compute):
+    """(dx in cast[0], with cast[1] dx's column sums in `compute`) by passes after the norm's
+    (for NumPy arrays: the twin of the kernels' pass), or None without `cast`."""
     if cast is None:
         return None
     rows = dx.reshape(-1, dx.shape[-1])
@@ -251,15 +251,4 @@ def layer_norm_backward_numpy(g, x, mean, rstd, weight, dx_dtype=None, add=None,
     cols = g.shape[-1]
     sums = ((gc * xhat).reshape(-1, cols).sum(axis=0), gc.reshape(-1, cols).sum(axis=0)) \
         if param_grads else None
-    return _returned(dx, sums, cast_numpy(dx, cast, compute), cast)
-
-
-def cast_numpy(dx, cast, compute):
-    """The twin of a norm backward's (cast, column sums) of dx: dx rounded to cast[0], and with
-    cast[1] the column sums of dx in `compute`; None without `cast`."""
-    if cast is None:
-        return None
-    with numpy.errstate(over="ignore"):     # out-of-range values become inf, as on GPUs
-        copy = dx.astype(cast[0])
-    return copy, (dx.astype(compute).reshape(-1, dx.shape[-1]).sum(axis=0)
-                  if cast[1] else None)
+    return _returned(dx, sums, dx_cast_after(dx, cast, compute), cast)

@@ -20,7 +20,8 @@ from cupytp.backend import xp
 from cupytp.launchers import BLOCK_THREADS, compute_dtype, is_device_array
 from cupytp.launchers.column_sum import column_sum
 from cupytp.launchers.layernorm import (
-    NULL, _Plan, _check, _returned, _signature, _suffix, cast_numpy, check_add, run_backward)
+    NULL, _Plan, _check, _returned, _signature, _suffix, check_add, dx_cast_after,
+    run_backward)
 
 OP = "rms_norm"
 
@@ -94,4 +95,4 @@ def rms_norm_backward_numpy(g, x, rstd, weight, dx_dtype=None, add=None, weight_
     dx = dx if add is None else dx + add.astype(compute)
     dx = dx.astype(dx_dtype or g.dtype)
     sums = ((gc * xhat).reshape(-1, g.shape[-1]).sum(axis=0),) if weight_grad else None
-    return _returned(dx, sums, cast_numpy(dx, cast, compute), cast)
+    return _returned(dx, sums, dx_cast_after(dx, cast, compute), cast)

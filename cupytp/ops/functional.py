@@ -376,7 +376,7 @@ def _learned_gradient(logits):
             learned[...] = 1
         else:
             learned = numpy.ones(1, compute)
-        learned = _learned_gradients[key] = learned
+        _learned_gradients[key] = learned
     return learned
 
 

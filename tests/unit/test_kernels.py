@@ -844,3 +844,8 @@ def test_layer_norm_kernel_matches_twin(dtype, out, tol, shape, affine, form):
             if with_sum:
                 numpy.testing.assert_allclose(asnumpy(sums) / scale, sums_twin / scale,
                                               rtol=tol, atol=tol)
+        with poisoned_allocations():        # without the parameters' sums
+            dx, (copy, sums) = layer_norm_backward(on(g), *saved, on(w), dtype, on(add), False,
+                                                   (bfloat16, False))
+        assert sums is None
+        numpy.testing.assert_array_equal(asnumpy(copy), asnumpy(dx).astype(bfloat16))
