@@ -13,22 +13,24 @@ template <typename T, typename C, typename B, typename R, int V>
 __device__ __forceinline__ void bias_rows(const T* x, const B* b, const R* r, R* out,
                                           long long rows, int cols)
 {
-    for_each_row_vector<V>(b, rows, cols, [&](long long at, const Pack<B, V>& bias) {
-        const Pack<T, V> xv = load_pack<V>(x + at);
-        Pack<R, V> sum;
-        if (r) {
-            const Pack<R, V> rv = load_pack<V>(r + at);
+    Pack<T, V> xv[ROWS_IN_FLIGHT];
+    Pack<R, V> rv[ROWS_IN_FLIGHT];
+    for_each_row_vector<V>(
+        b, rows, cols,
+        [&](int u, long long at) {
+            xv[u] = load_pack<V>(x + at);
+            if (r)
+                rv[u] = load_pack<V>(r + at);
+        },
+        [&](int u, long long at, const Pack<B, V>& bias) {
+            Pack<R, V> sum;
 #pragma unroll
-            for (int k = 0; k < V; ++k)
-                sum.v[k] = static_cast<R>(widen<C>(rv.v[k]) +
-                                          (widen<C>(xv.v[k]) + widen<C>(bias.v[k])));
-        } else {
-#pragma unroll
-            for (int k = 0; k < V; ++k)
-                sum.v[k] = static_cast<R>(widen<C>(xv.v[k]) + widen<C>(bias.v[k]));
-        }
-        store_pack(out + at, sum);
-    });
+            for (int k = 0; k < V; ++k) {
+                const C biased = widen<C>(xv[u].v[k]) + widen<C>(bias.v[k]);
+                sum.v[k] = static_cast<R>(r ? widen<C>(rv[u].v[k]) + biased : biased);
+            }
+            store_pack(out + at, sum);
+        });
 }
 
 #define BIAS_ADD_KERNEL(T, C, SUFFIX, V)                                                         \

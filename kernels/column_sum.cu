@@ -22,38 +22,44 @@ __device__ void column_sum(const T* x, const C* y, O* partials, long long rows, 
     __shared__ C lanes[CUPYTP_BLOCK_THREADS * V];
     const int col = vector_column<V>();
     C sum[V] = {};
+    Pack<T, V> xv[ROWS_IN_FLIGHT];
+    Pack<C, V> yv[ROWS_IN_FLIGHT];
     if (col < cols) {
-        FOR_EACH_ROW(row) {
-            const long long at = row * cols + col;
-            const Pack<T, V> xv = load_pack<V>(x + at);
-            C v[V];
-#pragma unroll
-            for (int k = 0; k < V; ++k)
-                v[k] = widen<C>(xv.v[k]);
-            if (mask) {     // V divides 8 and `at`: the vector's bits lie in one byte
-                const unsigned bits = mask[at / 8] >> (at % 8);
-#pragma unroll
-                for (int k = 0; k < V; ++k)
-                    v[k] *= (bits >> k) & 1u ? scale : C(0);
-            }
-            if (cast) {
-                Pack<U, V> cv;
+        for_rows_in_flight<ROWS_IN_FLIGHT>(
+            rows, cols, col,
+            [&](int u, long long at) {
+                xv[u] = load_pack<V>(x + at);
+                if (y)
+                    yv[u] = load_pack<V>(y + at);
+            },
+            [&](int u, long long at) {
+                C v[V];
 #pragma unroll
                 for (int k = 0; k < V; ++k)
-                    cv.v[k] = static_cast<U>(v[k]);
-                store_pack(cast + at, cv);
-            }
-            if (y) {
-                const Pack<C, V> yv = load_pack<V>(y + at);
+                    v[k] = widen<C>(xv[u].v[k]);
+                if (mask) {     // V divides 8 and `at`: the vector's bits lie in one byte
+                    const unsigned bits = mask[at / 8] >> (at % 8);
 #pragma unroll
-                for (int k = 0; k < V; ++k)
-                    sum[k] += v[k] * yv.v[k];
-            } else {
+                    for (int k = 0; k < V; ++k)
+                        v[k] *= (bits >> k) & 1u ? scale : C(0);
+                }
+                if (cast) {
+                    Pack<U, V> cv;
 #pragma unroll
-                for (int k = 0; k < V; ++k)
-                    sum[k] += v[k];
-            }
-        }
+                    for (int k = 0; k < V; ++k)
+                        cv.v[k] = static_cast<U>(v[k]);
+                    store_pack(cast + at, cv);
+                }
+                if (y) {
+#pragma unroll
+                    for (int k = 0; k < V; ++k)
+                        sum[k] += v[k] * yv[u].v[k];
+                } else {
+#pragma unroll
+                    for (int k = 0; k < V; ++k)
+                        sum[k] += v[k];
+                }
+            });
     }
     store_column_sums<C, V>(sum, lanes, partials, cols);
 }

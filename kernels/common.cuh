@@ -80,19 +80,47 @@ __device__ __forceinline__ int vector_column()
     return V * (blockIdx.x * blockDim.x + threadIdx.x);
 }
 
-// Calls body(at, b) for each of the thread's rows (FOR_EACH_ROW): `at` the index of the
-// thread's first column in that row, `b` the V values of `bias` (cols,) at its columns (zeros
-// for a null bias). Threads past the last column return at once.
-template <int V, typename B, typename Body>
+// The thread's rows (FOR_EACH_ROW's), R at a time: load(u, at) for each of R rows, then
+// body(u, at) for each, so that R rows' loads are in flight before the first is used (the row
+// kernels are memory-bound, and one row's load-use chain per thread leaves most of the memory's
+// latency exposed); the rows left over one at a time, as u = 0. `at` is the index of column
+// `col` in the row. Each thread still meets its rows in order (sums over them do not change).
+template <int R, typename Load, typename Body>
+__device__ __forceinline__ void for_rows_in_flight(long long rows, int cols, int col, Load load,
+                                                   Body body)
+{
+    const long long step = (long long)gridDim.y * blockDim.y;
+    long long row = blockIdx.y * blockDim.y + threadIdx.y;
+    for (; row + (R - 1) * step < rows; row += R * step) {
+#pragma unroll
+        for (int u = 0; u < R; ++u)
+            load(u, (row + u * step) * cols + col);
+#pragma unroll
+        for (int u = 0; u < R; ++u)
+            body(u, (row + u * step) * cols + col);
+    }
+    for (; row < rows; row += step) {
+        load(0, row * cols + col);
+        body(0, row * cols + col);
+    }
+}
+
+// Rows loaded ahead by the row kernels (for_rows_in_flight's R).
+#define ROWS_IN_FLIGHT 4
+
+// for_rows_in_flight over the thread's V columns of each row: load(u, at), then body(u, at, b)
+// with `b` the V values of `bias` (cols,) at its columns (zeros for a null bias). Threads past
+// the last column return at once.
+template <int V, typename B, typename Load, typename Body>
 __device__ __forceinline__ void for_each_row_vector(const B* bias, long long rows, int cols,
-                                                    Body body)
+                                                    Load load, Body body)
 {
     const int col = vector_column<V>();
     if (col >= cols)
         return;
     const Pack<B, V> b = bias ? load_pack<V>(bias + col) : Pack<B, V>{};
-    FOR_EACH_ROW(row)
-        body(row * cols + col, b);
+    for_rows_in_flight<ROWS_IN_FLIGHT>(rows, cols, col, load,
+                                       [&](int u, long long at) { body(u, at, b); });
 }
 
 // A block's column sums: adds the V sums of every thread (threadIdx.x, y) into those of thread

@@ -85,14 +85,16 @@ __device__ void gelu_backward(const T* x, const T* dy, T* dx, long long n)
 template <typename T, typename C, int V>
 __device__ void bias_gelu_forward(const T* x, const C* bias, T* y, long long rows, int cols)
 {
-    for_each_row_vector<V>(bias, rows, cols, [&](long long at, const Pack<C, V>& b) {
-        const Pack<T, V> xv = load_pack<V>(x + at);
-        Pack<T, V> out;
+    Pack<T, V> xv[ROWS_IN_FLIGHT];
+    for_each_row_vector<V>(
+        bias, rows, cols, [&](int u, long long at) { xv[u] = load_pack<V>(x + at); },
+        [&](int u, long long at, const Pack<C, V>& b) {
+            Pack<T, V> out;
 #pragma unroll
-        for (int k = 0; k < V; ++k)
-            out.v[k] = static_cast<T>(gelu_value(widen<C>(xv.v[k]) + b.v[k]));
-        store_pack(y + at, out);
-    });
+            for (int k = 0; k < V; ++k)
+                out.v[k] = static_cast<T>(gelu_value(widen<C>(xv[u].v[k]) + b.v[k]));
+            store_pack(y + at, out);
+        });
 }
 
 template <typename T, typename C, int V>
@@ -101,17 +103,23 @@ __device__ void bias_gelu_backward(const T* x, const C* bias, const T* dy, T* dx
 {
     __shared__ C lanes[CUPYTP_BLOCK_THREADS * V];  // the threads' sums, reduced over threadIdx.y
     C sum[V] = {};
-    for_each_row_vector<V>(bias, rows, cols, [&](long long at, const Pack<C, V>& b) {
-        const Pack<T, V> xv = load_pack<V>(x + at), dyv = load_pack<V>(dy + at);
-        Pack<T, V> out;
+    Pack<T, V> xv[ROWS_IN_FLIGHT], dyv[ROWS_IN_FLIGHT];
+    for_each_row_vector<V>(
+        bias, rows, cols,
+        [&](int u, long long at) {
+            xv[u] = load_pack<V>(x + at);
+            dyv[u] = load_pack<V>(dy + at);
+        },
+        [&](int u, long long at, const Pack<C, V>& b) {
+            Pack<T, V> out;
 #pragma unroll
-        for (int k = 0; k < V; ++k) {
-            const C d = widen<C>(dyv.v[k]) * gelu_slope(widen<C>(xv.v[k]) + b.v[k]);
-            out.v[k] = static_cast<T>(d);
-            sum[k] += d;
-        }
-        store_pack(dx + at, out);
-    });
+            for (int k = 0; k < V; ++k) {
+                const C d = widen<C>(dyv[u].v[k]) * gelu_slope(widen<C>(xv[u].v[k]) + b.v[k]);
+                out.v[k] = static_cast<T>(d);
+                sum[k] += d;
+            }
+            store_pack(dx + at, out);
+        });
     store_column_sums<C, V>(sum, lanes, partials, cols);
 }
 

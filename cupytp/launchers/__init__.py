@@ -84,9 +84,15 @@ def vector_width(width, cols, arrays):
 def rows_grid(rows, vectors, threads=256, rows_per_thread=1, max_row_blocks=65535):
     """(grid, block) of a kernel whose thread (x, y) owns one vector of columns and strides over
     rows: blocks of `threads`, `vectors` per row across x (a multiple of 32 lanes, at most
-    `threads`), the rest of the block and grid across rows, about `rows_per_thread` rows each
-    (at most `max_row_blocks` blocks across rows: then more)."""
+    `threads`; half of `threads` where that leaves fewer lanes past the row's end, as 128 lanes
+    do for GPT-2's 384 vectors of 3072 bf16 columns), the rest of the block and grid across
+    rows, about `rows_per_thread` rows each (at most `max_row_blocks` blocks across rows: then
+    more)."""
     lanes = min(threads, ceil_div(vectors, 32) * 32)
+    half = threads // 2
+    if lanes == threads and half >= 32 and ceil_div(vectors, half) * half < \
+            ceil_div(vectors, threads) * threads:
+        lanes = half
     row_lanes = threads // lanes
     row_blocks = ceil_div(rows, row_lanes * rows_per_thread)
     return ((ceil_div(vectors, lanes), max(1, min(row_blocks, max_row_blocks))),

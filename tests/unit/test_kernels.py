@@ -9,7 +9,7 @@ import numpy
 import pytest
 
 from cupytp.backend import asnumpy, bfloat16, on_gpu, xp
-from cupytp.launchers import ceil_div, compute_dtype, dtype_suffix, get_kernel, sources
+from cupytp.launchers import ceil_div, compute_dtype, dtype_suffix, get_kernel, rows_grid, sources
 from cupytp.launchers.adamw import adamw_scalars, adamw_step, adamw_step_numpy
 from cupytp.launchers.gelu import gelu, gelu_backward, gelu_backward_numpy, gelu_numpy
 from cupytp.launchers.kernel import ArgumentSlots, Kernel, as_three
@@ -46,6 +46,20 @@ def test_loader_helpers():
     assert [compute_dtype(d) for d in (F32, F64, bfloat16, F16)] == [F32, F64, F32, F32]
     with pytest.raises(ValueError, match="no kernel for dtype int32"):
         dtype_suffix(numpy.int32)
+
+
+@pytest.mark.parametrize("vectors, lanes", [(1, 32), (33, 64), (96, 96), (192, 192), (256, 256),
+                                            (384, 128), (640, 128), (768, 256), (800, 128),
+                                            (1000, 256)])
+def test_rows_grid_covers_the_row_with_few_idle_lanes(vectors, lanes):
+    """Lanes across a row: whole warps, at most a block; half a block where that leaves fewer
+    lanes past the row's end (384 vectors: 3 blocks of 128, not 2 of 256 with 128 idle). The
+    grid covers every vector and every row, about rows_per_thread rows a thread."""
+    grid, block = rows_grid(8192, vectors, 256, 16, 1024)
+    assert block == (lanes, 256 // lanes)
+    assert grid[0] == ceil_div(vectors, lanes)
+    assert grid[1] == min(1024, ceil_div(8192, block[1] * 16))
+    assert grid[1] * block[1] * 16 >= 8192 or grid[1] == 1024
 
 
 def test_every_launched_source_is_in_the_kernels_folder():
