@@ -35,6 +35,28 @@ __device__ C block_reduce(C v, Op op)
     return v;
 }
 
+// The reduction of v over the threads of one threadIdx.y (a block of blockDim.y rows of
+// blockDim.x lanes, a multiple of 32: a row's warps are consecutive), returned to each of them:
+// the warps' sums by shuffles, then the row's warps in order (deterministic). All threads of the
+// block must call it.
+template <typename C, typename Op>
+__device__ C row_reduce(C v, Op op)
+{
+    __shared__ C warps[CUPYTP_BLOCK_THREADS / 32];
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2)
+        v = op(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    const int per_row = blockDim.x / 32, first = threadIdx.y * per_row;
+    if (threadIdx.x % 32 == 0)
+        warps[first + threadIdx.x / 32] = v;
+    __syncthreads();
+    v = warps[first];
+    for (int w = 1; w < per_row; ++w)
+        v = op(v, warps[first + w]);
+    __syncthreads();  // the next reduction may reuse `warps`
+    return v;
+}
+
 // Blocks per multiprocessor the norms' row-cached backward kernels keep registers for: the
 // one-vector-per-thread kernels (N = 1) run as PARAM_GRAD_BLOCKS_PER_SM (cupytp.launchers.
 // layernorm) blocks of partial sums per multiprocessor, all resident at once.

@@ -1,4 +1,5 @@
-// LayerNorm over the last dimension (length `cols`), one block per row:
+// LayerNorm over the last dimension (length `cols`), one block per row (the cached forward: a
+// row per blockDim.x lanes, blockDim.y rows a block):
 //     xhat = (x - mean) rstd,  rstd = 1 / sqrt(var + eps)  (two passes: mean, then variance)
 //     y = xhat w + b                                       (w, b optional)
 //     dx = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat)) [+ add],  dxhat = g w
@@ -67,20 +68,22 @@ __device__ void layer_norm_backward(const O* g, const T* x, const C* mean, const
 
 template <typename T, typename O, typename C, int V, int N>
 __device__ void layer_norm_forward_cached(const T* x, const T* w, const T* b, O* y,
-                                          C* mean_out, C* rstd, int cols, C eps)
+                                          C* mean_out, C* rstd, long long rows, int cols, C eps)
 {
-    const long long start = blockIdx.x * (long long)cols;
+    const long long row = (long long)blockIdx.x * blockDim.y + threadIdx.y;
+    const bool live = row < rows;   // a last block's rows past the end reduce zeros, store nothing
+    const long long start = row * cols;
     C v[N][V];
     C sum = 0;
     FOR_EACH_VECTOR(j, col) {
-        const Pack<T, V> p = load_pack<V>(x + start + col);
+        const Pack<T, V> p = live ? load_pack<V>(x + start + col) : Pack<T, V>{};
 #pragma unroll
         for (int k = 0; k < V; ++k) {
             v[j][k] = widen<C>(p.v[k]);
             sum += v[j][k];
         }
     }
-    const C mean = block_reduce(sum, Sum<C>()) / C(cols);
+    const C mean = row_reduce(sum, Sum<C>()) / C(cols);
     C squares = 0;
     FOR_EACH_VECTOR(j, col) {
 #pragma unroll
@@ -89,7 +92,9 @@ __device__ void layer_norm_forward_cached(const T* x, const T* w, const T* b, O*
             squares += v[j][k] * v[j][k];
         }
     }
-    const C r = C(1) / sqrt(block_reduce(squares, Sum<C>()) / C(cols) + eps);
+    const C r = C(1) / sqrt(row_reduce(squares, Sum<C>()) / C(cols) + eps);
+    if (!live)
+        return;
     FOR_EACH_VECTOR(j, col) {
         Pack<O, V> out;
         Pack<T, V> wv, bv;
@@ -106,8 +111,8 @@ __device__ void layer_norm_forward_cached(const T* x, const T* w, const T* b, O*
         store_pack(y + start + col, out);
     }
     if (rstd && threadIdx.x == 0) {
-        mean_out[blockIdx.x] = mean;
-        rstd[blockIdx.x] = r;
+        mean_out[row] = mean;
+        rstd[row] = r;
     }
 }
 
@@ -188,9 +193,10 @@ __device__ void layer_norm_backward_cached(const O* g, const T* x, const C* mean
 
 #define LAYER_NORM_CACHED_KERNELS(T, O, C, SUFFIX, V, N)                                         \
     extern "C" __global__ void layer_norm_forward_cached_##SUFFIX##_v##V##_n##N(                \
-        const T* x, const T* w, const T* b, O* y, C* mean, C* rstd, int cols, C eps)             \
+        const T* x, const T* w, const T* b, O* y, C* mean, C* rstd, long long rows, int cols,    \
+        C eps)                                                                                   \
     {                                                                                            \
-        layer_norm_forward_cached<T, O, C, V, N>(x, w, b, y, mean, rstd, cols, eps);             \
+        layer_norm_forward_cached<T, O, C, V, N>(x, w, b, y, mean, rstd, rows, cols, eps);       \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(CUPYTP_BLOCK_THREADS, NORM_BACKWARD_BLOCKS(N))          \
         layer_norm_backward_cached_##SUFFIX##_v##V##_n##N(               \

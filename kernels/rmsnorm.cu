@@ -1,4 +1,5 @@
-// RMSNorm over the last dimension (length `cols`), one block per row (Llama's norm):
+// RMSNorm over the last dimension (length `cols`), one block per row (the cached forward: a row
+// per blockDim.x lanes, blockDim.y rows a block; Llama's norm):
 //     rstd = 1 / sqrt(mean(x^2) + eps),  y = x rstd w                  (w optional)
 //     dx = rstd (d - xhat mean(d xhat)) [+ add],  xhat = x rstd,  d = g w
 // The forward writes y and rstd (compute dtype C, one per row); the backward reads x again and
@@ -56,20 +57,25 @@ __device__ void rms_norm_backward(const O* g, const T* x, const C* rstd, const T
 }
 
 template <typename T, typename O, typename C, int V, int N>
-__device__ void rms_norm_forward_cached(const T* x, const T* w, O* y, C* rstd, int cols, C eps)
+__device__ void rms_norm_forward_cached(const T* x, const T* w, O* y, C* rstd, long long rows,
+                                        int cols, C eps)
 {
-    const long long start = blockIdx.x * (long long)cols;
+    const long long row = (long long)blockIdx.x * blockDim.y + threadIdx.y;
+    const bool live = row < rows;   // a last block's rows past the end reduce zeros, store nothing
+    const long long start = row * cols;
     C v[N][V];
     C squares = 0;
     FOR_EACH_VECTOR(j, col) {
-        const Pack<T, V> p = load_pack<V>(x + start + col);
+        const Pack<T, V> p = live ? load_pack<V>(x + start + col) : Pack<T, V>{};
 #pragma unroll
         for (int k = 0; k < V; ++k) {
             v[j][k] = widen<C>(p.v[k]);
             squares += v[j][k] * v[j][k];
         }
     }
-    const C r = C(1) / sqrt(block_reduce(squares, Sum<C>()) / C(cols) + eps);
+    const C r = C(1) / sqrt(row_reduce(squares, Sum<C>()) / C(cols) + eps);
+    if (!live)
+        return;
     FOR_EACH_VECTOR(j, col) {
         Pack<O, V> out;
         Pack<T, V> wv;
@@ -83,7 +89,7 @@ __device__ void rms_norm_forward_cached(const T* x, const T* w, O* y, C* rstd, i
         store_pack(y + start + col, out);
     }
     if (threadIdx.x == 0)
-        rstd[blockIdx.x] = r;
+        rstd[row] = r;
 }
 
 // Strides over rows (block b: rows b, b + gridDim.x, ...); with `partials`, also the column sums
@@ -169,9 +175,9 @@ __device__ void rms_norm_backward_cached(const O* g, const T* x, const C* rstd, 
 
 #define RMS_NORM_CACHED_KERNELS(T, O, C, SUFFIX, V, N)                                           \
     extern "C" __global__ void rms_norm_forward_cached_##SUFFIX##_v##V##_n##N(                  \
-        const T* x, const T* w, O* y, C* rstd, int cols, C eps)                                  \
+        const T* x, const T* w, O* y, C* rstd, long long rows, int cols, C eps)                  \
     {                                                                                            \
-        rms_norm_forward_cached<T, O, C, V, N>(x, w, y, rstd, cols, eps);                        \
+        rms_norm_forward_cached<T, O, C, V, N>(x, w, y, rstd, rows, cols, eps);                  \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(CUPYTP_BLOCK_THREADS, NORM_BACKWARD_BLOCKS(N))          \
         rms_norm_backward_cached_##SUFFIX##_v##V##_n##N(                 \

@@ -42,7 +42,7 @@ class _Plan:
     byte alignment of every pointer that the cached one needs, the compute dtype, and rows and
     cols. `op` names the norm ("layer_norm", or "rms_norm": rmsnorm.cu's kernels, made the
     same way)."""
-    __slots__ = ("cached", "streaming", "alignment", "compute", "rows", "cols")
+    __slots__ = ("cached", "streaming", "alignment", "compute", "rows", "cols", "block")
 
     def __init__(self, direction, suffix, shape, op="layer_norm"):
         vec = VECTOR[suffix]
@@ -53,6 +53,10 @@ class _Plan:
         self.cached = None if vectors is None or self.cols % vec else \
             get_kernel(SOURCES[op], f"{op}_{direction}_cached_{suffix}_v{vec}_n{vectors}")
         self.streaming = get_kernel(SOURCES[op], f"{op}_{direction}_{suffix}")
+        # the cached forward's rows: the fewest whole warps that hold a row, as many rows a
+        # block as fit (GPT-2's 768 fp32 columns: 96 lanes of 8, 2 rows a block of 192)
+        lanes = min(BLOCK_THREADS, ceil_div(ceil_div(self.cols, vec * (vectors or 1)), 32) * 32)
+        self.block = (lanes, BLOCK_THREADS // lanes)
         self.alignment = vec * 8 if suffix == "f64" else vec * 4     # vectors of the widest
         self.compute = compute_dtype(numpy.float64 if suffix == "f64" else numpy.float32)
 
@@ -66,6 +70,17 @@ class _Plan:
             if array is not None:
                 pointers |= array.data.ptr
         return self.streaming if pointers % self.alignment else self.cached
+
+    def forward(self, arrays, args):
+        """Launch a forward over `args` (ending in cols and eps) of which `arrays` are the
+        device arrays: the cached kernel with `block` (rows of lanes; it takes the row count
+        before cols), or the streaming one, a block of BLOCK_THREADS a row."""
+        kernel = self.kernel(*arrays)
+        if kernel is self.cached:
+            kernel((ceil_div(self.rows, self.block[1]),), self.block,
+                   args[:-2] + (numpy.int64(self.rows),) + args[-2:])
+        else:
+            kernel((self.rows,), (BLOCK_THREADS,), args)
 
 
 def _signature(array):
@@ -124,12 +139,10 @@ def layer_norm_forward(x, weight, bias, eps, out_dtype=None, saved=True):
     stats = xp.empty((2,) + x.shape[:-1] + (1,), dtype=compute) if saved else None
     mean, rstd = (None, None) if stats is None else (stats[0], stats[1])
     if plan.rows:
-        plan.kernel(x, weight, bias, y)(
-            (plan.rows,), (BLOCK_THREADS,), (x, NULL if weight is None else weight,
-                                             NULL if bias is None else bias, y,
-                                             NULL if mean is None else mean,
-                                             NULL if rstd is None else rstd,
-                                             numpy.int32(plan.cols), compute.type(eps)))
+        plan.forward((x, weight, bias, y), (
+            x, NULL if weight is None else weight, NULL if bias is None else bias, y,
+            NULL if mean is None else mean, NULL if rstd is None else rstd,
+            numpy.int32(plan.cols), compute.type(eps)))
     return y, mean, rstd
 
 

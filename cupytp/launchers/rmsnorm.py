@@ -17,7 +17,7 @@ import functools
 import numpy
 
 from cupytp.backend import xp
-from cupytp.launchers import BLOCK_THREADS, compute_dtype, is_device_array
+from cupytp.launchers import compute_dtype, is_device_array
 from cupytp.launchers.column_sum import column_sum
 from cupytp.launchers.layernorm import (
     NULL, _Plan, _check, _returned, _signature, _suffix, check_add, dx_cast_after,
@@ -53,9 +53,8 @@ def rms_norm_forward(x, weight, eps, out_dtype=None):
     y = xp.empty(x.shape, dtype=out_dtype)
     rstd = xp.empty(x.shape[:-1] + (1,), dtype=plan.compute)
     if plan.rows:
-        plan.kernel(x, weight, y)((plan.rows,), (BLOCK_THREADS,), (
-            x, NULL if weight is None else weight, y, rstd, numpy.int32(plan.cols),
-            plan.compute.type(eps)))
+        plan.forward((x, weight, y), (x, NULL if weight is None else weight, y, rstd,
+                                      numpy.int32(plan.cols), plan.compute.type(eps)))
     return y, rstd
 
 
