@@ -116,11 +116,11 @@ __device__ void layer_norm_forward_cached(const T* x, const T* w, const T* b, O*
     }
 }
 
-// The cached backward strides over rows (block b: rows b, b + gridDim.x, ...). With `partials`
-// it also sums the weight and bias gradients of its rows per column, g xhat and g, and writes
-// them to partials[blockIdx.x][0] and partials[blockIdx.x][1] ([gridDim.x, 2 + dx_sum, cols],
-// summed over blocks by the caller); with `dx_sum` also the column sums of dx, to
-// partials[blockIdx.x][2]. `dx_cast` (may be null): dx once more, in O (a gradient a product
+// The cached backward strides over groups of blockDim.y rows (a row per blockDim.x lanes; block
+// b: groups b, b + gridDim.x, ...). With `partials` each row lane y also sums the weight and bias
+// gradients of its rows per column, g xhat and g, and writes them to partials[p][0] and
+// partials[p][1], p = blockIdx.x blockDim.y + y ([gridDim.x blockDim.y, 2 + dx_sum, cols],
+// summed by the caller); with `dx_sum` also the column sums of dx, to partials[p][2]. `dx_cast` (may be null): dx once more, in O (a gradient a product
 // reads in its 16-bit dtype), rounded from the stored dx.
 template <typename T, typename O, typename C, int V, int N>
 __device__ void layer_norm_backward_cached(const O* g, const T* x, const C* mean, const C* rstd,
@@ -133,13 +133,16 @@ __device__ void layer_norm_backward_cached(const O* g, const T* x, const C* mean
 #pragma unroll
         for (int k = 0; k < V; ++k)
             dw[j][k] = db[j][k] = ds[j][k] = 0;
-    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
-        const long long start = row * cols;
-        const C m = mean[row], r = rstd[row];
+    const long long stride = (long long)gridDim.x * blockDim.y;
+    for (long long row = (long long)blockIdx.x * blockDim.y + threadIdx.y;
+         row - threadIdx.y < rows; row += stride) {     // the same passes for the whole block
+        const bool live = row < rows;   // a last group's rows past the end: zeros, no stores
+        const long long start = live ? row * cols : 0;
+        const C m = live ? mean[row] : C(0), r = live ? rstd[row] : C(0);
         C sum = 0, dot = 0;
         FOR_EACH_VECTOR(j, col) {
-            const Pack<O, V> gv = load_pack<V>(g + start + col);
-            const Pack<T, V> xv = load_pack<V>(x + start + col);
+            const Pack<O, V> gv = live ? load_pack<V>(g + start + col) : Pack<O, V>{};
+            const Pack<T, V> xv = live ? load_pack<V>(x + start + col) : Pack<T, V>{};
             Pack<T, V> wv;
             if (w)
                 wv = load_pack<V>(w + col);
@@ -154,8 +157,10 @@ __device__ void layer_norm_backward_cached(const O* g, const T* x, const C* mean
                 db[j][k] += gk;
             }
         }
-        const C mean_d = block_reduce(sum, Sum<C>()) / C(cols);
-        const C mean_dh = block_reduce(dot, Sum<C>()) / C(cols);
+        const C mean_d = row_reduce(sum, Sum<C>()) / C(cols);
+        const C mean_dh = row_reduce(dot, Sum<C>()) / C(cols);
+        if (!live)
+            continue;
         FOR_EACH_VECTOR(j, col) {
             Pack<T, V> addv, out;
             Pack<O, V> cast;
@@ -175,6 +180,7 @@ __device__ void layer_norm_backward_cached(const O* g, const T* x, const C* mean
     }
     if (!partials)
         return;
+    const long long part = (long long)blockIdx.x * blockDim.y + threadIdx.y;
     const long long slots = 2 + (dx_sum ? 1 : 0);
     FOR_EACH_VECTOR(j, col) {
         Pack<C, V> wv, bv, sv;
@@ -184,10 +190,10 @@ __device__ void layer_norm_backward_cached(const O* g, const T* x, const C* mean
             bv.v[k] = db[j][k];
             sv.v[k] = ds[j][k];
         }
-        store_pack(partials + slots * blockIdx.x * cols + col, wv);
-        store_pack(partials + (slots * blockIdx.x + 1) * cols + col, bv);
+        store_pack(partials + slots * part * cols + col, wv);
+        store_pack(partials + (slots * part + 1) * cols + col, bv);
         if (dx_sum)
-            store_pack(partials + (slots * blockIdx.x + 2) * cols + col, sv);
+            store_pack(partials + (slots * part + 2) * cols + col, sv);
     }
 }
 

@@ -92,9 +92,10 @@ __device__ void rms_norm_forward_cached(const T* x, const T* w, O* y, C* rstd, l
         rstd[row] = r;
 }
 
-// Strides over rows (block b: rows b, b + gridDim.x, ...); with `partials`, also the column sums
-// of g xhat over its rows (the weight gradient) into partials[blockIdx.x][0] ([gridDim.x,
-// 1 + dx_sum, cols]), and with `dx_sum` those of dx into partials[blockIdx.x][1]. `dx_cast`
+// Strides over groups of blockDim.y rows as layernorm.cu's backward does; with `partials`, also
+// the column sums of g xhat over a row lane's rows (the weight gradient) into partials[p][0]
+// ([gridDim.x blockDim.y, 1 + dx_sum, cols], p = blockIdx.x blockDim.y + threadIdx.y), and with
+// `dx_sum` those of dx into partials[p][1]. `dx_cast`
 // (may be null): dx once more, in O, rounded from the stored dx (layernorm.cu's).
 template <typename T, typename O, typename C, int V, int N>
 __device__ void rms_norm_backward_cached(const O* g, const T* x, const C* rstd, const T* w,
@@ -107,13 +108,16 @@ __device__ void rms_norm_backward_cached(const O* g, const T* x, const C* rstd, 
 #pragma unroll
         for (int k = 0; k < V; ++k)
             dw[j][k] = ds[j][k] = 0;
-    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
-        const long long start = row * cols;
-        const C r = rstd[row];
+    const long long stride = (long long)gridDim.x * blockDim.y;
+    for (long long row = (long long)blockIdx.x * blockDim.y + threadIdx.y;
+         row - threadIdx.y < rows; row += stride) {     // the same passes for the whole block
+        const bool live = row < rows;   // a last group's rows past the end: zeros, no stores
+        const long long start = live ? row * cols : 0;
+        const C r = live ? rstd[row] : C(0);
         C dot = 0;
         FOR_EACH_VECTOR(j, col) {
-            const Pack<O, V> gv = load_pack<V>(g + start + col);
-            const Pack<T, V> xv = load_pack<V>(x + start + col);
+            const Pack<O, V> gv = live ? load_pack<V>(g + start + col) : Pack<O, V>{};
+            const Pack<T, V> xv = live ? load_pack<V>(x + start + col) : Pack<T, V>{};
             Pack<T, V> wv;
             if (w)
                 wv = load_pack<V>(w + col);
@@ -126,7 +130,9 @@ __device__ void rms_norm_backward_cached(const O* g, const T* x, const C* rstd, 
                 dw[j][k] += gk * h[j][k];
             }
         }
-        const C mean_dh = block_reduce(dot, Sum<C>()) / C(cols);
+        const C mean_dh = row_reduce(dot, Sum<C>()) / C(cols);
+        if (!live)
+            continue;
         FOR_EACH_VECTOR(j, col) {
             Pack<T, V> addv, out;
             Pack<O, V> cast;
@@ -146,6 +152,7 @@ __device__ void rms_norm_backward_cached(const O* g, const T* x, const C* rstd, 
     }
     if (!partials)
         return;
+    const long long part = (long long)blockIdx.x * blockDim.y + threadIdx.y;
     const long long slots = 1 + (dx_sum ? 1 : 0);
     FOR_EACH_VECTOR(j, col) {
         Pack<C, V> wv, sv;
@@ -154,9 +161,9 @@ __device__ void rms_norm_backward_cached(const O* g, const T* x, const C* rstd, 
             wv.v[k] = dw[j][k];
             sv.v[k] = ds[j][k];
         }
-        store_pack(partials + slots * blockIdx.x * cols + col, wv);
+        store_pack(partials + slots * part * cols + col, wv);
         if (dx_sum)
-            store_pack(partials + (slots * blockIdx.x + 1) * cols + col, sv);
+            store_pack(partials + (slots * part + 1) * cols + col, sv);
     }
 }
 
