@@ -61,12 +61,6 @@ __device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& x)
     M(float, float, f32_f32) M(float, __nv_bfloat16, f32_bf16) M(float, __half, f32_f16)         \
     M(double, double, f64_f64) M(double, __nv_bfloat16, f64_bf16) M(double, __half, f64_f16)
 
-// The rows of a thread whose block covers blockDim.y rows at a time: from
-// blockIdx.y * blockDim.y + threadIdx.y, every gridDim.y * blockDim.y (needs `rows` in scope).
-#define FOR_EACH_ROW(row)                                                                        \
-    for (long long row = blockIdx.y * blockDim.y + threadIdx.y; row < rows;                      \
-         row += (long long)gridDim.y * blockDim.y)
-
 // The columns of the thread's j-th vector in a row cached in registers (N vectors of V elements
 // per thread, needs V, N and `cols` in scope): (j * blockDim.x + threadIdx.x) * V.
 #define FOR_EACH_VECTOR(j, col)                                                                  \
@@ -80,11 +74,13 @@ __device__ __forceinline__ int vector_column()
     return V * (blockIdx.x * blockDim.x + threadIdx.x);
 }
 
-// The thread's rows (FOR_EACH_ROW's), R at a time: load(u, at) for each of R rows, then
-// body(u, at) for each, so that R rows' loads are in flight before the first is used (the row
-// kernels are memory-bound, and one row's load-use chain per thread leaves most of the memory's
-// latency exposed); the rows left over one at a time, as u = 0. `at` is the index of column
-// `col` in the row. Each thread still meets its rows in order (sums over them do not change).
+// The rows of a thread whose block covers blockDim.y rows at a time (from
+// blockIdx.y * blockDim.y + threadIdx.y, every gridDim.y * blockDim.y), R at a time:
+// load(u, at) for each of R rows, then body(u, at) for each, so that R rows' loads are in flight
+// before the first is used (the row kernels are memory-bound, and one row's load-use chain per
+// thread leaves most of the memory's latency exposed); the rows left over one at a time, as
+// u = 0. `at` is the index of column `col` in the row. Each thread still meets its rows in
+// order (sums over them do not change).
 template <int R, typename Load, typename Body>
 __device__ __forceinline__ void for_rows_in_flight(long long rows, int cols, int col, Load load,
                                                    Body body)

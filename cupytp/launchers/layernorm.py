@@ -54,9 +54,13 @@ class _Plan:
             get_kernel(SOURCES[op], f"{op}_{direction}_cached_{suffix}_v{vec}_n{vectors}")
         self.streaming = get_kernel(SOURCES[op], f"{op}_{direction}_{suffix}")
         # the cached kernels' rows: the fewest whole warps that hold a row, as many rows a
-        # block as fit (GPT-2's 768 fp32 columns: 96 lanes of 8, 2 rows a block of 192)
+        # block as fit (GPT-2's 768 fp32 columns: 96 lanes of 8, 2 rows a block of 192); a
+        # backward with one row a block takes the whole block (faster than fewer lanes: 70
+        # against 73 us at (8192, 1280) on an H100)
         lanes = min(BLOCK_THREADS, ceil_div(ceil_div(self.cols, vec * (vectors or 1)), 32) * 32)
-        self.block = (lanes, BLOCK_THREADS // lanes)
+        rows_a_block = BLOCK_THREADS // lanes
+        self.block = (BLOCK_THREADS, 1) if direction == "backward" and rows_a_block == 1 else \
+            (lanes, rows_a_block)
         self.alignment = vec * 8 if suffix == "f64" else vec * 4     # vectors of the widest
         self.compute = compute_dtype(numpy.float64 if suffix == "f64" else numpy.float32)
 
@@ -197,13 +201,10 @@ def run_backward(plan, args, aligned, sums, streaming_sums, cast, param_slots):
     dx_cast = xp.empty(dx.shape, g.dtype) if in_pass else None
     dx_sum = in_pass and cast[1]
     slots = param_slots + 1 if dx_sum else sums
-    # rows of lanes where several fit a block (a whole block per row measured faster than
-    # fewer lanes for one: 70 against 73 us at (8192, 1280) on an H100)
-    block = plan.block if plan.block[1] > 1 else (BLOCK_THREADS, 1)
-    groups = ceil_div(rows, block[1])
+    groups = ceil_div(rows, plan.block[1])
     blocks = min(groups, PARAM_GRAD_BLOCKS_PER_SM * multiprocessors()) if slots else groups
-    partials = xp.empty((blocks * block[1], slots * cols), plan.compute) if slots else None
-    kernel((blocks,), block,
+    partials = xp.empty((blocks * plan.block[1], slots * cols), plan.compute) if slots else None
+    kernel((blocks,), plan.block,
            args + (NULL if partials is None else partials,
                    NULL if dx_cast is None else dx_cast, numpy.int32(dx_sum),
                    numpy.int64(rows), numpy.int32(cols)))

@@ -59,7 +59,6 @@ def test_rows_grid_covers_the_row_with_few_idle_lanes(vectors, lanes):
     assert block == (lanes, 256 // lanes)
     assert grid[0] == ceil_div(vectors, lanes)
     assert grid[1] == min(1024, ceil_div(8192, block[1] * 16))
-    assert grid[1] * block[1] * 16 >= 8192 or grid[1] == 1024
 
 
 def test_every_launched_source_is_in_the_kernels_folder():
