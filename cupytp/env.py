@@ -23,7 +23,8 @@ class EnvError(ValueError):
 @dataclass(frozen=True)
 class Variable:
     """One variable: its default (what an unset or empty one means), the values it takes
-    (`choices`, or a `kind` of "flag", "seconds" or "fault"), and what it does."""
+    (`choices`, or a `kind` of "flag", "seconds", "path" (any value) or "fault"), and what it
+    does."""
     default: str
     meaning: str
     choices: tuple = ()
@@ -47,6 +48,12 @@ VARIABLES = {
                              kind="flag"),
     "CUPYTP_CUBLASLT": Variable("1", "0: products through cublasGemmEx instead of cuBLASLt",
                                 kind="flag"),
+    "CUPYTP_GEMM_TUNE": Variable("1", "1: a product's first run outside a CUDA-graph capture "
+                                      "times cuBLASLt's candidate algorithms and keeps the "
+                                      "fastest; 0: the heuristic's first", kind="flag"),
+    "CUPYTP_GEMM_CACHE": Variable("", "the file of the timed GEMM algorithm choices; unset: "
+                                      "gemm_algorithms.json in $XDG_CACHE_HOME/cupytp or "
+                                      "~/.cache/cupytp", kind="path"),
     "CUPYTP_CHECKPOINT_FAULT": Variable("", "test hook: <rank>:<point> kills that rank at that "
                                             "point of a checkpoint save",
                                         choices=("shard", "index", "renamed"), kind="fault"),
@@ -72,6 +79,8 @@ def get(name):
             seconds = float("nan")
         if seconds > 0 and seconds != float("inf"):
             return seconds
+    if variable.kind == "path":
+        return value
     if variable.kind == "fault" and (value == "" or _is_fault(value, variable.choices)):
         return value
     if variable.kind == "choice" and (value == "" or value in variable.choices):

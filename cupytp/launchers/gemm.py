@@ -22,7 +22,7 @@ import os
 import numpy
 
 from cupytp import backend, env
-from cupytp.launchers import is_device_array, lasting_buffer
+from cupytp.launchers import gemm_choice, is_device_array, lasting_buffer
 
 # cudaDataType, cublasComputeType_t, cublasOperation_t, cublasGemmAlgo_t
 _CUDA_R_32F, _CUDA_R_64F, _CUDA_R_16F, _CUDA_R_16BF = 0, 1, 2, 14
@@ -112,6 +112,7 @@ _ALGO_STATE_OFFSET = 72         # ... then size_t workspaceSize, cublasStatus_t 
 LT_ALIGNMENT = 256              # the operand alignment the chosen algorithms may assume
 EPILOGUE_DESCRIPTORS = 64       # matmul descriptors an epilogue plan keeps, one per bias pointer
 WORKSPACE_BYTES = 32 * 2 ** 20
+_matmuls = {}                   # matmul's signature -> its Product, made at its first call
 _workspaces = {}                # stream pointer -> the address of that stream's workspace
 _workspace_arrays = []          # ... kept for the life of the process
 
@@ -143,6 +144,10 @@ class _Lt:
         lib.cublasLtMatmul.argtypes = [p, p, p, p, p, p, p, p, p, p, p, p, p, p, ctypes.c_size_t,
                                        p]
         self.lib, self.matmul = lib, lib.cublasLtMatmul
+        lib.cublasLtGetVersion.restype = ctypes.c_size_t
+        self.version = lib.cublasLtGetVersion()
+        props = backend.xp.cuda.runtime.getDeviceProperties(backend.xp.cuda.Device().id)
+        self.device = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
         self.handle = self._made(lib.cublasLtCreate)
         self.preference = self._made(lib.cublasLtMatmulPreferenceCreate)
         self._set(lib.cublasLtMatmulPreferenceSetAttribute, self.preference,
@@ -175,7 +180,10 @@ def _lt():
 
 class _LtPlan:
     """One cuBLASLt product, column-major as cuBLAS sees it: D (rows x cols) = op(first)
-    op(second), its descriptors and the algorithm the heuristic chose (None: it offered none).
+    op(second), its descriptors and its algorithm (`args` None: the heuristic offered none): the
+    heuristic's first, or the fastest of its candidates (`gemm_choice`), known from the choices
+    file or timed at the plan's first run outside a capture (`pending` holds the product's key
+    until then).
     `epilogue`: (cublasLtEpilogue_t, the auxiliary matrix's leading dimension or None) for a
     product with a fused epilogue (`gemm_epilogue`), whose bias and auxiliary pointers `run`
     passes. Those pointers are attributes of the matmul descriptor, and setting one costs about
@@ -183,7 +191,8 @@ class _LtPlan:
     EPILOGUE_DESCRIPTORS, the oldest dropped): one plan serves every layer of a shape, and each
     layer's bias (a parameter, or its gradient, which the pool gives the same address step after
     step) finds its descriptor with its pointers already set."""
-    __slots__ = ("args", "descriptors", "recipe", "by_bias", "__weakref__")
+    __slots__ = ("args", "descriptors", "recipe", "by_bias", "candidates", "pending",
+                 "__weakref__")
 
     def __init__(self, ops, rows, cols, k, first, second, out, count, compute, scalars,
                  epilogue=None):
@@ -197,14 +206,27 @@ class _LtPlan:
         layouts = [lt.layout(kind, *stored, ld, count, stride) for stored, (kind, ld, stride)
                    in ((stored_first, first), (stored_second, second), ((rows, cols), out))]
         self.descriptors = (lt.lib, desc, layouts)
-        result, found = ctypes.create_string_buffer(_HEURISTIC_RESULT_BYTES), ctypes.c_int32(0)
+        tune = gemm_choice.tuning()
+        asked = gemm_choice.CANDIDATES if tune else 1
+        result, found = ctypes.create_string_buffer(_HEURISTIC_RESULT_BYTES * asked), \
+            ctypes.c_int32(0)
         _check(lt.lib.cublasLtMatmulAlgoGetHeuristic(
-            lt.handle, desc, layouts[0], layouts[1], layouts[2], layouts[2], lt.preference, 1,
+            lt.handle, desc, layouts[0], layouts[1], layouts[2], layouts[2], lt.preference, asked,
             result, ctypes.byref(found)))
-        state = int.from_bytes(result.raw[_ALGO_STATE_OFFSET:_ALGO_STATE_OFFSET + 4], "little")
-        if found.value and not state:
-            self.args = (lt.matmul, lt.handle, desc, alpha, layouts[0], layouts[1], beta,
-                         layouts[2], ctypes.addressof(result), result)
+        self.candidates = [ctypes.addressof(result) + i * _HEURISTIC_RESULT_BYTES
+                           for i in range(found.value) if not _state(result, i)]
+        self.pending = None
+        if not self.candidates:
+            return
+        index = 0
+        if tune and len(self.candidates) > 1:
+            key = _lt_key(lt, (rows, cols, k, first, second, out, count, beta == alpha),
+                          self.recipe)
+            index = gemm_choice.choices().get(key)
+            if index is None or index >= len(self.candidates):
+                index, self.pending = 0, key
+        self.args = (lt.matmul, lt.handle, desc, alpha, layouts[0], layouts[1], beta,
+                     layouts[2], self.candidates[index], result)
 
     def _descriptor(self, bias_ptr=0):
         """A new matmul descriptor of this plan's operations and epilogue (its bias pointer
@@ -247,9 +269,30 @@ class _LtPlan:
                 entry[1] = aux_ptr
         stream = backend.xp.cuda.get_current_stream().ptr
         workspace = _workspaces.get(stream) or _workspace(stream)
-        _check(matmul(handle, desc, alpha, first_ptr, first, second_ptr, second, beta,
-                      out_ptr if c_ptr is None else c_ptr, out, out_ptr, out, algo, workspace,
-                      WORKSPACE_BYTES, stream))
+        c_ptr = out_ptr if c_ptr is None else c_ptr
+        if self.pending is not None and not (beta == alpha and c_ptr == out_ptr):
+            algo = self._tune(lambda candidate: _check(matmul(
+                handle, desc, alpha, first_ptr, first, second_ptr, second, beta, c_ptr, out,
+                out_ptr, out, candidate, workspace, WORKSPACE_BYTES, stream)))
+        _check(matmul(handle, desc, alpha, first_ptr, first, second_ptr, second, beta, c_ptr,
+                      out, out_ptr, out, algo, workspace, WORKSPACE_BYTES, stream))
+
+    def _tune(self, run):
+        """The algorithm of the fastest candidate, timed on this run's operands and kept in the
+        choices file: each candidate writes the output (and an epilogue's outputs) that the run
+        then writes again. `run` (which `run` does not call with C = D and beta 1: a timing would
+        add the product to D again and again) runs a candidate's algorithm. The current
+        algorithm, untimed, inside a capture."""
+        if backend.xp.cuda.get_current_stream().is_capturing():
+            return self.args[8]
+        key, self.pending = self.pending, None
+        index = gemm_choice.fastest(lambda i: run(self.candidates[i]), len(self.candidates),
+                                    gemm_choice.device_timer)
+        if index is None:
+            return self.args[8]
+        index = gemm_choice.choices().add(key, index)
+        self.args = self.args[:8] + (self.candidates[index],) + self.args[9:]
+        return self.args[8]
 
     def __del__(self):
         if self.descriptors is not None:
@@ -258,6 +301,19 @@ class _LtPlan:
                 lib.cublasLtMatmulDescDestroy(descriptor)
             for layout in layouts:
                 lib.cublasLtMatrixLayoutDestroy(layout)
+
+
+def _state(results, index):
+    """The cublasStatus_t of heuristic result `index` in the buffer `results` (0: usable)."""
+    at = index * _HEURISTIC_RESULT_BYTES + _ALGO_STATE_OFFSET
+    return int.from_bytes(results.raw[at:at + 4], "little")
+
+
+def _lt_key(lt, shape, recipe):
+    """The choices file's key of a product: the GPU, the cuBLASLt version, the product's sizes,
+    operand types, leading dimensions and strides, whether it adds C, its compute type,
+    operations and epilogue."""
+    return f"{lt.device}|cublasLt {lt.version}|{shape}|{recipe}"
 
 
 def _workspace(stream):
@@ -293,7 +349,11 @@ def matmul(a, b, out_dtype=None, shape=None):
         a, a_t = xp.ascontiguousarray(a), False
     if b_t is None:
         b, b_t = xp.ascontiguousarray(b), False
-    return Product(a, b, a_t, b_t, out_dtype, shape).run(a.data.ptr, b.data.ptr)
+    key = (a.shape, a_t, b.shape, b_t, a.dtype, out_dtype, shape)
+    made = _matmuls.get(key)
+    if made is None:
+        made = _matmuls[key] = Product(a, b, a_t, b_t, out_dtype, shape)
+    return made.run(a.data.ptr, b.data.ptr)
 
 
 def product(a, b, out_dtype=None, shape=None):

@@ -1,0 +1,133 @@
+"""Which of cuBLASLt's algorithms a product runs. cuBLASLt's heuristic ranks up to CANDIDATES
+algorithms for a product's shape; its first is often not the fastest (H200, bf16, GPT-2 774M's
+products: the first ones take 58.8 ms of a step, the fastest 54.4). With CUPYTP_GEMM_TUNE=1 (the
+default) a product's first run outside a CUDA-graph capture times each candidate on its own
+operands and keeps the fastest; with 0 it runs the heuristic's first, as a product run inside a
+capture before any eager run does.
+
+A choice is the candidate's place in the heuristic's list, which is the same for the same GPU,
+cuBLASLt version and product. Choices are kept in a JSON file (CUPYTP_GEMM_CACHE, default
+$XDG_CACHE_HOME/cupytp/gemm_algorithms.json) that every process reads and adds to, so that a
+later run (a resumed one, another rank) runs the same algorithms as the first and computes the
+same bits, and times nothing it has timed before. The file is rewritten whole through a
+temporary file and a rename: a process stopped half-way leaves the previous file; a file that
+cannot be read or written is reported once, and the choices then live in the process only.
+"""
+import json
+import os
+import warnings
+
+from cupytp import env
+
+CANDIDATES = 8          # the heuristic's candidates asked for, and timed
+TIMED_RUNS = 5          # runs per timing; a candidate's time is the faster of two timings
+
+
+def tuning():
+    """CUPYTP_GEMM_TUNE: True (time the candidates, the default) or False (the first)."""
+    return env.get("CUPYTP_GEMM_TUNE")
+
+
+def cache_path():
+    """The choices file: CUPYTP_GEMM_CACHE, or gemm_algorithms.json in the user's cache folder."""
+    path = env.get("CUPYTP_GEMM_CACHE")
+    if not path:
+        home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        path = os.path.join(home, "cupytp", "gemm_algorithms.json")
+    return path
+
+
+class Choices:
+    """The file-backed choices: product key (a string naming the GPU, the cuBLASLt version and
+    the product) -> the candidate's index in the heuristic's list."""
+
+    def __init__(self, path):
+        self.path, self.known, self._warned = path, {}, False
+        self.known = self._read()
+
+    def _read(self):
+        try:
+            with open(self.path, encoding="utf-8") as file:
+                known = json.load(file)
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as err:
+            self._warn(f"cannot read it ({err})")
+            return {}
+        if not isinstance(known, dict):
+            self._warn("it does not hold a JSON object")
+            return {}
+        return {key: index for key, index in known.items()
+                if isinstance(index, int) and 0 <= index < CANDIDATES}
+
+    def get(self, key):
+        return self.known.get(key)
+
+    def add(self, key, index):
+        """Keep `index` for `key` and write the file again with what other processes added to it
+        meanwhile (theirs first: a key that two processes timed keeps one choice); the index kept
+        for `key`."""
+        self.known[key] = index
+        merged = {**self.known, **self._read()}
+        self.known = merged
+        temporary = f"{self.path}.{os.getpid()}.tmp"
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            with open(temporary, "w", encoding="utf-8") as file:
+                json.dump(merged, file, indent=0, sort_keys=True)
+            os.replace(temporary, self.path)
+        except OSError as err:
+            self._warn(f"cannot write it ({err})")
+            try:
+                os.remove(temporary)
+            except OSError:
+                pass
+        return merged[key]
+
+    def _warn(self, what):
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"cupytp: the GEMM algorithm choices file {self.path}: {what}; the "
+                          f"choices of this process are not kept for the next (set "
+                          f"CUPYTP_GEMM_CACHE to a writable file, or CUPYTP_GEMM_TUNE=0)",
+                          RuntimeWarning, stacklevel=3)
+
+
+_choices = {}           # path -> Choices
+
+
+def choices():
+    """The Choices of the current CUPYTP_GEMM_CACHE, read once per path."""
+    path = cache_path()
+    if path not in _choices:
+        _choices[path] = Choices(path)
+    return _choices[path]
+
+
+def fastest(run, count, timer):
+    """The index of the fastest of `count` candidates: `run(i)` runs candidate i once (raising
+    RuntimeError where cuBLASLt refuses it), `timer(fn)` returns fn's device time. Each candidate
+    runs twice untimed, then is timed twice over TIMED_RUNS runs, the faster timing counting.
+    None where every candidate was refused."""
+    best, best_time = None, float("inf")
+    for index in range(count):
+        try:
+            run(index)
+            run(index)
+        except RuntimeError:
+            continue
+        seconds = min(timer(lambda: [run(index) for _ in range(TIMED_RUNS)]) for _ in range(2))
+        if seconds < best_time:
+            best, best_time = index, seconds
+    return best
+
+
+def device_timer(fn):
+    """fn's device time on the current stream, from two CUDA events."""
+    from cupytp.backend import xp
+    start, stop = xp.cuda.Event(), xp.cuda.Event()
+    start.record()
+    fn()
+    stop.record()
+    stop.synchronize()
+    return xp.cuda.get_elapsed_time(start, stop) / 1000
