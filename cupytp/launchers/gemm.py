@@ -219,7 +219,8 @@ class _LtPlan:
         if not self.candidates:
             return
         index = 0
-        if tune and len(self.candidates) > 1:
+        if tune and len(self.candidates) > 1 and \
+                count * rows * cols * k >= gemm_choice.TUNED_FROM:
             key = _lt_key(lt, (rows, cols, k, first, second, out, count, beta == alpha),
                           self.recipe)
             index = gemm_choice.choices().get(key)
@@ -281,13 +282,14 @@ class _LtPlan:
         """The algorithm of the fastest candidate, timed on this run's operands and kept in the
         choices file: each candidate writes the output (and an epilogue's outputs) that the run
         then writes again. `run` (which `run` does not call with C = D and beta 1: a timing would
-        add the product to D again and again) runs a candidate's algorithm. The current
-        algorithm, untimed, inside a capture."""
+        add the product to D again and again) runs a candidate's algorithm. Inside a capture, the
+        heuristic's first, untimed and kept: a graph and the eager runs after it then run one
+        algorithm."""
+        key, self.pending = self.pending, None
         if backend.xp.cuda.get_current_stream().is_capturing():
             return self.args[8]
-        key, self.pending = self.pending, None
-        index = gemm_choice.fastest(lambda i: run(self.candidates[i]), len(self.candidates),
-                                    gemm_choice.device_timer)
+        index = gemm_choice.timed_from_memory(lambda timer: gemm_choice.fastest(
+            lambda i: run(self.candidates[i]), len(self.candidates), timer))
         if index is None:
             return self.args[8]
         index = gemm_choice.choices().add(key, index)

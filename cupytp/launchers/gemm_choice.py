@@ -1,8 +1,9 @@
 """Which of cuBLASLt's algorithms a product runs. cuBLASLt's heuristic ranks up to CANDIDATES
-algorithms for a product's shape; its first is often not the fastest (H200, bf16, GPT-2 774M's
-products: the first ones take 58.8 ms of a step, the fastest 54.4). With CUPYTP_GEMM_TUNE=1 (the
-default) a product's first run outside a CUDA-graph capture times each candidate on its own
-operands and keeps the fastest; with 0 it runs the heuristic's first, as a product run inside a
+algorithms for a product's shape; its first is often not the fastest (GPT-2 774M's captured
+bf16 step on an H200: 92.6 ms with the heuristic's first algorithms, 90.7 with the fastest).
+With CUPYTP_GEMM_TUNE=1 (the default) the first run outside a CUDA-graph capture of a product of
+TUNED_FROM multiply-adds or more times each candidate on its own operands and keeps the fastest;
+with 0, or for smaller products, it runs the heuristic's first, as a product run inside a
 capture before any eager run does.
 
 A choice is the candidate's place in the heuristic's list, which is the same for the same GPU,
@@ -20,7 +21,9 @@ import warnings
 from cupytp import env
 
 CANDIDATES = 8          # the heuristic's candidates asked for, and timed
-TIMED_RUNS = 5          # runs per timing; a candidate's time is the faster of two timings
+TUNED_FROM = 2 ** 30    # multiply-adds from which a product is tuned: smaller ones are bound by
+                        # their launch, and a decoder's growing shapes would each be timed
+TIMED_RUNS = 5          # timed runs per candidate; its time is its fastest run's
 
 
 def tuning():
@@ -107,8 +110,8 @@ def choices():
 def fastest(run, count, timer):
     """The index of the fastest of `count` candidates: `run(i)` runs candidate i once (raising
     RuntimeError where cuBLASLt refuses it), `timer(fn)` returns fn's device time. Each candidate
-    runs twice untimed, then is timed twice over TIMED_RUNS runs, the faster timing counting.
-    None where every candidate was refused."""
+    runs twice untimed, then is timed TIMED_RUNS times, its fastest run counting. None where
+    every candidate was refused."""
     best, best_time = None, float("inf")
     for index in range(count):
         try:
@@ -116,18 +119,33 @@ def fastest(run, count, timer):
             run(index)
         except RuntimeError:
             continue
-        seconds = min(timer(lambda: [run(index) for _ in range(TIMED_RUNS)]) for _ in range(2))
+        seconds = min(timer(lambda: run(index)) for _ in range(TIMED_RUNS))
         if seconds < best_time:
             best, best_time = index, seconds
     return best
 
 
-def device_timer(fn):
-    """fn's device time on the current stream, from two CUDA events."""
+def timed_from_memory(tune):
+    """tune(timer) with a timer that returns fn's device time on the current stream (two CUDA
+    events) after writing twice the GPU's L2 cache over, so that each timed run reads its
+    operands from memory, as a product of a step mostly does (GPT-2 774M on an H200: 88.8 ms a
+    step with the choices so timed, 89.1 with choices timed on operands left in L2 by the runs
+    before). Where that scratch cannot be had, runs are timed as they come."""
     from cupytp.backend import xp
-    start, stop = xp.cuda.Event(), xp.cuda.Event()
-    start.record()
-    fn()
-    stop.record()
-    stop.synchronize()
-    return xp.cuda.get_elapsed_time(start, stop) / 1000
+    nbytes = 2 * xp.cuda.Device().attributes["L2CacheSize"]
+    try:
+        scratch = xp.cuda.memory.Memory(nbytes)      # outside the pool, freed on return
+    except xp.cuda.memory.OutOfMemoryError:
+        scratch = None
+
+    def timer(fn):
+        stream = xp.cuda.get_current_stream()
+        if scratch is not None:
+            xp.cuda.runtime.memsetAsync(scratch.ptr, 0, nbytes, stream.ptr)
+        start, stop = xp.cuda.Event(), xp.cuda.Event()
+        start.record(stream)
+        fn()
+        stop.record(stream)
+        stop.synchronize()
+        return xp.cuda.get_elapsed_time(start, stop) / 1000
+    return tune(timer)
