@@ -292,9 +292,14 @@ class _LtPlan:
             lambda i: run(self.candidates[i]), len(self.candidates), timer))
         if index is None:
             return self.args[8]
-        index = gemm_choice.choices().add(key, index)
-        self.args = self.args[:8] + (self.candidates[index],) + self.args[9:]
+        kept = gemm_choice.choices().add(key, index)     # another process's, where it timed first
+        self.use(kept if kept < len(self.candidates) else index)
         return self.args[8]
+
+    def use(self, index):
+        """Run candidate `index` of the heuristic's list from now on (untimed)."""
+        self.pending = None
+        self.args = self.args[:8] + (self.candidates[index],) + self.args[9:]
 
     def __del__(self):
         if self.descriptors is not None:

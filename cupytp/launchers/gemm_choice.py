@@ -107,22 +107,28 @@ def choices():
     return _choices[path]
 
 
-def fastest(run, count, timer):
-    """The index of the fastest of `count` candidates: `run(i)` runs candidate i once (raising
-    RuntimeError where cuBLASLt refuses it), `timer(fn)` returns fn's device time. Each candidate
-    runs twice untimed, then is timed TIMED_RUNS times, its fastest run counting. None where
-    every candidate was refused."""
-    best, best_time = None, float("inf")
+def timings(run, count, timer):
+    """Each of `count` candidates' time in seconds (inf where cuBLASLt refuses it): `run(i)`
+    runs candidate i once (raising RuntimeError where refused), `timer(fn)` returns fn's device
+    time. A candidate runs twice untimed, then is timed TIMED_RUNS times, its fastest run
+    counting."""
+    times = []
     for index in range(count):
         try:
             run(index)
             run(index)
         except RuntimeError:
+            times.append(float("inf"))
             continue
-        seconds = min(timer(lambda: run(index)) for _ in range(TIMED_RUNS))
-        if seconds < best_time:
-            best, best_time = index, seconds
-    return best
+        times.append(min(timer(lambda: run(index)) for _ in range(TIMED_RUNS)))
+    return times
+
+
+def fastest(run, count, timer):
+    """The index of the fastest candidate by `timings`, None where every one was refused."""
+    times = timings(run, count, timer)
+    best = min(range(count), key=times.__getitem__, default=None)
+    return None if best is None or times[best] == float("inf") else best
 
 
 def timed_from_memory(tune):

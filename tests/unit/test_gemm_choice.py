@@ -147,3 +147,17 @@ def test_a_product_times_its_candidates_once_and_keeps_the_choice(monkeypatch, t
     plan = gemm.product(da, xp.asarray(b)).lt
     assert plan.pending is None and plan.args[8] == plan.candidates[next(
         i for key, i in kept.items() if "(1024, 1024, 1024" in key and key.endswith(" None)"))]
+
+
+def test_the_bench_times_a_whole_steps_products():
+    """bench/gemm_algorithms.py's products of a GPT-2 step: forward, input and weight gradients
+    of every linear map, 6 x tokens x (the blocks' 12 C^2 a layer + the head's C V) flops."""
+    import sys
+    from launch import REPO
+    sys.path.insert(0, str(REPO / "bench"))
+    import gemm_algorithms
+    tokens, width, _, vocab, layers, _, _ = gemm_algorithms.MODELS["124M"]
+    flops = sum(2 * m * k * n * count
+                for _, m, k, n, _, _, _, count in gemm_algorithms.products(
+                    *gemm_algorithms.MODELS["124M"]))
+    assert flops == 6 * tokens * (layers * 12 * width ** 2 + width * vocab)
