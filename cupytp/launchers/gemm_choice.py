@@ -141,7 +141,7 @@ def timed_from_memory(tune):
     nbytes = 2 * xp.cuda.Device().attributes["L2CacheSize"]
     try:
         scratch = xp.cuda.memory.Memory(nbytes)      # outside the pool, freed on return
-    except xp.cuda.memory.OutOfMemoryError:
+    except (xp.cuda.memory.OutOfMemoryError, xp.cuda.runtime.CUDARuntimeError):   # cudaMalloc's
         scratch = None
 
     def timer(fn):
