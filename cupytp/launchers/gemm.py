@@ -1,7 +1,8 @@
 """Matrix products through cuBLASLt (`cublasLtMatmul`, called through ctypes): a `Product` holds
-one product's descriptors and the algorithm cuBLASLt's heuristic chose for it, worked out once,
-so that a call is one C call with nothing to decide (cuBLAS's `cublasGemmEx` decides again on
-every call, which costs a small product more host time than its device time). A workspace of
+one product's descriptors and its algorithm (the fastest of cuBLASLt's candidates, timed at its
+first run: `gemm_choice`), worked out once, so that a call is one C call with nothing to decide
+(cuBLAS's `cublasGemmEx` decides again on every call, which costs a small product more host time
+than its device time). A workspace of
 WORKSPACE_BYTES per stream lives as long as the process. Where cuBLASLt offers no algorithm, or
 with CUPYTP_CUBLASLT=0, the product runs through `cublasGemmEx` / `cublasGemmStridedBatchedEx`:
 CuPy's bindings, or the library called directly while a stream is being captured into a CUDA
