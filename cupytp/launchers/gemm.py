@@ -2,11 +2,10 @@
 one product's descriptors and its algorithm (the fastest of cuBLASLt's candidates, timed at its
 first run: `gemm_choice`), worked out once, so that a call is one C call with nothing to decide
 (cuBLAS's `cublasGemmEx` decides again on every call, which costs a small product more host time
-than its device time). A workspace of
-WORKSPACE_BYTES per stream lives as long as the process. Where cuBLASLt offers no algorithm, or
-with CUPYTP_CUBLASLT=0, the product runs through `cublasGemmEx` / `cublasGemmStridedBatchedEx`:
-CuPy's bindings, or the library called directly while a stream is being captured into a CUDA
-graph, where CuPy's bindings refuse to run.
+than its device time). A workspace of WORKSPACE_BYTES per stream lives as long as the process.
+Where cuBLASLt offers no algorithm, or with CUPYTP_CUBLASLT=0, the product runs through
+`cublasGemmEx` / `cublasGemmStridedBatchedEx`: CuPy's bindings, or the library called directly
+while a stream is being captured into a CUDA graph, where CuPy's bindings refuse to run.
 
 `matmul(a, b)`: a (..., M, K), b (K, N) or (..., K, N) with the same batch dims, one float dtype
 (float64, float32, bfloat16 or float16); either may be a transposed view of a C-contiguous array
