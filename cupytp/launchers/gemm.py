@@ -112,6 +112,7 @@ _ALGO_STATE_OFFSET = 72         # ... then size_t workspaceSize, cublasStatus_t 
 LT_ALIGNMENT = 256              # the operand alignment the chosen algorithms may assume
 EPILOGUE_DESCRIPTORS = 64       # matmul descriptors an epilogue plan keeps, one per bias pointer
 WORKSPACE_BYTES = 32 * 2 ** 20
+MATMULS_KEPT = 4096              # products `matmul` keeps, the oldest dropped past that
 _matmuls = {}                   # matmul's signature -> its Product, made at its first call
 _workspaces = {}                # stream pointer -> the address of that stream's workspace
 _workspace_arrays = []          # ... kept for the life of the process
@@ -359,6 +360,8 @@ def matmul(a, b, out_dtype=None, shape=None):
     key = (a.shape, a_t, b.shape, b_t, a.dtype, out_dtype, shape)
     made = _matmuls.get(key)
     if made is None:
+        if len(_matmuls) >= MATMULS_KEPT:       # a decoder's growing shapes: the oldest goes
+            del _matmuls[next(iter(_matmuls))]
         made = _matmuls[key] = Product(a, b, a_t, b_t, out_dtype, shape)
     return made.run(a.data.ptr, b.data.ptr)
 

@@ -45,7 +45,7 @@ class Choices:
     the product) -> the candidate's index in the heuristic's list."""
 
     def __init__(self, path):
-        self.path, self.known, self._warned = path, {}, False
+        self.path, self._warned = path, False
         self.known = self._read()
 
     def _read(self):
