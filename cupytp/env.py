@@ -48,6 +48,10 @@ VARIABLES = {
                              kind="flag"),
     "CUPYTP_CUBLASLT": Variable("1", "0: products through cublasGemmEx instead of cuBLASLt",
                                 kind="flag"),
+    "CUPYTP_KEEP_CASTS": Variable("1", "1: autocast keeps every parameter's 16-bit cast between "
+                                       "steps (AdamW writes it in its update pass; 2 bytes a "
+                                       "parameter held between steps); 0: at most 256 MiB of "
+                                       "them, the rest cast anew in every step", kind="flag"),
     "CUPYTP_GEMM_TUNE": Variable("1", "1: a product's first run outside a CUDA-graph capture "
                                       "times cuBLASLt's candidate algorithms and keeps the "
                                       "fastest; 0: the heuristic's first", kind="flag"),

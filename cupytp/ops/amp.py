@@ -13,10 +13,13 @@ of 16-bit operands), so no cast pass runs over weight gradients.
 
 A region's casts are dropped when the outermost region exits and when an optimizer steps, so a
 cast never outlives the values it was made from. The memory of an fp32 parameter's bf16 or fp16
-cast is kept between regions, though (up to KEEP_BYTES in all): the first parameter cast of a
-region rewrites them from their parameters' current values in one launch (`multi_tensor.cast_`),
-where one cast and one allocation per parameter would cost a small model's host more than its
-device. An optimizer whose kernel writes a kept cast beside its parameter's new value (AdamW:
+cast is kept between regions, though: the first parameter cast of a region rewrites them from
+their parameters' current values in one launch (`multi_tensor.cast_`), where one cast and one
+allocation per parameter would cost a small model's host more than its device. All of them are
+kept (`CUPYTP_KEEP_CASTS=1`, the default): a cast lives from its first use in a forward to its
+last in the backward anyway, so holding it between steps too leaves the peak where it was
+(the end of the forward) and adds 2 bytes a parameter only outside it. With
+`CUPYTP_KEEP_CASTS=0` at most KEEP_BYTES of them are (a small model's). An optimizer whose kernel writes a kept cast beside its parameter's new value (AdamW:
 `kept_cast`, `casts_written`) spares that launch the cast: the next region enters it as it is.
 `clear_cache()` frees them.
 """
@@ -28,7 +31,7 @@ from contextlib import contextmanager
 
 import numpy
 
-from cupytp import backend, graph
+from cupytp import backend, env, graph
 from cupytp.autograd import engine
 from cupytp.launchers.cast import converted
 from cupytp.launchers.multi_tensor import cast_
@@ -36,13 +39,14 @@ from cupytp.ops.elementwise import astype
 from cupytp.tensor.dtensor import parameter_reads
 
 
-KEEP_BYTES = 256 * 2 ** 20      # the most memory of casts kept between regions, per thread
+KEEP_BYTES = 256 * 2 ** 20      # with CUPYTP_KEEP_CASTS=0, the most memory of casts kept
+#                                 between regions, per thread
 
 
 class _Kept(dict):
     """The kept casts: (id(parameter), dtype) -> (weak reference to the parameter, its local
-    array, cast), up to KEEP_BYTES of casts in all (a small model's, whose step is host-bound;
-    a large model's memory stays its own). An entry goes with its parameter."""
+    array, cast): all of them, or with CUPYTP_KEEP_CASTS=0 up to KEEP_BYTES in all (a small
+    model's, whose step is host-bound). An entry goes with its parameter."""
 
     def __init__(self):
         super().__init__()
@@ -50,7 +54,7 @@ class _Kept(dict):
 
     def keep(self, key, x, cast):
         self.drop(key)                  # a cast made again (its parameter's array replaced)
-        if self.nbytes + cast._local.nbytes <= KEEP_BYTES:
+        if env.get("CUPYTP_KEEP_CASTS") or self.nbytes + cast._local.nbytes <= KEEP_BYTES:
             self.nbytes += cast._local.nbytes
             self[key] = (weakref.ref(x, lambda _: self.drop(key)), x._local, cast)
 

@@ -221,15 +221,21 @@ def test_packages_import_without_cycles():
         visit(package)
 
 
-def test_casts_kept_between_regions_stay_within_their_budget(monkeypatch):
-    """Past KEEP_BYTES a parameter's cast is made anew in each region, as before (a large
-    model's memory is not spent on kept casts)."""
+@pytest.mark.parametrize("keep", ["1", "0"])
+def test_casts_kept_between_regions_stay_within_their_budget(monkeypatch, keep):
+    """Every parameter's cast is kept between regions by default; with CUPYTP_KEEP_CASTS=0,
+    past KEEP_BYTES a parameter's cast is made anew in each region."""
     amp.clear_cache()
+    monkeypatch.setenv("CUPYTP_KEEP_CASTS", keep)
     monkeypatch.setattr(amp, "KEEP_BYTES", 3 * 16 * 2)           # three (4, 4) bf16 casts
     params = [dt(numpy.full((4, 4), i, numpy.float32)) for i in range(5)]
     with ops.autocast("bf16"):
         for p in params:
             amp.master_cast(p)
+        if keep == "1":
+            assert len(amp._state.kept) == 5 and amp._state.kept.nbytes == 160
+            amp.clear_cache()
+            return
         assert len(amp._state.kept) == 3 and amp._state.kept.nbytes == 96
         params[0]._local = params[0]._local.copy()              # its cast is made again
         amp.master_cast(params[0])
