@@ -280,21 +280,24 @@ class _LtPlan:
                       out, out_ptr, out, algo, workspace, WORKSPACE_BYTES, stream))
 
     def _tune(self, run):
-        """The algorithm of the fastest candidate, timed on this run's operands and kept in the
-        choices file: each candidate writes the output (and an epilogue's outputs) that the run
-        then writes again. `run` (which `run` does not call with C = D and beta 1: a timing would
-        add the product to D again and again) runs a candidate's algorithm. Inside a capture, the
-        heuristic's first, untimed and kept: a graph and the eager runs after it then run one
-        algorithm."""
+        """The algorithm the choices file has for this product (another process's), else that of
+        the fastest candidate, timed on this run's operands and added to the file: each
+        candidate writes the output (and an epilogue's outputs) that the run then writes again.
+        `run` (which `run` does not call with C = D and beta 1: a timing would add the product
+        to D again and again) runs a candidate's algorithm. Inside a capture, the heuristic's
+        first, untimed and kept: a graph and the eager runs after it then run one algorithm."""
         key, self.pending = self.pending, None
         if backend.xp.cuda.get_current_stream().is_capturing():
             return self.args[8]
-        index = gemm_choice.timed_from_memory(lambda timer: gemm_choice.fastest(
-            lambda i: run(self.candidates[i]), len(self.candidates), timer))
+        book = gemm_choice.choices()
+        index = book.lookup(key)        # another process's (another rank's), where it was first
         if index is None:
-            return self.args[8]
-        kept = gemm_choice.choices().add(key, index)     # another process's, where it timed first
-        self.use(kept if kept < len(self.candidates) else index)
+            index = gemm_choice.timed_from_memory(lambda timer: gemm_choice.fastest(
+                lambda i: run(self.candidates[i]), len(self.candidates), timer))
+            if index is None:
+                return self.args[8]
+            index = book.add(key, index)    # another process's, where it wrote one meanwhile
+        self.use(index if index < len(self.candidates) else 0)
         return self.args[8]
 
     def use(self, index):

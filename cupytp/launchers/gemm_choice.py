@@ -13,10 +13,17 @@ later run (a resumed one, another rank) runs the same algorithms as the first an
 same bits, and times nothing it has timed before. The file is rewritten whole through a
 temporary file and a rename: a process stopped half-way leaves the previous file; a file that
 cannot be read or written is reported once, and the choices then live in the process only.
+Processes add to it one at a time (an exclusive lock on `<file>.lock` around each read, merge
+and write), so the first choice written for a product is the one every later process reads
+and runs: the ranks of a job that time a product at once run the first writer's algorithm from
+the product's first run on, as a resumed job does.
 """
+import fcntl
 import json
 import os
+import time
 import warnings
+from contextlib import contextmanager
 
 from cupytp import env
 
@@ -24,6 +31,7 @@ CANDIDATES = 8          # the heuristic's candidates asked for, and timed
 TUNED_FROM = 2 ** 30    # multiply-adds from which a product is tuned: smaller ones are bound by
                         # their launch, and a decoder's growing shapes would each be timed
 TIMED_RUNS = 5          # timed runs per candidate; its time is its fastest run's
+LOCK_WAIT = 10.0        # seconds an addition waits for the file's lock before writing without it
 
 
 def tuning():
@@ -66,26 +74,59 @@ class Choices:
     def get(self, key):
         return self.known.get(key)
 
+    def lookup(self, key):
+        """key's index as the file has it now (what other processes added is read in), else
+        None."""
+        self.known = {**self.known, **self._read()}
+        return self.known.get(key)
+
     def add(self, key, index):
         """Keep `index` for `key` and write the file again with what other processes added to it
-        meanwhile (theirs first: a key that two processes timed keeps one choice); the index kept
-        for `key`."""
+        meanwhile (theirs first: a key that two processes timed keeps one choice), holding the
+        file's lock; the index kept for `key`."""
         self.known[key] = index
-        merged = {**self.known, **self._read()}
-        self.known = merged
         temporary = f"{self.path}.{os.getpid()}.tmp"
+        with self._locked():
+            merged = {**self.known, **self._read()}
+            self.known = merged
+            try:
+                with open(temporary, "w", encoding="utf-8") as file:
+                    json.dump(merged, file, indent=0, sort_keys=True)
+                os.replace(temporary, self.path)
+            except OSError as err:
+                self._warn(f"cannot write it ({err})")
+                try:
+                    os.remove(temporary)
+                except OSError:
+                    pass
+        return merged[key]
+
+    @contextmanager
+    def _locked(self):
+        """Hold an exclusive lock on `<file>.lock` (made where missing, never removed; closing
+        it releases the lock, also when a process is killed); where none can be had, on a
+        file system without locks or after LOCK_WAIT seconds, the body runs without it."""
         try:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-            with open(temporary, "w", encoding="utf-8") as file:
-                json.dump(merged, file, indent=0, sort_keys=True)
-            os.replace(temporary, self.path)
-        except OSError as err:
-            self._warn(f"cannot write it ({err})")
-            try:
-                os.remove(temporary)
-            except OSError:
-                pass
-        return merged[key]
+            lock = os.open(f"{self.path}.lock", os.O_CREAT | os.O_RDWR, 0o644)
+        except OSError:
+            lock = None
+        deadline = time.monotonic() + LOCK_WAIT
+        try:
+            while lock is not None:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.002)
+                except OSError:
+                    break
+            yield
+        finally:
+            if lock is not None:
+                os.close(lock)
 
     def _warn(self, what):
         if not self._warned:

@@ -61,6 +61,65 @@ def test_a_choice_another_process_wrote_first_is_kept(tmp_path):
     assert json.loads(open(path).read()) == {"shared": 5, "theirs": 1, "mine": 0}
 
 
+def test_lookup_reads_what_another_process_added_since(tmp_path):
+    path = str(tmp_path / "gemm.json")
+    mine, theirs = gemm_choice.Choices(path), gemm_choice.Choices(path)
+    theirs.add("k", 6)
+    assert mine.get("k") is None and mine.lookup("k") == 6 and mine.get("k") == 6
+    assert mine.lookup("other") is None
+
+
+def _add_at_once(path, rank, barrier, results):
+    """One of the processes of `test_processes_adding_at_once_keep_every_choice`."""
+    choices = gemm_choice.Choices(path)
+    barrier.wait()
+    for i in range(20):
+        choices.add(f"rank{rank}-{i}", i % gemm_choice.CANDIDATES)
+        if i == 10:
+            kept = choices.add("shared", rank % gemm_choice.CANDIDATES)
+    results.put((rank, kept))
+
+
+def test_processes_adding_at_once_keep_every_choice(tmp_path):
+    """Processes adding to one file at once (the ranks of a job timing their products) lose
+    none of each other's choices, and each runs the choice of a key that the file keeps: the
+    first written."""
+    import multiprocessing
+    path, ranks = str(tmp_path / "gemm.json"), 6
+    context = multiprocessing.get_context("fork")
+    barrier, results = context.Barrier(ranks), context.Queue()
+    workers = [context.Process(target=_add_at_once, args=(path, rank, barrier, results))
+               for rank in range(ranks)]
+    for worker in workers:
+        worker.start()
+    kept = dict(results.get(timeout=60) for _ in workers)
+    for worker in workers:
+        worker.join(timeout=60)
+        assert worker.exitcode == 0
+    written = json.loads(open(path).read())
+    assert {f"rank{r}-{i}" for r in range(ranks) for i in range(20)} <= set(written)
+    assert set(kept.values()) == {written["shared"]}
+
+
+def test_an_addition_waits_for_the_lock_a_while_then_writes_anyway(tmp_path, monkeypatch):
+    import fcntl
+    import time
+    path = str(tmp_path / "gemm.json")
+    monkeypatch.setattr(gemm_choice, "LOCK_WAIT", 0.2)
+    holder = os.open(path + ".lock", os.O_CREAT | os.O_RDWR)
+    fcntl.flock(holder, fcntl.LOCK_EX)              # another process in the middle of adding
+    try:
+        start = time.monotonic()
+        assert gemm_choice.Choices(path).add("a", 2) == 2
+        assert time.monotonic() - start >= 0.2
+    finally:
+        os.close(holder)
+    assert json.loads(open(path).read()) == {"a": 2}
+    start = time.monotonic()
+    gemm_choice.Choices(path).add("b", 1)            # the lock free: no wait
+    assert time.monotonic() - start < 0.2
+
+
 @pytest.mark.parametrize("text", ["{not json", "[1, 2]"])
 def test_a_bad_file_is_reported_once_and_then_ignored(tmp_path, text):
     path = tmp_path / "gemm.json"
@@ -145,8 +204,24 @@ def test_a_product_times_its_candidates_once_and_keeps_the_choice(monkeypatch, t
     gemm._matmuls.clear()                                   # a later process: reads, times nothing
     gemm_choice._choices.clear()
     plan = gemm.product(da, xp.asarray(b)).lt
-    assert plan.pending is None and plan.args[8] == plan.candidates[next(
-        i for key, i in kept.items() if "(1024, 1024, 1024" in key and key.endswith(" None)"))]
+    key = next(key for key in kept if "(1024, 1024, 1024" in key and key.endswith(" None)"))
+    assert plan.pending is None and plan.args[8] == plan.candidates[kept[key]]
+    # another rank writes its choice after this process read the file: the first run takes it,
+    # timing nothing
+    gemm._matmuls.clear()
+    gemm_choice._choices.clear()
+    path.write_text("{}")
+    gemm_choice.choices()
+    theirs = len(plan.candidates) - 1
+    path.write_text(json.dumps({key: theirs}))
+    monkeypatch.setattr(gemm_choice, "timed_from_memory", None)     # timing would fail
+    db = xp.asarray(b)
+    made = gemm.product(da, db)
+    plan = made.lt
+    assert plan.pending == key
+    numpy.testing.assert_allclose(asnumpy(made.run(da.data.ptr, db.data.ptr)).astype(
+        numpy.float64), want, rtol=2 ** -7, atol=0.1)
+    assert plan.pending is None and plan.args[8] == plan.candidates[theirs]
 
 
 def test_the_bench_times_a_whole_steps_products():
