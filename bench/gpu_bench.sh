@@ -166,7 +166,7 @@ for part in $what; do
           --dtype bf16 --sdpa 1 --steps 10
       for side in ours torch; do grep -B2 -A16 "ms of kernels" "$out/profile_$side.log"; done ;;
     profile4)  # the same for the Llama 1.5B shape, ours captured beside torch.compile
-      run profile_ours_llama python3 bench/kernel_profile.py --per 5 -- bench/train_llama.py \
+      run profile_ours_llama python3 bench/kernel_profile.py --per 10 -- bench/train_llama.py \
           --steps 5 --warmup 2
       run profile_torch_llama python3 bench/kernel_profile.py --per 10 -- \
           $anchors/torch_llama.py --compile 1 --steps 10

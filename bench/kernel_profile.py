@@ -6,8 +6,9 @@ too, also inside CUDA graphs) and prints device time per kernel and per kind of 
     python bench/kernel_profile.py --per 10 -- .carry/anchors/torch_tp_gpt2.py --sdpa 1 --steps 10
 
 `--per` divides the totals, so the figures read as ms per step: the number of steps run after
-the mark, where the script calls `mark()` of this module (bench/train_gpt2.py does after its
-warm-up) or, for the PyTorch anchors, at their first `torch.cuda.synchronize()` (after their
+the mark, where the script calls `mark()` of this module (the training benchmarks do after
+their warm-up, and then run `--steps` timed steps and 5 more for the device time: `--per` is
+steps + 5) or, for the PyTorch anchors, at their first `torch.cuda.synchronize()` (after their
 warm-up); without a mark, everything counts (initialization included). Needs torch with CUDA.
 Under mpiexec or torchrun every rank is profiled and the first prints.
 """
