@@ -17,10 +17,11 @@ cast is kept between regions, though: the first parameter cast of a region rewri
 their parameters' current values in one launch (`multi_tensor.cast_`), where one cast and one
 allocation per parameter would cost a small model's host more than its device. All of them are
 kept (`CUPYTP_KEEP_CASTS=1`, the default): a cast lives from its first use in a forward to its
-last in the backward anyway, so holding it between steps too leaves the peak where it was
-(the end of the forward) and adds 2 bytes a parameter only outside it. With
-`CUPYTP_KEEP_CASTS=0` at most KEEP_BYTES of them are (a small model's). An optimizer whose kernel writes a kept cast beside its parameter's new value (AdamW:
-`kept_cast`, `casts_written`) spares that launch the cast: the next region enters it as it is.
+last in the backward anyway, so holding it between steps too leaves a training step's peak
+(the end of its forward) where it was, and adds 2 bytes a parameter outside it. With
+`CUPYTP_KEEP_CASTS=0` at most KEEP_BYTES of them are kept (a small model's). An optimizer
+whose kernel writes a kept cast beside its parameter's new value (AdamW: `kept_cast`,
+`casts_written`) spares that launch the cast: the next region enters it as it is.
 `clear_cache()` frees them.
 """
 import itertools
