@@ -174,6 +174,148 @@ __device__ __forceinline__ void zero(float (&x)[N][4])
         x[i][0] = x[i][1] = x[i][2] = x[i][3] = 0.f;
 }
 
+// ---- Hopper (FLASH_HOPPER, sm_90a): warpgroup products from shared memory --------------------
+// The forward's four warps are one warpgroup: wgmma m64nNk16 gives warp w the accumulators of rows
+// 16 w .. 16 w + 15 in mma.sync's m16n8 layout (so the softmax, the dropout draws and the A
+// fragment of p are the mma.sync path's), reading q, k and v from shared tiles of 64 rows x 64
+// elements (128 bytes a row, one tile per 64 of D) in the 128-byte swizzle: the 16-byte chunk c of
+// row r lies at chunk c ^ (r mod 8), tiles 1024-byte aligned.
+#if FLASH_HOPPER
+constexpr int SWIZZLE_TILE = 64 * 64;  // elements of one 64-row tile
+
+// the 64-bit shared-memory matrix descriptor, 128-byte swizzle; offsets in bytes
+__device__ __forceinline__ unsigned long long descriptor(unsigned address, unsigned leading,
+                                                         unsigned stride)
+{
+    return static_cast<unsigned long long>((address & 0x3FFFF) >> 4) |
+           static_cast<unsigned long long>(leading >> 4) << 16 |
+           static_cast<unsigned long long>(stride >> 4) << 32 | 1ull << 62;
+}
+
+__device__ __forceinline__ void warpgroup_fence()
+{
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void warpgroup_commit_and_wait()
+{
+    asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" :::
+                     "memory");
+}
+
+// what cp.async wrote to shared memory, made visible to the warpgroup products
+__device__ __forceinline__ void fence_async_shared()
+{
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// the accumulators kept in place around the asynchronous products
+template <int N>
+__device__ __forceinline__ void pin(float (&x)[N][4])
+{
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+            asm volatile("" : "+f"(x[i][c])::"memory");
+}
+
+// d (64 x 64) = a (64 x 16) · bᵀ (b: 64 x 16), both K-major in shared memory (descriptors), plus
+// d when `accumulate`
+template <typename T>
+__device__ __forceinline__ void product_ss(float (&d)[8][4], unsigned long long a,
+                                           unsigned long long b, int accumulate);
+
+// d (64 x N) += a (64 x 16, registers: the A fragment of mma.sync per warp) · b (16 x N, N-major
+// in shared memory)
+template <typename T, int N>
+__device__ __forceinline__ void product_rs(float (&d)[N / 8][4], const unsigned (&a)[4],
+                                           unsigned long long b);
+
+template <>
+__device__ __forceinline__ void product_ss<__nv_bfloat16>(float (&d)[8][4], unsigned long long a,
+                                                unsigned long long b, int accumulate)
+{
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        : "l"(a), "l"(b), "r"(accumulate));
+}
+
+template <>
+__device__ __forceinline__ void product_rs<__nv_bfloat16, 64>(float (&d)[8][4], const unsigned (&a)[4],
+                                                  unsigned long long b)
+{
+    asm volatile(
+        "{\nwgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+template <>
+__device__ __forceinline__ void product_rs<__nv_bfloat16, 128>(float (&d)[16][4], const unsigned (&a)[4],
+                                                  unsigned long long b)
+{
+    asm volatile(
+        "{\nwgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+template <>
+__device__ __forceinline__ void product_ss<__half>(float (&d)[8][4], unsigned long long a,
+                                                unsigned long long b, int accumulate)
+{
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        : "l"(a), "l"(b), "r"(accumulate));
+}
+
+template <>
+__device__ __forceinline__ void product_rs<__half, 64>(float (&d)[8][4], const unsigned (&a)[4],
+                                                  unsigned long long b)
+{
+    asm volatile(
+        "{\nwgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+template <>
+__device__ __forceinline__ void product_rs<__half, 128>(float (&d)[16][4], const unsigned (&a)[4],
+                                                  unsigned long long b)
+{
+    asm volatile(
+        "{\nwgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+
+// ROWS x D elements from `src` (rows `row_stride` apart, `rows` of them valid; zeros past them)
+// into swizzled tiles of 64 columns, ROWS rows each
+template <typename T, int D, int ROWS>
+__device__ __forceinline__ void load_swizzled(T* smem, const T* src, long long row_stride, int rows)
+{
+    constexpr int CHUNKS = D / 8;
+    for (int c = threadIdx.x; c < ROWS * CHUNKS; c += THREADS) {
+        const int r = c / CHUNKS, chunk = c % CHUNKS;
+        const bool valid = r < rows;
+        cp_async16(smem + chunk / 8 * ROWS * 64 + r * 64 + ((chunk % 8) ^ (r % 8)) * 8,
+                   valid ? src + r * row_stride + chunk * 8 : src, valid);
+    }
+}
+#endif
+
 // ---- dropout ----------------------------------------------------------------------------------
 // MAPS: the kernels of a block of a longer sequence (`_dropout_at`), reading its query and key
 // positions; without, a row's and a key's position is its index (no loads, no checks).
@@ -389,14 +531,40 @@ __device__ __forceinline__ void load_tile(T* smem, const T* src, long long row_s
 }
 
 // ---- forward ----------------------------------------------------------------------------------
+// a forward tile of 64 rows: swizzled for the warpgroup products on Hopper, padded rows otherwise
+template <typename T, int D>
+__device__ __forceinline__ void forward_tile(T* smem, const T* src, long long row_stride, int rows)
+{
+#if FLASH_HOPPER
+    load_swizzled<T, D, BLOCK_N>(smem, src, row_stride, rows);
+#else
+    load_tile<T, D, BLOCK_N>(smem, src, row_stride, rows);
+#endif
+}
+
+// the tiles that cp.async wrote, visible to every warp (and to the warpgroup products)
+__device__ __forceinline__ void tiles_ready()
+{
+#if FLASH_HOPPER
+    fence_async_shared();
+#endif
+    __syncthreads();
+}
+
 template <typename T, int D, int DROPOUT>
 __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, int heads,
                         int kv_group, int kv_offset, int t_len, int s_len, Strides qs,
                         Strides ks, Strides vs, Strides os, float scale, bool causal,
                         const Dropout<DROPOUT == 2>& dropout)
 {
+    static_assert(BLOCK_M == BLOCK_N, "q, k and v tiles of one size");
+#if FLASH_HOPPER
+    constexpr int STRIDE = D;  // unused: the tiles are swizzled
+    T* sq = reinterpret_cast<T*>(shared + (1024 - shared_address(shared) % 1024) % 1024);
+#else
     constexpr int STRIDE = D + PAD;
     T* sq = reinterpret_cast<T*>(shared);
+#endif
     T* sk = sq + BLOCK_M * STRIDE;
     T* sv = sk + BLOCK_N * STRIDE;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -423,15 +591,17 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
         grouped = dropout.groups_possible();
     }
 
-    load_tile<T, D, BLOCK_M>(sq, q, qs.row, t_len - m0);
+    forward_tile<T, D>(sq, q, qs.row, t_len - m0);
     if (n_tiles > 0)
-        load_tile<T, D, BLOCK_N>(sk, k, ks.row, s_len);
+        forward_tile<T, D>(sk, k, ks.row, s_len);
     cp_async_commit();
     if (n_tiles > 0)
-        load_tile<T, D, BLOCK_N>(sv, v, vs.row, s_len);
+        forward_tile<T, D>(sv, v, vs.row, s_len);
     cp_async_commit();
 
-    unsigned qf[D / 16][4];
+#if !FLASH_HOPPER
+    unsigned qf[D / 16][4];  // this warp's q fragments
+#endif
     float acc[D / 8][4];
     zero(acc);
     float row_max[2] = {negative_infinity<float>(), negative_infinity<float>()};
@@ -440,14 +610,26 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
     for (int j = 0; j < n_tiles; ++j) {
         const int n0 = j * BLOCK_N;
         cp_async_wait<1>();  // q and this key tile
-        __syncthreads();
+        tiles_ready();
+        // s = q kᵀ for this warp's 16 queries and the tile's 64 keys
+        float s[BLOCK_N / 8][4];
+#if FLASH_HOPPER
+        // the warpgroup's 64 queries: 16 of D a step, 32 bytes along the swizzled rows
+        warpgroup_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const unsigned at = kk / 4 * SWIZZLE_TILE * 2 + kk % 4 * 32;
+            product_ss<T>(s, descriptor(shared_address(sq) + at, 16, 1024),
+                          descriptor(shared_address(sk) + at, 16, 1024), kk);
+        }
+        warpgroup_commit_and_wait();
+        pin(s);
+#else
         if (j == 0) {
 #pragma unroll
             for (int kk = 0; kk < D / 16; ++kk)
                 ldmatrix_x4(qf[kk], sq + a_rows(warp * 16, kk * 16, STRIDE, lane));
         }
-        // s = q kᵀ for this warp's 16 queries and the tile's 64 keys
-        float s[BLOCK_N / 8][4];
         zero(s);
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
@@ -459,6 +641,7 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
                 mma<T>(s[2 * np + 1], qf[kk], kb[2], kb[3]);
             }
         }
+#endif
         // mask keys past the end and (causal) above the diagonal
         const bool edge = n0 + BLOCK_N > s_len || (causal && n0 + BLOCK_N - 1 > m0 + diagonal);
         if (edge) {
@@ -513,11 +696,24 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
             }
         }
         cp_async_wait<0>();  // this value tile
-        __syncthreads();     // and every warp is done with the key tile
+        tiles_ready();       // and every warp is done with the key tile
         if (j + 1 < n_tiles)
-            load_tile<T, D, BLOCK_N>(sk, k + (n0 + BLOCK_N) * ks.row, ks.row, s_len - n0 - BLOCK_N);
+            forward_tile<T, D>(sk, k + (n0 + BLOCK_N) * ks.row, ks.row, s_len - n0 - BLOCK_N);
         cp_async_commit();
         // acc += p v: the score accumulators of two key octets are the A fragment of 16 keys
+#if FLASH_HOPPER
+        // v read N-major: 16 keys (rows of 128 bytes) a step, the tiles of D 64 rows apart
+        warpgroup_fence();
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+            unsigned pa[4];
+            accumulators_as_a<T>(pa, s[2 * kk], s[2 * kk + 1]);
+            product_rs<T, D>(acc, pa, descriptor(shared_address(sv) + kk * 16 * 128,
+                                                 SWIZZLE_TILE * 2, 1024));
+        }
+        warpgroup_commit_and_wait();
+        pin(acc);
+#else
 #pragma unroll
         for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
             unsigned pa[4];
@@ -530,9 +726,10 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
                 mma<T>(acc[2 * dp + 1], pa, vb[2], vb[3]);
             }
         }
+#endif
         __syncthreads();  // every warp is done with the value tile
         if (j + 1 < n_tiles)
-            load_tile<T, D, BLOCK_N>(sv, v + (n0 + BLOCK_N) * vs.row, vs.row, s_len - n0 - BLOCK_N);
+            forward_tile<T, D>(sv, v + (n0 + BLOCK_N) * vs.row, vs.row, s_len - n0 - BLOCK_N);
         cp_async_commit();
     }
     cp_async_wait<0>();

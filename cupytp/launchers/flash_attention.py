@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import numpy
 
-from cupytp import backend
+from cupytp import backend, env
 from cupytp.backend import bfloat16, c_contiguous, xp
 from cupytp.launchers import ceil_div, dtype_suffix, get_kernel, is_device_array
 from cupytp.launchers.philox import dropout_keeps, keep_threshold
@@ -346,6 +346,8 @@ def _strides(a):
 def _shared_bytes(kind, d):
     row = (d + PAD) * 2
     if kind == "forward":
+        if _wgmma():    # swizzled rows of d, aligned to 1024 bytes in the block
+            return (BLOCK_M + 2 * BLOCK_N) * d * 2 + 1024
         return (BLOCK_M + 2 * BLOCK_N) * row
     return 2 * (BLOCK_M + BACKWARD_BLOCK_N) * row + BACKWARD_BLOCK_N * (BLOCK_M + PAD) * 2 + \
         2 * BLOCK_M * 4
@@ -359,9 +361,17 @@ def _variant(dropout):
 
 
 @functools.cache
+def _wgmma():
+    """Whether the forward runs on Hopper's warpgroup products: a compute capability 9.0 device
+    (sm_90a code) and CUPYTP_FLASH_WGMMA=1."""
+    return env.get("CUPYTP_FLASH_WGMMA") and xp.cuda.Device().compute_capability == "90"
+
+
+@functools.cache
 def _kernel(kind, d, dtype, variant=""):
     name = f"flash_{kind}_d{d}{variant}_{dtype_suffix(dtype)}"
-    kernel = get_kernel("flash_attention.cu", name, (f"-DFLASH_HEAD_DIM={d}",))
+    hopper = ("-DFLASH_HOPPER=1", "-arch=sm_90a") if _wgmma() else ()
+    kernel = get_kernel("flash_attention.cu", name, (f"-DFLASH_HEAD_DIM={d}",) + hopper)
     if kind in ("forward", "backward"):
         kernel.raw.max_dynamic_shared_size_bytes = _shared_bytes(kind, d)
     return kernel
