@@ -42,7 +42,7 @@ VARIABLES = {
                                       "lines, prefixed with its rank", kind="flag"),
     "CUPYTP_ATTENTION": Variable("auto", "the attention backend in bf16/fp16",
                                  choices=("auto", "flash", "cudnn", "matmul")),
-    "CUPYTP_FLASH_WGMMA": Variable("1", "1: on compute capability 9.0 the flash forward multiplies "
+    "CUPYTP_FLASH_WGMMA": Variable("1", "1: on compute capability 9.0 the flash kernels multiply "
                                         "with Hopper's warpgroup products (wgmma); 0: mma.sync "
                                         "on every GPU", kind="flag"),
     "CUPYTP_ALLOCATOR": Variable("cupytp", "where GPU arrays come from: the framework's pool "

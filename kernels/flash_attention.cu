@@ -220,10 +220,11 @@ __device__ __forceinline__ void pin(float (&x)[N][4])
             asm volatile("" : "+f"(x[i][c])::"memory");
 }
 
-// d (64 x 64) = a (64 x 16) · bᵀ (b: 64 x 16), both K-major in shared memory (descriptors), plus
-// d when `accumulate`
-template <typename T>
-__device__ __forceinline__ void product_ss(float (&d)[8][4], unsigned long long a,
+// d (64 x N) = a (64 x 16) · b (16 x N), both in shared memory (descriptors), plus d when
+// `accumulate`: K-major both (TRANSPOSED 0: a row-major, b given as its N x 16 transpose) or
+// M-/N-major both (1)
+template <typename T, int N, int TRANSPOSED>
+__device__ __forceinline__ void product_ss(float (&d)[N / 8][4], unsigned long long a,
                                            unsigned long long b, int accumulate);
 
 // d (64 x N) += a (64 x 16, registers: the A fragment of mma.sync per warp) · b (16 x N, N-major
@@ -233,13 +234,37 @@ __device__ __forceinline__ void product_rs(float (&d)[N / 8][4], const unsigned 
                                            unsigned long long b);
 
 template <>
-__device__ __forceinline__ void product_ss<__nv_bfloat16>(float (&d)[8][4], unsigned long long a,
-                                                unsigned long long b, int accumulate)
+__device__ __forceinline__ void product_ss<__nv_bfloat16, 64, 0>(float (&d)[8][4], unsigned long long a,
+                                                         unsigned long long b, int accumulate)
 {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        : "l"(a), "l"(b), "r"(accumulate));
+}
+
+template <>
+__device__ __forceinline__ void product_ss<__nv_bfloat16, 32, 1>(float (&d)[4][4], unsigned long long a,
+                                                         unsigned long long b, int accumulate)
+{
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 1, 1;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+        : "l"(a), "l"(b), "r"(accumulate));
+}
+
+template <>
+__device__ __forceinline__ void product_ss<__nv_bfloat16, 64, 1>(float (&d)[8][4], unsigned long long a,
+                                                         unsigned long long b, int accumulate)
+{
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1;\n}\n"
         : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
         : "l"(a), "l"(b), "r"(accumulate));
 }
@@ -267,13 +292,37 @@ __device__ __forceinline__ void product_rs<__nv_bfloat16, 128>(float (&d)[16][4]
 }
 
 template <>
-__device__ __forceinline__ void product_ss<__half>(float (&d)[8][4], unsigned long long a,
-                                                unsigned long long b, int accumulate)
+__device__ __forceinline__ void product_ss<__half, 64, 0>(float (&d)[8][4], unsigned long long a,
+                                                         unsigned long long b, int accumulate)
 {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        : "l"(a), "l"(b), "r"(accumulate));
+}
+
+template <>
+__device__ __forceinline__ void product_ss<__half, 32, 1>(float (&d)[4][4], unsigned long long a,
+                                                         unsigned long long b, int accumulate)
+{
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 1, 1;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+        : "l"(a), "l"(b), "r"(accumulate));
+}
+
+template <>
+__device__ __forceinline__ void product_ss<__half, 64, 1>(float (&d)[8][4], unsigned long long a,
+                                                         unsigned long long b, int accumulate)
+{
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1;\n}\n"
         : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
         : "l"(a), "l"(b), "r"(accumulate));
 }
@@ -303,11 +352,11 @@ __device__ __forceinline__ void product_rs<__half, 128>(float (&d)[16][4], const
 
 // ROWS x D elements from `src` (rows `row_stride` apart, `rows` of them valid; zeros past them)
 // into swizzled tiles of 64 columns, ROWS rows each
-template <typename T, int D, int ROWS>
+template <typename T, int D, int ROWS, int NT>
 __device__ __forceinline__ void load_swizzled(T* smem, const T* src, long long row_stride, int rows)
 {
     constexpr int CHUNKS = D / 8;
-    for (int c = threadIdx.x; c < ROWS * CHUNKS; c += THREADS) {
+    for (int c = threadIdx.x; c < ROWS * CHUNKS; c += NT) {
         const int r = c / CHUNKS, chunk = c % CHUNKS;
         const bool valid = r < rows;
         cp_async16(smem + chunk / 8 * ROWS * 64 + r * 64 + ((chunk % 8) ^ (r % 8)) * 8,
@@ -531,14 +580,14 @@ __device__ __forceinline__ void load_tile(T* smem, const T* src, long long row_s
 }
 
 // ---- forward ----------------------------------------------------------------------------------
-// a forward tile of 64 rows: swizzled for the warpgroup products on Hopper, padded rows otherwise
-template <typename T, int D>
-__device__ __forceinline__ void forward_tile(T* smem, const T* src, long long row_stride, int rows)
+// a tile of ROWS rows: swizzled for the warpgroup products on Hopper, padded rows otherwise
+template <typename T, int D, int ROWS = BLOCK_N, int NT = THREADS>
+__device__ __forceinline__ void tile(T* smem, const T* src, long long row_stride, int rows)
 {
 #if FLASH_HOPPER
-    load_swizzled<T, D, BLOCK_N>(smem, src, row_stride, rows);
+    load_swizzled<T, D, ROWS, NT>(smem, src, row_stride, rows);
 #else
-    load_tile<T, D, BLOCK_N>(smem, src, row_stride, rows);
+    load_tile<T, D, ROWS, NT>(smem, src, row_stride, rows);
 #endif
 }
 
@@ -591,12 +640,12 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
         grouped = dropout.groups_possible();
     }
 
-    forward_tile<T, D>(sq, q, qs.row, t_len - m0);
+    tile<T, D>(sq, q, qs.row, t_len - m0);
     if (n_tiles > 0)
-        forward_tile<T, D>(sk, k, ks.row, s_len);
+        tile<T, D>(sk, k, ks.row, s_len);
     cp_async_commit();
     if (n_tiles > 0)
-        forward_tile<T, D>(sv, v, vs.row, s_len);
+        tile<T, D>(sv, v, vs.row, s_len);
     cp_async_commit();
 
 #if !FLASH_HOPPER
@@ -619,7 +668,7 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
             const unsigned at = kk / 4 * SWIZZLE_TILE * 2 + kk % 4 * 32;
-            product_ss<T>(s, descriptor(shared_address(sq) + at, 16, 1024),
+            product_ss<T, BLOCK_N, 0>(s, descriptor(shared_address(sq) + at, 16, 1024),
                           descriptor(shared_address(sk) + at, 16, 1024), kk);
         }
         warpgroup_commit_and_wait();
@@ -698,7 +747,7 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
         cp_async_wait<0>();  // this value tile
         tiles_ready();       // and every warp is done with the key tile
         if (j + 1 < n_tiles)
-            forward_tile<T, D>(sk, k + (n0 + BLOCK_N) * ks.row, ks.row, s_len - n0 - BLOCK_N);
+            tile<T, D>(sk, k + (n0 + BLOCK_N) * ks.row, ks.row, s_len - n0 - BLOCK_N);
         cp_async_commit();
         // acc += p v: the score accumulators of two key octets are the A fragment of 16 keys
 #if FLASH_HOPPER
@@ -729,7 +778,7 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
 #endif
         __syncthreads();  // every warp is done with the value tile
         if (j + 1 < n_tiles)
-            forward_tile<T, D>(sv, v + (n0 + BLOCK_N) * vs.row, vs.row, s_len - n0 - BLOCK_N);
+            tile<T, D>(sv, v + (n0 + BLOCK_N) * vs.row, vs.row, s_len - n0 - BLOCK_N);
         cp_async_commit();
     }
     cp_async_wait<0>();
@@ -800,8 +849,14 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
                          Strides dvs, float scale, bool causal,
                          const Dropout<DROPOUT == 2>& dropout)
 {
+#if FLASH_HOPPER
+    // swizzled tiles (64 columns a tile, ROWS rows each); the warpgroups take 64 keys each
+    constexpr int STRIDE = D, DS_STRIDE = BLOCK_M;
+    T* sk = reinterpret_cast<T*>(shared + (1024 - shared_address(shared) % 1024) % 1024);
+#else
     constexpr int STRIDE = D + PAD, DS_STRIDE = BLOCK_M + PAD;
     T* sk = reinterpret_cast<T*>(shared);
+#endif
     T* sv = sk + BACKWARD_BLOCK_N * STRIDE;
     T* sq = sv + BACKWARD_BLOCK_N * STRIDE;
     T* sdo = sq + BLOCK_M * STRIDE;
@@ -833,9 +888,8 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
     const bool grouped = DROPOUT && dropout.groups_possible();
 
     auto load_rows = [&](int m0) {  // q, do, lse and delta of the query tile at m0
-        load_tile<T, D, BLOCK_M, BACKWARD_THREADS>(sq, q_head + m0 * qs.row, qs.row, t_len - m0);
-        load_tile<T, D, BLOCK_M, BACKWARD_THREADS>(sdo, dout_head + m0 * dos.row, dos.row,
-                                                   t_len - m0);
+        tile<T, D, BLOCK_M, BACKWARD_THREADS>(sq, q_head + m0 * qs.row, qs.row, t_len - m0);
+        tile<T, D, BLOCK_M, BACKWARD_THREADS>(sdo, dout_head + m0 * dos.row, dos.row, t_len - m0);
         cp_async_commit();
         for (int i = threadIdx.x; i < BLOCK_M; i += BACKWARD_THREADS) {
             const int t = m0 + i;
@@ -848,8 +902,8 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
     float dk_acc[D / 8][4], dv_acc[D / 8][4];
     zero(dk_acc);
     zero(dv_acc);
-    load_tile<T, D, BACKWARD_BLOCK_N, BACKWARD_THREADS>(sk, k, ks.row, s_len - n0);
-    load_tile<T, D, BACKWARD_BLOCK_N, BACKWARD_THREADS>(sv, v, vs.row, s_len - n0);
+    tile<T, D, BACKWARD_BLOCK_N, BACKWARD_THREADS>(sk, k, ks.row, s_len - n0);
+    tile<T, D, BACKWARD_BLOCK_N, BACKWARD_THREADS>(sv, v, vs.row, s_len - n0);
     cp_async_commit();
 
     // dk and dv sum over the group's query heads; after a head's last tile only sds and sk are
@@ -872,9 +926,25 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
         for (int i = m_begin; i < m_tiles; ++i) {
             const int m0 = i * BLOCK_M;
             cp_async_wait<0>();
-            __syncthreads();
+            tiles_ready();
             // sᵀ = k qᵀ and dpᵀ = v doᵀ: this warp's 16 keys x the tile's 64 queries
             float st[BLOCK_M / 8][4], dpt[BLOCK_M / 8][4];
+#if FLASH_HOPPER
+            // the warpgroup's 64 keys (tile rows 64 (warp / 4) ..): 16 of D a step
+            warpgroup_fence();
+    #pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                const unsigned at = kk / 4 * BACKWARD_BLOCK_N * 128 + warp / 4 * 64 * 128 + kk % 4 * 32;
+                const unsigned rows_at = kk / 4 * BLOCK_M * 128 + kk % 4 * 32;
+                product_ss<T, BLOCK_M, 0>(st, descriptor(shared_address(sk) + at, 16, 1024),
+                                          descriptor(shared_address(sq) + rows_at, 16, 1024), kk);
+                product_ss<T, BLOCK_M, 0>(dpt, descriptor(shared_address(sv) + at, 16, 1024),
+                                          descriptor(shared_address(sdo) + rows_at, 16, 1024), kk);
+            }
+            warpgroup_commit_and_wait();
+            pin(st);
+            pin(dpt);
+#else
             zero(st);
             zero(dpt);
     #pragma unroll
@@ -895,6 +965,7 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
                     mma<T>(dpt[2 * np + 1], va, dob[2], dob[3]);
                 }
             }
+#endif
             // pᵀ from lse, then st <- dropped pᵀ and dpt <- dsᵀ = pᵀ (dpᵀ - delta)
             const bool edge = n0 + BACKWARD_BLOCK_N > s_len ||
                               (causal && n0 + BACKWARD_BLOCK_N - 1 > m0 + diagonal);
@@ -925,6 +996,35 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
                 }
             }
             // dv += pᵀ do and dk += dsᵀ q (A fragments straight from the accumulators)
+#if FLASH_HOPPER
+            // do and q read N-major: 16 queries a step, the tiles of D 64 rows apart
+            warpgroup_fence();
+    #pragma unroll
+            for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
+                unsigned pa[4], dsa[4];
+                accumulators_as_a<T>(pa, st[2 * kk], st[2 * kk + 1]);
+                accumulators_as_a<T>(dsa, dpt[2 * kk], dpt[2 * kk + 1]);
+                product_rs<T, D>(dv_acc, pa, descriptor(shared_address(sdo) + kk * 16 * 128,
+                                                        BLOCK_M * 128, 1024));
+                product_rs<T, D>(dk_acc, dsa, descriptor(shared_address(sq) + kk * 16 * 128,
+                                                         BLOCK_M * 128, 1024));
+            }
+            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+            // dsᵀ to shared memory for dq (swizzled: 64 queries, 128 bytes, a key row)
+    #pragma unroll
+            for (int nt = 0; nt < BLOCK_M / 8; ++nt) {
+    #pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int key = key_in_block + r * 8;
+                    *reinterpret_cast<unsigned*>(sds + key * 64 + (nt ^ key % 8) * 8 + quad * 2) =
+                        pack<T>(dpt[nt][2 * r], dpt[nt][2 * r + 1]);
+                }
+            }
+            asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+            pin(dv_acc);
+            pin(dk_acc);
+            fence_async_shared();
+#else
     #pragma unroll
             for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
                 unsigned pa[4], dsa[4];
@@ -951,6 +1051,7 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
                                                  quad * 2) =
                         pack<T>(dpt[nt][2 * r], dpt[nt][2 * r + 1]);
             }
+#endif
             __syncthreads();  // dsᵀ complete; q, do, lse and delta of this tile no longer read
             if (i + 1 < m_tiles)
                 load_rows(m0 + BLOCK_M);
@@ -958,6 +1059,20 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
             constexpr int HALF = D / 16 / 2;  // 16-column chunks of D per warp
             const int dq_rows = (warp % 4) * 16, dq_chunk0 = (warp / 4) * HALF;
             float dq[2 * HALF][4];
+#if FLASH_HOPPER
+            // dsᵀ and k read M-/N-major: 16 keys a step; this warpgroup's half of D starts
+            // 64 (warp / 4) bytes into k's swizzled rows at D = 64, at its second tile at 128
+            warpgroup_fence();
+    #pragma unroll
+            for (int kk = 0; kk < BACKWARD_BLOCK_N / 16; ++kk) {
+                const unsigned half_at = D == 64 ? warp / 4 * 64 : warp / 4 * BACKWARD_BLOCK_N * 128;
+                product_ss<T, D / 2, 1>(dq, descriptor(shared_address(sds) + kk * 16 * 128, 16, 1024),
+                                        descriptor(shared_address(sk) + half_at + kk * 16 * 128,
+                                                   BACKWARD_BLOCK_N * 128, 1024), kk);
+            }
+            warpgroup_commit_and_wait();
+            pin(dq);
+#else
             zero(dq);
     #pragma unroll
             for (int kk = 0; kk < BACKWARD_BLOCK_N / 16; ++kk) {
@@ -971,6 +1086,7 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
                     mma<T>(dq[2 * dp + 1], dsa, kb[2], kb[3]);
                 }
             }
+#endif
     #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const int t = m0 + dq_rows + group + r * 8;

@@ -344,13 +344,12 @@ def _strides(a):
 
 
 def _shared_bytes(kind, d):
-    row = (d + PAD) * 2
+    pad, align = (0, 1024) if _wgmma() else (PAD, 0)   # swizzled tiles, 1024-byte aligned
+    row = (d + pad) * 2
     if kind == "forward":
-        if _wgmma():    # swizzled rows of d, aligned to 1024 bytes in the block
-            return (BLOCK_M + 2 * BLOCK_N) * d * 2 + 1024
-        return (BLOCK_M + 2 * BLOCK_N) * row
-    return 2 * (BLOCK_M + BACKWARD_BLOCK_N) * row + BACKWARD_BLOCK_N * (BLOCK_M + PAD) * 2 + \
-        2 * BLOCK_M * 4
+        return (BLOCK_M + 2 * BLOCK_N) * row + align
+    return 2 * (BLOCK_M + BACKWARD_BLOCK_N) * row + BACKWARD_BLOCK_N * (BLOCK_M + pad) * 2 + \
+        2 * BLOCK_M * 4 + align
 
 
 def _variant(dropout):
@@ -362,7 +361,7 @@ def _variant(dropout):
 
 @functools.cache
 def _wgmma():
-    """Whether the forward runs on Hopper's warpgroup products: a compute capability 9.0 device
+    """Whether the kernels run on Hopper's warpgroup products: a compute capability 9.0 device
     (sm_90a code) and CUPYTP_FLASH_WGMMA=1."""
     return env.get("CUPYTP_FLASH_WGMMA") and xp.cuda.Device().compute_capability == "90"
 
