@@ -1,6 +1,7 @@
 """Flash attention: the NumPy twin against float64 formulas (forward) and finite differences
 (backward), its dropout mask against `ops.dropout`'s, and on a GPU the kernels against the twin
-(strided inputs, tails, head dims 64 and 128, causal or not, dropout, poisoned outputs)."""
+(strided inputs, tails, head dims 64 and 128, causal or not, dropout, poisoned outputs), on
+Hopper through both of the kernels' product paths (wgmma and mma.sync)."""
 import math
 
 import numpy
@@ -9,7 +10,7 @@ import pytest
 import cupytp
 from cupytp import ops
 from cupytp.backend import asnumpy, bfloat16, on_gpu, xp
-from cupytp.launchers import cudnn_attention
+from cupytp.launchers import cudnn_attention, flash_attention
 from cupytp.launchers.flash_attention import (
     AttentionDropout, attention_backward, attention_backward_numpy, attention_forward,
     attention_forward_numpy, dropout_keep, keep_threshold, kept_bits)
@@ -54,6 +55,26 @@ def reference(q, k, v, causal, scale, keep=None, p=0.0):
 
 
 CASES = [(2, 3, 5, 7, True), (1, 2, 7, 5, True), (2, 1, 6, 6, False), (1, 1, 1, 9, True)]
+
+
+def _rebuild_kernels():
+    flash_attention._wgmma.cache_clear()
+    flash_attention._kernel.cache_clear()
+    flash_attention._plans.clear()
+
+
+@pytest.fixture(params=["wgmma", "mma.sync"])
+def products(request, monkeypatch):
+    """The flash kernels built for one product path: Hopper's warpgroup products (compute
+    capability 9.0 only) or mma.sync (CUPYTP_FLASH_WGMMA=0)."""
+    if request.param == "wgmma" and not (on_gpu and xp.cuda.Device().compute_capability == "90"):
+        pytest.skip("the wgmma path needs a compute capability 9.0 GPU")
+    monkeypatch.setenv("CUPYTP_FLASH_WGMMA", "1" if request.param == "wgmma" else "0")
+    _rebuild_kernels()
+    assert flash_attention._wgmma() == (request.param == "wgmma")
+    yield request.param
+    monkeypatch.undo()
+    _rebuild_kernels()
 
 
 @pytest.mark.parametrize("b,h,t,s,causal", CASES)
@@ -241,7 +262,7 @@ GPU_CASES = [  # b, h, t, d, causal, p, dtype
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("b,h,t,d,causal,p,dtype", GPU_CASES)
-def test_flash_kernels_match_twin(b, h, t, d, causal, p, dtype):
+def test_flash_kernels_match_twin(b, h, t, d, causal, p, dtype, products):
     host, device = strided_qkv(b, h, t, d, dtype, seed=t + d)
     g = numpy.random.default_rng(9).standard_normal((b, h, t, d)).astype(dtype)
     dropout = host_dropout(p, h + 2, head_offset=1) if p else None
@@ -266,7 +287,7 @@ def test_flash_kernels_match_twin(b, h, t, d, causal, p, dtype):
 @pytest.mark.parametrize("t_less", [0, 4])          # S a multiple of 8, and not
 @pytest.mark.parametrize("offset", [2 ** 33, 2 ** 33 - 4])      # counters from a multiple of 8
 @pytest.mark.parametrize("kept", [False, True])     # the backward draws again / reads the bits
-def test_flash_kernel_dropout_mask_is_bit_exact(d, t_less, offset, kept):
+def test_flash_kernel_dropout_mask_is_bit_exact(d, t_less, offset, kept, products):
     """With v the identity, o = the dropped probabilities, and with do the identity, dv = their
     transpose: zero exactly where the twin drops, in the forward and in the backward (eight keys
     to a Philox draw, shared across lanes, and a draw per probability). Kept bits: the forward
