@@ -11,6 +11,10 @@ shaped like q, k and v with contiguous rows: views into one packed gradient, say
 sees keys s <= t + S - T. Inputs may be strided views; bf16 or fp16, head dim 64 or 128
 (`supported`); fp32 accumulation.
 
+On a compute capability 9.0 GPU (Hopper) the kernels are built for sm_90a and multiply with
+warpgroup products (wgmma) from swizzled shared tiles, the rest of their math unchanged;
+`CUPYTP_FLASH_WGMMA=0` keeps mma.sync there too.
+
 Grouped-query attention: k and v may have fewer heads than q. Query head h reads key/value head
 (h + groups.offset) // groups.group (a `HeadGroups`; by default group = H / Hk and offset 0),
 without copying k or v; dk and dv sum over the query heads that read each key/value head (zero for
