@@ -4,6 +4,8 @@
 // warpgroup products wgmma from swizzled shared tiles, below). The (T, S) scores are never stored:
 // each block keeps a tile of them in registers.
 //
+// Blocks run in the order of their index, x first: the grids are (B·H, query tiles) and (B·Hk, key
+// blocks), so the longest causal blocks of every head run first (a list schedule's best order).
 // forward:  one block per 64 queries of one (b, h); key/value tiles of 64 stream through shared
 //           memory (cp.async, the next tile loading while this one is used); online softmax in
 //           registers; writes o and the log-sum-exp lse (fp32, (B, H, T)) for the backward.
@@ -378,7 +380,7 @@ struct Dropout {
         return last < l || (cols[l] % 8 == 0 && cols[last] - cols[l] == last - l);
     }
 
-    // Row t of head bh (blockIdx.y of the forward) in the kept-bits store: byte o holds the bits
+    // Row t of head bh (blockIdx.x of the forward) in the kept-bits store: byte o holds the bits
     // of keys 8 o .. 8 o + 7 (bit j: key 8 o + j). The forward writes the octets of the key tiles
     // it visits where eight keys share a Philox call (plain dropout, `grouped`), and the backward
     // reads them instead of drawing again (bytes of keys a query does not see are never looked
@@ -576,8 +578,10 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
     T* sv = sk + BLOCK_N * STRIDE;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int group = lane / 4, quad = lane % 4;  // fragment row, fragment column pair
-    const int m0 = (gridDim.x - 1 - blockIdx.x) * BLOCK_M;  // the longest causal blocks first
-    const int b = blockIdx.y / heads, h = blockIdx.y % heads;
+    // blocks run in the order of their index, x first: a tile of queries of every head, the last
+    // tile (the longest, causal) first
+    const int bh = blockIdx.x, m0 = (gridDim.y - 1 - blockIdx.y) * BLOCK_M;
+    const int b = bh / heads, h = bh % heads;
     const int kv = (h + kv_offset) / kv_group;  // the key/value head of query head h
     q += b * qs.batch + h * qs.head + m0 * qs.row;
     k += b * ks.batch + kv * ks.head;
@@ -668,7 +672,7 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
             const unsigned drawn = forward_keeps(kept, dropout, grouped, rows, n0, quad, s_len);
             const int t = m0 + row_in_block + 8 * (quad / 2);
             if (DROPOUT == 1 && dropout.mask && grouped && t < t_len)
-                *reinterpret_cast<unsigned*>(dropout.mask_row(blockIdx.y, t, t_len) + n0 / 8 +
+                *reinterpret_cast<unsigned*>(dropout.mask_row(bh, t, t_len) + n0 / 8 +
                                              4 * (quad % 2)) = drawn;
         }
         // online softmax (raw scores; the scale goes into the exponent): new running max,
@@ -756,7 +760,7 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
             *reinterpret_cast<unsigned*>(out + dt * 8) =
                 pack<T>(acc[dt][2 * r] * inverse, acc[dt][2 * r + 1] * inverse);
         if (quad == 0)
-            lse[static_cast<long long>(blockIdx.y) * t_len + row] =
+            lse[static_cast<long long>(bh) * t_len + row] =
                 total > 0.f ? (row_max[r] * scale_log2 + __log2f(total)) * LN2
                             : negative_infinity<float>();
     }
@@ -823,8 +827,9 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
     float* sdelta = slse + BLOCK_M;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int group = lane / 4, quad = lane % 4;
-    const int n0 = blockIdx.x * BACKWARD_BLOCK_N;
-    const int b = blockIdx.y / kv_heads, kv = blockIdx.y % kv_heads;
+    // a block of keys of every (b, key/value head), the first (the longest, causal) first
+    const int n0 = blockIdx.y * BACKWARD_BLOCK_N;
+    const int b = blockIdx.x / kv_heads, kv = blockIdx.x % kv_heads;
     // the query heads h that read key/value head kv: (h + kv_offset) / kv_group == kv
     const int h_begin = max(0, kv * kv_group - kv_offset);
     const int h_end = min(heads, (kv + 1) * kv_group - kv_offset);

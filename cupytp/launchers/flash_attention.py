@@ -207,7 +207,7 @@ class _ForwardPlan:
         group, offset = _check(groups, q=q, k=k, v=v)
         b, h, t, d = q.shape
         self.launch = None if not q.size else _kernel("forward", d, q.dtype, _variant(dropout))\
-            .planned((ceil_div(t, BLOCK_M), b * h), (THREADS,),
+            .planned((b * h, ceil_div(t, BLOCK_M)), (THREADS,),
                      (None,) * 5 + (numpy.int32(h), numpy.int32(group), numpy.int32(offset),
                                     numpy.int32(t), numpy.int32(k.shape[2]),
                                     *_strides(q), *_strides(k), *_strides(v),
@@ -241,7 +241,7 @@ class _BackwardPlan:
                 (None, None, None, numpy.int32(h), numpy.int32(t), *_strides(o),
                  *_strides(do))),
             _kernel("backward", d, q.dtype, _variant(dropout)).planned(
-                (ceil_div(s, BACKWARD_BLOCK_N), b * hk), (BACKWARD_THREADS,),
+                (b * hk, ceil_div(s, BACKWARD_BLOCK_N)), (BACKWARD_THREADS,),
                 (None,) * 9 + (numpy.int32(h), numpy.int32(hk), numpy.int32(group),
                                numpy.int32(offset), numpy.int32(t), numpy.int32(s), *_strides(q),
                                *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
@@ -292,6 +292,9 @@ def _check(groups, **arrays):
     if b * h > 65535:
         raise ValueError(f"flash attention: batch x heads = {b * h} exceeds the grid's 65535: "
                          "split the batch")
+    if max(t, s) > 65535 * BLOCK_M:
+        raise ValueError(f"flash attention: {max(t, s)} queries or keys exceed the grid's "
+                         f"{65535 * BLOCK_M}: split the sequence (context parallelism)")
     groups = head_groups(q, arrays["k"], groups)
     if groups.group < 1 or groups.offset < 0 or (h and (h - 1 + groups.offset) // groups.group
                                                    >= hk):

@@ -174,6 +174,9 @@ def test_flash_bad_inputs_are_clear_errors():
         attention_forward(q.astype(numpy.float32), k, v, True, 0.125)
     with pytest.raises(ValueError, match="v must be"):
         attention_forward(q, k, v[:, :1], True, 0.125)
+    long = numpy.broadcast_to(q[:, :, :1], (1, 2, 65535 * 64 + 1, 64))   # no memory of its own
+    with pytest.raises(ValueError, match="split the sequence"):
+        attention_forward(long, long, long, True, 0.125)
     o, lse = attention_forward(q, k, v, True, 0.125)
     assert lse.flags.c_contiguous
     with pytest.raises(ValueError, match="lse must be a float32"):
