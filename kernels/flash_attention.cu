@@ -560,6 +560,14 @@ __device__ __forceinline__ void tiles_ready()
     __syncthreads();
 }
 
+#if FLASH_HOPPER
+// the block's shared memory from its first 1024-byte boundary on (the swizzle's repeat)
+__device__ __forceinline__ unsigned char* swizzle_aligned_shared()
+{
+    return shared + (1024 - shared_address(shared) % 1024) % 1024;
+}
+#endif
+
 template <typename T, int D, int DROPOUT>
 __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, int heads,
                         int kv_group, int kv_offset, int t_len, int s_len, Strides qs,
@@ -568,8 +576,8 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
 {
     static_assert(BLOCK_M == BLOCK_N, "q, k and v tiles of one size");
 #if FLASH_HOPPER
-    constexpr int STRIDE = D;  // unused: the tiles are swizzled
-    T* sq = reinterpret_cast<T*>(shared + (1024 - shared_address(shared) % 1024) % 1024);
+    constexpr int STRIDE = D;  // swizzled rows of D
+    T* sq = reinterpret_cast<T*>(swizzle_aligned_shared());
 #else
     constexpr int STRIDE = D + PAD;
     T* sq = reinterpret_cast<T*>(shared);
@@ -578,8 +586,7 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
     T* sv = sk + BLOCK_N * STRIDE;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int group = lane / 4, quad = lane % 4;  // fragment row, fragment column pair
-    // blocks run in the order of their index, x first: a tile of queries of every head, the last
-    // tile (the longest, causal) first
+    // a tile of queries of every head, the last (the longest, causal) first
     const int bh = blockIdx.x, m0 = (gridDim.y - 1 - blockIdx.y) * BLOCK_M;
     const int b = bh / heads, h = bh % heads;
     const int kv = (h + kv_offset) / kv_group;  // the key/value head of query head h
@@ -631,7 +638,7 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
         for (int kk = 0; kk < D / 16; ++kk) {
             const unsigned at = kk / 4 * SWIZZLE_TILE * 2 + kk % 4 * 32;
             product_ss<T, BLOCK_N, 0>(s, descriptor(shared_address(sq) + at, 16, 1024),
-                          descriptor(shared_address(sk) + at, 16, 1024), kk);
+                                      descriptor(shared_address(sk) + at, 16, 1024), kk);
         }
         warpgroup_commit_and_wait();
         pin(s);
@@ -814,7 +821,7 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
 #if FLASH_HOPPER
     // swizzled tiles (64 columns a tile, ROWS rows each); the warpgroups take 64 keys each
     constexpr int STRIDE = D, DS_STRIDE = BLOCK_M;
-    T* sk = reinterpret_cast<T*>(shared + (1024 - shared_address(shared) % 1024) % 1024);
+    T* sk = reinterpret_cast<T*>(swizzle_aligned_shared());
 #else
     constexpr int STRIDE = D + PAD, DS_STRIDE = BLOCK_M + PAD;
     T* sk = reinterpret_cast<T*>(shared);
