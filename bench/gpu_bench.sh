@@ -5,7 +5,7 @@
 # Usage: bench/gpu_bench.sh [check] [comm] [train1] [train2] [train] [host] [fsdp] [ddp] [build]
 # [small] [eval] [dropout] [targets] [attention] [llama2] [profile] [profile2] [profile3]
 # [profile4] [pipeline]
-# [long] [cp] [gemm]
+# [long] [cp] [gemm] [flash_ab]
 # (default: train host; train = train1 train2, the 1-GPU and the TP=2 pairs; fsdp: fully_shard
 # beside PyTorch FSDP2 with bf16 parameters and fp32 reduction, untied models; ddp: replicated data parallelism of 124M
 # (scaling over one GPU, share of the all-reduce hidden) beside PyTorch DDP; build: the
@@ -27,7 +27,9 @@
 # it, the PyTorch SDPA model of the same shape beside, drawn into $OUT/long_context.png; cp: two
 # GPUs, the longest sequence and tokens/s of 124M with recompute at cp=1 and cp=2 under one
 # memory cap, and tp=2 with and without sequence parallelism; gemm: bench/gemm_algorithms.py,
-# each product of 124M, 774M, XL and the Llama shape with every cuBLASLt candidate). A
+# each product of 124M, 774M, XL and the Llama shape with every cuBLASLt candidate; flash_ab:
+# bench/flash_ab.py, the flash kernels of the export in .carry/flash_ab (made here first by
+# `bench/flash_ab.py --export REV .carry/flash_ab`) beside the tree's, in one process). A
 # cuDNN frontend wheel carried in .carry/wheels is installed first (the machines have no
 # internet), so that attention can run through cuDNN. Logs under $OUT; the last thing printed is
 # the table of bench/compare.py.
@@ -117,6 +119,9 @@ for part in $what; do
               "small-d0/d0.2-compile=$out/ours_small_0.log,$out/torch_small_compile_0.2.log"
               "124M-B8/compile=$out/ours_124M.log,$out/torch_124M_compile.log"
               "llama-1.5B/compile=$out/ours_llama.log,$out/torch_llama_compile.log") ;;
+    flash_ab)
+      run flash_ab python3 bench/flash_ab.py --against .carry/flash_ab
+      grep -h -e "twin checks" -e RESULT "$out/flash_ab.log" ;;
     gemm)
       run gemm python3 bench/gemm_algorithms.py
       grep -h TOTAL "$out/gemm.log" ;;
