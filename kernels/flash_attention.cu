@@ -67,6 +67,16 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* global, bool 
                  "l"(global), "r"(valid ? 16 : 0));
 }
 
+#if __CUDA_ARCH__ >= 900
+// four adjacent floats (16-byte aligned) added into global memory at once, unordered
+__device__ __forceinline__ void red_add4(float* address, float a, float b, float c, float d)
+{
+    asm volatile("red.relaxed.gpu.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(address),
+                 "f"(a), "f"(b), "f"(c), "f"(d)
+                 : "memory");
+}
+#endif
+
 __device__ __forceinline__ void cp_async_commit()
 {
     asm volatile("cp.async.commit_group;\n" ::: "memory");
@@ -1057,6 +1067,23 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
                 }
             }
 #endif
+#if __CUDA_ARCH__ >= 900
+            // neighbouring lanes trade halves of their two rows, so that lane quad adds four
+            // adjacent columns of row r = quad % 2 in one vector reduction
+            const int r = quad % 2, t = m0 + dq_rows + group + r * 8;
+            float* out = dq_head + static_cast<long long>(t) * D + dq_chunk0 * 16 + quad / 2 * 4;
+    #pragma unroll
+            for (int dt = 0; dt < 2 * HALF; ++dt) {
+                const float got0 = __shfl_xor_sync(0xffffffffu, r ? dq[dt][0] : dq[dt][2], 1);
+                const float got1 = __shfl_xor_sync(0xffffffffu, r ? dq[dt][1] : dq[dt][3], 1);
+                if (t < t_len) {
+                    if (r)
+                        red_add4(out + dt * 8, got0, got1, dq[dt][2], dq[dt][3]);
+                    else
+                        red_add4(out + dt * 8, dq[dt][0], dq[dt][1], got0, got1);
+                }
+            }
+#else
     #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const int t = m0 + dq_rows + group + r * 8;
@@ -1069,6 +1096,7 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
                     atomicAdd(out + dt * 8 + 1, dq[dt][2 * r + 1]);
                 }
             }
+#endif
         }
     }
     cp_async_wait<0>();
