@@ -46,8 +46,13 @@ constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
 // blocks per multiprocessor the register budget is cut to (65536 registers / 128 threads), the
 // most that ptxas fits without spilling: dropout's Philox rounds and (DROPOUT 2) position maps
-// take registers at head dim 128 and with the maps
+// take registers at head dim 128 and with the maps (fewer on Hopper, whose products keep no
+// operand fragments in registers)
+#if FLASH_HOPPER
+#define FLASH_FORWARD_BLOCKS(D, DROPOUT) ((D) == 64 ? 4 : 3)
+#else
 #define FLASH_FORWARD_BLOCKS(D, DROPOUT) ((D) == 64 ? ((DROPOUT) ? 3 : 4) : (DROPOUT) ? 2 : 3)
+#endif
 #define FLASH_BACKWARD_BLOCKS(D) 1
 
 struct Strides {
