@@ -12,8 +12,9 @@
 // backward: `flash_backward_delta` computes delta = rowsum(do ∘ o); then one block of 8 warps per
 //           128 keys of one (b, h) (16 keys a warp) walks the query tiles of 64, recomputes P
 //           from lse, keeps dk and dv in registers and adds its share of dq into an fp32 buffer
-//           with atomics (each warp 16 queries x half of D, one atomic per element per 128
-//           keys); `flash_backward_dq` scales and converts that buffer.
+//           with atomics (each warp 16 queries x half of D, one addition per element per 128
+//           keys: on sm_90 four adjacent floats a vector reduction, else one atomic each);
+//           `flash_backward_dq` scales and converts that buffer.
 // Causal: query t sees keys s <= t + S - T; a query that sees no key gives zeros (lse = -inf).
 // Grouped-query attention: k and v have their own head count; query head h reads key/value head
 // (h + kv_offset) / kv_group (kv_group query heads share one, with no copy of k or v), and the
