@@ -1,13 +1,14 @@
-"""The flash kernels and launcher of a git revision beside the working tree's, alternated in one
+"""The flash kernels and launcher of git revisions beside the working tree's, alternated in one
 process: separate processes' attention timings move by more than the differences looked for
 (docs/benchmarks.md). Runs bench/attention.py's twin checks for each, then times forward and
-forward+backward of a few shapes, `--rounds` times, each round all of one side then the other.
+forward+backward of a few shapes, `--rounds` times, each round all of one variant then the next.
 
     python3 bench/flash_ab.py --export REV DIR     # here: REV's kernels/ and launcher into DIR
-    python3 bench/flash_ab.py --against DIR [--rounds 2] [--reps 30]   # on the GPU machine
+    python3 bench/flash_ab.py --against DIR [DIR ...] [--rounds 2] [--reps 30]   # on the GPU
 
-The GPU machine's copy of the tree has no git history, so the revision is exported first into a
-folder that travels with the tree (a git-ignored one named in the device tool's carry).
+The GPU machine's copy of the tree has no git history, so each revision (a branch, a commit) is
+exported first into a folder that travels with the tree (a git-ignored one named in the device
+tool's carry). Several exports compare in one call, each named by its folder and revision.
 """
 import argparse
 import importlib.util
@@ -61,7 +62,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--export", nargs=2, metavar=("REV", "DIR"))
-    group.add_argument("--against", type=Path, metavar="DIR")
+    group.add_argument("--against", type=Path, nargs="+", metavar="DIR")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--reps", type=int, default=30)
     args = parser.parse_args()
@@ -72,15 +73,16 @@ def main():
         export(rev, Path(folder))
         print(f"exported {rev} to {folder}")
         return
-    if not (args.against / "REVISION").is_file():
-        parser.error(f"{args.against} holds no export: make one with --export REV DIR first")
+    for folder in args.against:
+        if not (folder / "REVISION").is_file():
+            parser.error(f"{folder} holds no export: make one with --export REV DIR first")
     import cupytp.launchers as launchers
     from cupytp.launchers import flash_attention
     sys.path.insert(0, str(ROOT / "bench"))
     import attention
-    revision = (args.against / "REVISION").read_text().strip()[:10]
-    variants = {revision: exported(args.against),
-                "tree": (launchers.sources(), flash_attention)}
+    variants = {f"{folder.name}:{(folder / 'REVISION').read_text().strip()[:10]}":
+                exported(folder) for folder in args.against}
+    variants["tree"] = (launchers.sources(), flash_attention)
 
     def use(name):
         kernels, module = variants[name]
