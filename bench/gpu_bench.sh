@@ -28,8 +28,9 @@
 # GPUs, the longest sequence and tokens/s of 124M with recompute at cp=1 and cp=2 under one
 # memory cap, and tp=2 with and without sequence parallelism; gemm: bench/gemm_algorithms.py,
 # each product of 124M, 774M, XL and the Llama shape with every cuBLASLt candidate; flash_ab:
-# bench/flash_ab.py, the flash kernels of the export in .carry/flash_ab (made here first by
-# `bench/flash_ab.py --export REV .carry/flash_ab`) beside the tree's, in one process). A
+# bench/flash_ab.py, the flash kernels of the exports in FLASH_AB (folders, default
+# .carry/flash_ab; each made here first by `bench/flash_ab.py --export REV FOLDER`) beside the
+# tree's, in one process). A
 # cuDNN frontend wheel carried in .carry/wheels is installed first (the machines have no
 # internet), so that attention can run through cuDNN. Logs under $OUT; the last thing printed is
 # the table of bench/compare.py.
@@ -120,7 +121,7 @@ for part in $what; do
               "124M-B8/compile=$out/ours_124M.log,$out/torch_124M_compile.log"
               "llama-1.5B/compile=$out/ours_llama.log,$out/torch_llama_compile.log") ;;
     flash_ab)
-      run flash_ab python3 bench/flash_ab.py --against .carry/flash_ab
+      run flash_ab python3 bench/flash_ab.py --against ${FLASH_AB:-.carry/flash_ab}
       grep -h -e "twin checks" -e RESULT "$out/flash_ab.log" ;;
     gemm)
       run gemm python3 bench/gemm_algorithms.py
