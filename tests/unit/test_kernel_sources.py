@@ -11,7 +11,8 @@ import pytest
 
 from cupytp.launchers import sources
 from cupytp.launchers.flash_attention import HEAD_DIMS
-from kernel_compiler import CompileError, available, compile_source
+from kernel_compiler import (CompileError, available, compile_source, disassemble,
+                             disassembler, instruction_counts)
 
 pytestmark = pytest.mark.skipif(not available(), reason="needs CUDA 13's nvidia-cuda-nvrtc, "
                                 "nvidia-cuda-runtime and nvidia-cuda-cccl wheels (Linux)")
@@ -43,3 +44,21 @@ def test_every_kernel_source_compiles():
     assert not failures, "\n".join(failures)
     empty = [source for source, _, _, kernels, _ in results if not kernels]
     assert not empty, f"no kernel compiled from {empty}"
+
+
+@pytest.mark.skipif(disassembler() is None, reason="needs the nvidia-cuda-nvdisasm wheel")
+def test_disassembly_shows_which_tensor_core_instruction_flash_attention_uses():
+    """The sm_90a build (FLASH_HOPPER) multiplies with warpgroup products (HGMMA) only, the
+    sm_90 build with mma.sync (HMMA) only, in every kernel of the forward and the backward."""
+    defines = ("FLASH_HEAD_DIM=64",)
+    hopper = disassemble("flash_attention.cu", "sm_90a", defines + ("FLASH_HOPPER=1",))
+    plain = disassemble("flash_attention.cu", "sm_90", defines)
+    assert set(hopper) == set(plain) == set(compile_source("flash_attention.cu", "sm_90",
+                                                           defines))
+    products = [name for name in hopper if "_forward_" in name or "_backward_d64_" in name]
+    assert len(products) == 12          # forward and backward, 3 dropout variants, 2 dtypes
+    for name in products:
+        hopper_counts = instruction_counts(hopper[name])
+        plain_counts = instruction_counts(plain[name])
+        assert hopper_counts["HGMMA"] > 0 and hopper_counts["HMMA"] == 0, name
+        assert plain_counts["HMMA"] > 0 and plain_counts["HGMMA"] == 0, name
