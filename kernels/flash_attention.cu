@@ -232,6 +232,18 @@ __device__ __forceinline__ void fence_async_shared()
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// A fragments made by ordinary instructions, all finished before the fence that precedes their
+// products: made one product at a time, each product would need a fence of its own
+template <int N>
+__device__ __forceinline__ void pin(unsigned (&a)[N][4])
+{
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+            asm volatile("" : "+r"(a[i][c])::"memory");
+}
+
 // the accumulators kept in place around the asynchronous products
 template <int N>
 __device__ __forceinline__ void pin(float (&x)[N][4])
@@ -414,7 +426,8 @@ struct Dropout {
 };
 
 // Which of a thread's accumulator scores of one tile dropout keeps, by philox.cuh's dropout rule
-// over the scores' counters: kept[nt] bit c for accumulator c of key octet nt. Where the tile's
+// over the scores' counters, as bits that forward_dropped and backward_dropped test at positions
+// known when compiling (one bit test an element, no extraction). Where the tile's
 // key octets are global neighbours from a multiple of 8 (always but where S, base + add or the
 // block's key positions say otherwise), each octet of one query row is one Philox call: the
 // lanes that hold an octet's keys draw it together (each lane a share of the tile's octets) and
@@ -432,16 +445,47 @@ __device__ __forceinline__ bool together(const Dropout<MAPS>& dropout, bool grou
     return __all_sync(0xffffffffu, all);
 }
 
+// x where `word` has a bit of `mask`, else 0: PTX's and with setp, which ptxas makes one bit test
+// (C's form compiles to a shift, a mask and a compare)
+__device__ __forceinline__ float kept_or_zero(unsigned word, unsigned mask, float x)
+{
+    asm("{\n.reg .pred p;\n.reg .b32 t;\nand.b32 t, %1, %2;\nsetp.ne.b32 p, t, 0;\n"
+        "selp.f32 %0, %0, 0f00000000, p;\n}\n"
+        : "+f"(x)
+        : "r"(word), "r"(mask));
+    return x;
+}
+
+// the same for x, and y scaled by `scale` where kept
+__device__ __forceinline__ void kept_or_zero(unsigned word, unsigned mask, float& x, float& y,
+                                             float scale)
+{
+    asm("{\n.reg .pred p;\n.reg .b32 t;\nand.b32 t, %2, %3;\nsetp.ne.b32 p, t, 0;\n"
+        "selp.f32 %0, %0, 0f00000000, p;\n"
+        "mul.f32 %1, %1, %4;\nselp.f32 %1, %1, 0f00000000, p;\n}\n"
+        : "+f"(x), "+f"(y)
+        : "r"(word), "r"(mask), "f"(scale));
+}
+
 // Forward: accumulator c of octet nt is (row rows[c / 2], key n0 + 8 nt + 2 quad + c % 2): the
 // quad's four lanes hold the 16 octets (r, nt) of the same two rows, lane quad drawing octets
 // g = 4 quad .. 4 quad + 3 (g = 8 r + nt) into the bytes of one register, which it returns (the
 // kept bits of keys n0 + 32 (quad % 2) .. + 31 of row rows[quad / 2]; 0 on the per-score path).
-template <bool MAPS, int OCTETS>
-__device__ __forceinline__ unsigned forward_keeps(unsigned (&kept)[OCTETS],
+// kept[2 r + nt / 4] holds accumulator c's bit at 8 (nt % 4) + c % 2 (r = c / 2): lane q's
+// register shifted by 2 quad. Kept probabilities are not scaled here: 1 / (1 - p) multiplies o
+// at the end.
+__device__ __forceinline__ float forward_dropped(const unsigned (&kept)[4], int nt, int c, float x)
+{
+    return kept_or_zero(kept[2 * (c / 2) + nt / 4], 1u << (8 * (nt % 4) + c % 2), x);
+}
+
+template <bool MAPS>
+__device__ __forceinline__ unsigned forward_keeps(unsigned (&kept)[4],
                                               const Dropout<MAPS>& dropout, bool grouped,
                                               const unsigned long long (&rows)[2], int n0,
                                               int quad, int s_len)
 {
+    constexpr int OCTETS = BLOCK_N / 8;
     static_assert(OCTETS == 8, "a quad shares 16 octets: 8 per row");
     if (together(dropout, grouped, n0, OCTETS, s_len)) {
         const unsigned long long row = quad >= 2 ? rows[1] : rows[0];
@@ -453,17 +497,9 @@ __device__ __forceinline__ unsigned forward_keeps(unsigned (&kept)[OCTETS],
                                  dropout.threshold)
                     << 8 * j;
         const int lane = threadIdx.x % 32;
-        unsigned from[4];  // from[q]: lane quad q's register
 #pragma unroll
-        for (int q = 0; q < 4; ++q)
-            from[q] = __shfl_sync(0xffffffffu, mine, (lane & ~3) | q);
-#pragma unroll
-        for (int nt = 0; nt < OCTETS; ++nt) {
-            kept[nt] = 0;
-#pragma unroll
-            for (int r = 0; r < 2; ++r)
-                kept[nt] |= (from[2 * r + nt / 4] >> (8 * (nt % 4) + 2 * quad) & 3u) << 2 * r;
-        }
+        for (int q = 0; q < 4; ++q)  // lane quad q's register
+            kept[q] = __shfl_sync(0xffffffffu, mine, (lane & ~3) | q) >> 2 * quad;
         return mine;
     }
     // one call per score, rolled: unrolled, its 32 calls would set the kernel's register count
@@ -477,8 +513,12 @@ __device__ __forceinline__ unsigned forward_keeps(unsigned (&kept)[OCTETS],
                 << i;
     }
 #pragma unroll
-    for (int nt = 0; nt < OCTETS; ++nt)
-        kept[nt] = bits >> 4 * nt & 15u;
+    for (int q = 0; q < 4; ++q) {  // octets nt = 4 (q % 2) + j, accumulators 2 (q / 2) and + 1
+        kept[q] = 0;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            kept[q] |= (bits >> (4 * (4 * (q % 2) + j) + 2 * (q / 2)) & 3u) << 8 * j;
+    }
     return 0;
 }
 
@@ -487,7 +527,16 @@ __device__ __forceinline__ unsigned forward_keeps(unsigned (&kept)[OCTETS],
 // quad hold the 32 octets (nt, query, key octet) of the same queries, lane group drawing the four
 // of nt = group (byte 2 (c / 2) + c % 2 = c) into one register, or reading them from the
 // forward's store (`stored`: row 0 of this head in it, or null). `query(t)` gives query t's
-// counter at key 0.
+// counter at key 0. kept[nt] holds accumulator c's bit at 8 c: lane 4 nt + quad's register
+// shifted by group.
+// The backward's accumulator c of octet nt: p dropped (1 / (1 - p) multiplies dv at the end), dp
+// dropped or scaled.
+__device__ __forceinline__ void backward_dropped(const unsigned (&kept)[8], int nt, int c,
+                                                 float scale, float& p, float& dp)
+{
+    kept_or_zero(kept[nt], 1u << 8 * c, p, dp, scale);
+}
+
 template <bool MAPS, int OCTETS, typename Query>
 __device__ __forceinline__ void backward_keeps(unsigned (&kept)[OCTETS],
                                                const Dropout<MAPS>& dropout, bool grouped,
@@ -515,13 +564,8 @@ __device__ __forceinline__ void backward_keeps(unsigned (&kept)[OCTETS],
                         << 8 * c;
         }
 #pragma unroll
-        for (int nt = 0; nt < OCTETS; ++nt) {
-            const unsigned x = __shfl_sync(0xffffffffu, mine, 4 * nt + quad);
-            kept[nt] = 0;
-#pragma unroll
-            for (int c = 0; c < 4; ++c)
-                kept[nt] |= (x >> (8 * c + group) & 1u) << c;
-        }
+        for (int nt = 0; nt < OCTETS; ++nt)
+            kept[nt] = __shfl_sync(0xffffffffu, mine, 4 * nt + quad) >> group;
         return;
     }
     unsigned bits = 0;  // one call per score, rolled (as in forward_keeps)
@@ -535,8 +579,8 @@ __device__ __forceinline__ void backward_keeps(unsigned (&kept)[OCTETS],
                 << i;
     }
 #pragma unroll
-    for (int nt = 0; nt < OCTETS; ++nt)
-        kept[nt] = bits >> 4 * nt & 15u;
+    for (int nt = 0; nt < OCTETS; ++nt)  // bit c of the octet's four to bit 8 c
+        kept[nt] = ((bits >> 4 * nt & 15u) * 0x204081u) & 0x01010101u;
 }
 
 // ---- tiles ------------------------------------------------------------------------------------
@@ -690,7 +734,7 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
                 }
             }
         }
-        unsigned kept[BLOCK_N / 8];
+        unsigned kept[4];
         if (DROPOUT) {
             const unsigned drawn = forward_keeps(kept, dropout, grouped, rows, n0, quad, s_len);
             const int t = m0 + row_in_block + 8 * (quad / 2);
@@ -724,7 +768,7 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
                     float p = fast_exp2(fmaf(s[nt][c], scale_log2, -shift));
                     row_sum[r] += p;
                     if (DROPOUT)
-                        p = kept[nt] >> c & 1u ? p * dropout.scale : 0.f;
+                        p = forward_dropped(kept, nt, c, p);
                     s[nt][c] = p;
                 }
             }
@@ -737,14 +781,16 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
         // acc += p v: the score accumulators of two key octets are the A fragment of 16 keys
 #if FLASH_HOPPER
         // v read N-major: 16 keys (rows of 128 bytes) a step, the tiles of D 64 rows apart
+        unsigned pa[BLOCK_N / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+            accumulators_as_a<T>(pa[kk], s[2 * kk], s[2 * kk + 1]);
+        pin(pa);
         warpgroup_fence();
 #pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-            unsigned pa[4];
-            accumulators_as_a<T>(pa, s[2 * kk], s[2 * kk + 1]);
-            product_rs<T, D>(acc, pa, descriptor(shared_address(sv) + kk * 16 * 128,
-                                                 SWIZZLE_TILE * 2, 1024));
-        }
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+            product_rs<T, D>(acc, pa[kk], descriptor(shared_address(sv) + kk * 16 * 128,
+                                                     SWIZZLE_TILE * 2, 1024));
         warpgroup_commit_and_wait();
         pin(acc);
 #else
@@ -776,7 +822,7 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
         const int row = m0 + row_in_block + r * 8;
         if (row >= t_len)
             continue;
-        const float inverse = total > 0.f ? 1.f / total : 0.f;
+        const float inverse = total > 0.f ? (DROPOUT ? dropout.scale : 1.f) / total : 0.f;
         T* out = o + row * os.row + quad * 2;
 #pragma unroll
         for (int dt = 0; dt < D / 8; ++dt)
@@ -971,29 +1017,31 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
                     if (edge && (key >= s_len || (causal && key > t + diagonal)))
                         p = 0.f;
                     float dp = dpt[nt][c];
-                    if (DROPOUT) {
-                        const bool keeps = kept[nt] >> c & 1u;
-                        st[nt][c] = keeps ? p * dropout.scale : 0.f;
-                        dp = keeps ? dp * dropout.scale : 0.f;
-                    } else {
-                        st[nt][c] = p;
-                    }
+                    float kept_p = p;
+                    if (DROPOUT)
+                        backward_dropped(kept, nt, c, dropout.scale, kept_p, dp);
+                    st[nt][c] = kept_p;
                     dpt[nt][c] = p * (dp - sdelta[t_in_tile]);
                 }
             }
             // dv += pᵀ do and dk += dsᵀ q (A fragments straight from the accumulators)
 #if FLASH_HOPPER
             // do and q read N-major: 16 queries a step, the tiles of D 64 rows apart
+            unsigned pa[BLOCK_M / 16][4], dsa[BLOCK_M / 16][4];
+    #pragma unroll
+            for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
+                accumulators_as_a<T>(pa[kk], st[2 * kk], st[2 * kk + 1]);
+                accumulators_as_a<T>(dsa[kk], dpt[2 * kk], dpt[2 * kk + 1]);
+            }
+            pin(pa);
+            pin(dsa);
             warpgroup_fence();
     #pragma unroll
             for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
-                unsigned pa[4], dsa[4];
-                accumulators_as_a<T>(pa, st[2 * kk], st[2 * kk + 1]);
-                accumulators_as_a<T>(dsa, dpt[2 * kk], dpt[2 * kk + 1]);
-                product_rs<T, D>(dv_acc, pa, descriptor(shared_address(sdo) + kk * 16 * 128,
-                                                        BLOCK_M * 128, 1024));
-                product_rs<T, D>(dk_acc, dsa, descriptor(shared_address(sq) + kk * 16 * 128,
-                                                         BLOCK_M * 128, 1024));
+                product_rs<T, D>(dv_acc, pa[kk], descriptor(shared_address(sdo) + kk * 16 * 128,
+                                                            BLOCK_M * 128, 1024));
+                product_rs<T, D>(dk_acc, dsa[kk], descriptor(shared_address(sq) + kk * 16 * 128,
+                                                             BLOCK_M * 128, 1024));
             }
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
             // dsᵀ to shared memory for dq (swizzled: 64 queries, 128 bytes, a key row)
@@ -1107,6 +1155,7 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
     }
     cp_async_wait<0>();
 
+    const float dv_scale = DROPOUT ? dropout.scale : 1.f;  // the kept probabilities' 1 / (1 - p)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int key = key_in_block + r * 8;
@@ -1117,7 +1166,7 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
             *reinterpret_cast<unsigned*>(dk + key * dks.row + dt * 8 + quad * 2) =
                 pack<T>(scale * dk_acc[dt][2 * r], scale * dk_acc[dt][2 * r + 1]);
             *reinterpret_cast<unsigned*>(dv + key * dvs.row + dt * 8 + quad * 2) =
-                pack<T>(dv_acc[dt][2 * r], dv_acc[dt][2 * r + 1]);
+                pack<T>(dv_scale * dv_acc[dt][2 * r], dv_scale * dv_acc[dt][2 * r + 1]);
         }
     }
 }
