@@ -232,27 +232,28 @@ __device__ __forceinline__ void fence_async_shared()
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-// A fragments made by ordinary instructions, all finished before the fence that precedes their
-// products: made one product at a time, each product would need a fence of its own
-template <int N>
-__device__ __forceinline__ void pin(unsigned (&a)[N][4])
+// one register kept where it is: no instruction is moved across this point to read or write it
+__device__ __forceinline__ void pin_register(unsigned& r)
 {
-#pragma unroll
-    for (int i = 0; i < N; ++i)
-#pragma unroll
-        for (int c = 0; c < 4; ++c)
-            asm volatile("" : "+r"(a[i][c])::"memory");
+    asm volatile("" : "+r"(r)::"memory");
 }
 
-// the accumulators kept in place around the asynchronous products
-template <int N>
-__device__ __forceinline__ void pin(float (&x)[N][4])
+__device__ __forceinline__ void pin_register(float& r)
+{
+    asm volatile("" : "+f"(r)::"memory");
+}
+
+// Fragments pinned: the accumulators (float) kept in place around the asynchronous products, and
+// A fragments (unsigned) made by ordinary instructions all finished before the fence that
+// precedes their products (made one product at a time, each product would need a fence of its own)
+template <typename E, int N>
+__device__ __forceinline__ void pin(E (&x)[N][4])
 {
 #pragma unroll
     for (int i = 0; i < N; ++i)
 #pragma unroll
         for (int c = 0; c < 4; ++c)
-            asm volatile("" : "+f"(x[i][c])::"memory");
+            pin_register(x[i][c]);
 }
 
 // d (64 x N) = a (64 x 16) · b (16 x N), both in shared memory (descriptors), plus d when
