@@ -59,23 +59,28 @@ def torch_reference(host, g, causal):
     return [x.detach().cpu().numpy() for x in (o, lse, q.grad, k.grad, v.grad)]
 
 
-CHECKS = [  # b, h, t, d, causal, dropout p, dtype
-    (2, 3, 257, 64, True, 0.0, bfloat16), (1, 4, 1000, 64, False, 0.0, bfloat16),
-    (2, 2, 333, 128, True, 0.0, bfloat16), (1, 3, 130, 128, False, 0.0, F16),
-    (1, 2, 64, 64, True, 0.0, F16), (2, 2, 200, 64, True, 0.1, bfloat16),
-    (1, 2, 150, 128, False, 0.2, bfloat16), (4, 12, 1024, 64, True, 0.0, bfloat16),
+CHECKS = [  # b, h, t, d, causal, dropout p, dtype, grouped draws with the kept bits stored
+    (2, 3, 257, 64, True, 0.0, bfloat16, False), (1, 4, 1000, 64, False, 0.0, bfloat16, False),
+    (2, 2, 333, 128, True, 0.0, bfloat16, False), (1, 3, 130, 128, False, 0.0, F16, False),
+    (1, 2, 64, 64, True, 0.0, F16, False), (2, 2, 200, 64, True, 0.1, bfloat16, False),
+    (1, 2, 150, 128, False, 0.2, bfloat16, False), (4, 12, 1024, 64, True, 0.0, bfloat16, False),
+    (2, 2, 200, 64, True, 0.1, bfloat16, True), (1, 2, 320, 128, False, 0.2, bfloat16, True),
 ]
 
 
 def check():
     rows, worst = [], 0.0
-    for case_id, (b, h, t, d, causal, p, dtype) in enumerate(CHECKS):
+    for case_id, (b, h, t, d, causal, p, dtype, kept) in enumerate(CHECKS):
         host, device = inputs(b, h, t, d, dtype, seed=case_id)
         g = numpy.random.default_rng(100 + case_id).standard_normal((b, h, t, d)).astype(dtype)
         dropout = None
         if p:
+            # counters from a multiple of 8 (base + add) and S a multiple of 8: the grouped
+            # draws, eight keys a Philox call, whose bits the forward can store; else one a score
             base = xp.full((), 3, dtype=xp.uint64)
-            dropout = AttentionDropout(p, 1234 + case_id, base, 2 ** 32 - 5, h + 1, 0, 1)
+            mask = flash_attention.kept_bits(device[0], device[1]) if kept else None
+            dropout = AttentionDropout(p, 1234 + case_id, base, 5 if kept else 2 ** 32 - 5,
+                                       h + 1, 0, 1, mask=mask)
         scale = d ** -0.5
         with poisoned():
             o, lse = attention_forward(*device, causal, scale, dropout)
@@ -87,7 +92,8 @@ def check():
         errors = [rel(a, b_) for a, b_ in zip(ours, twin)]
         ref = torch_reference(host, g, causal) if not p else None
         ref_errors = [rel(a, b_) for a, b_ in zip(ours, ref)] if ref else [float("nan")] * 5
-        name = f"B{b} H{h} T{t} D{d} {'causal' if causal else 'full'} p={p} {dtype}"
+        name = f"B{b} H{h} T{t} D{d} {'causal' if causal else 'full'} p={p} {dtype}" + \
+            (" grouped, kept bits" if kept else "")
         rows.append((name, errors, ref_errors))
         if not p and cudnn_attention.applies(device[0], device[1], 0.0):
             with poisoned():
