@@ -49,7 +49,10 @@ def test_every_kernel_source_compiles():
 @pytest.mark.skipif(disassembler() is None, reason="needs the nvidia-cuda-nvdisasm wheel")
 def test_disassembly_shows_which_tensor_core_instruction_flash_attention_uses():
     """The sm_90a build (FLASH_HOPPER) multiplies with warpgroup products (HGMMA) only, the
-    sm_90 build with mma.sync (HMMA) only, in every kernel of the forward and the backward."""
+    sm_90 build with mma.sync (HMMA) only, in every kernel of the forward and the backward. The
+    warpgroup products run as the source groups them: where ptxas cannot prove an in-flight
+    product's registers untouched it makes each product wait for itself (an arrive and a wait
+    beside every HGMMA), which the counts show."""
     defines = ("FLASH_HEAD_DIM=64",)
     hopper = disassemble("flash_attention.cu", "sm_90a", defines + ("FLASH_HOPPER=1",))
     plain = disassemble("flash_attention.cu", "sm_90", defines)
@@ -61,4 +64,5 @@ def test_disassembly_shows_which_tensor_core_instruction_flash_attention_uses():
         hopper_counts = instruction_counts(hopper[name])
         plain_counts = instruction_counts(plain[name])
         assert hopper_counts["HGMMA"] > 0 and hopper_counts["HMMA"] == 0, name
+        assert hopper_counts["WARPGROUP"] < hopper_counts["HGMMA"], name     # not serialized
         assert plain_counts["HMMA"] > 0 and plain_counts["HGMMA"] == 0, name
