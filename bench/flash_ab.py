@@ -1,7 +1,8 @@
 """The flash kernels and launcher of git revisions beside the working tree's, alternated in one
 process: separate processes' attention timings move by more than the differences looked for
 (docs/benchmarks.md). Runs bench/attention.py's twin checks for each, then times forward and
-forward+backward of a few shapes, `--rounds` times, each round all of one variant then the next.
+forward+backward of a few shapes, `--rounds` times, each round all of one variant then the next,
+and last the best of the rounds for each.
 
     python3 bench/flash_ab.py --export REV DIR     # here: REV's kernels/ and launcher into DIR
     python3 bench/flash_ab.py --against DIR [DIR ...] [--rounds 2] [--reps 30]   # on the GPU
@@ -58,6 +59,22 @@ def rebuild(module):
     module._plans.clear()
 
 
+def summary(results):
+    """Lines of the best (fastest over the rounds) forward and forward+backward of each variant
+    and shape, with fwd+bwd against the tree's: `results` maps (shape, variant) to its rounds'
+    (fwd, fwd+bwd) ms."""
+    lines = []
+    for shape in dict.fromkeys(shape for shape, _ in results):
+        base = min(both for _, both in results.get((shape, "tree"), [(0.0, 0.0)]))
+        lines.append(f"{shape}")
+        for (at, name), rounds in results.items():
+            if at == shape:
+                fwd, both = min(f for f, _ in rounds), min(b for _, b in rounds)
+                ratio = f"  {base / both:.3f}x as fast as the tree" if base and name != "tree" else ""
+                lines.append(f"  {name:32s} fwd {fwd:.3f}  fwd+bwd {both:.3f}{ratio}")
+    return lines
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     group = parser.add_mutually_exclusive_group(required=True)
@@ -98,13 +115,17 @@ def main():
     for name in variants:
         use(name)
         print(f"{name}: twin checks {'pass' if attention.check() else 'FAIL'}", flush=True)
+    results = {}
     for round_ in range(args.rounds):
         for name in variants:
             use(name)
             for shape in SHAPES:
                 forward, both = attention.time_ours(*shape, args.reps, "flash")
+                results.setdefault((shape, name), []).append((forward, both))
                 print(f"RESULT {name} round={round_} {shape} fwd {forward:.3f} "
                       f"fwd+bwd {both:.3f} bwd {both - forward:.3f}", flush=True)
+    print("\nbest of the rounds (ms):")
+    print("\n".join(summary(results)))
 
 
 if __name__ == "__main__":

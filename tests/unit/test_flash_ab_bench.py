@@ -1,6 +1,7 @@
 """bench/flash_ab.py exports a revision's kernels and flash launcher into a new folder (never
-over an existing one), and its comparison refuses, with one error before any work, a folder that
-holds no export. The timings themselves need a GPU (docs/benchmarks.md)."""
+over an existing one), its comparison refuses, with one error before any work, a folder that
+holds no export, and its summary takes each variant's best round. The timings themselves need a
+GPU (docs/benchmarks.md)."""
 import subprocess
 import sys
 
@@ -10,6 +11,8 @@ from launch import REPO, under_mpiexec
 
 pytestmark = pytest.mark.skipif(under_mpiexec(), reason="launches its own processes")
 SCRIPT = str(REPO / "bench" / "flash_ab.py")
+sys.path.insert(0, str(REPO / "bench"))
+from flash_ab import summary  # noqa: E402
 
 
 def run(*args):
@@ -42,3 +45,15 @@ def test_comparison_refuses_a_folder_without_an_export(tmp_path):
     done = run("--against", tmp_path / "one")
     assert done.returncode == 2
     assert f"{tmp_path / 'one'} holds no export" in done.stderr
+
+
+def test_summary_takes_each_variant_best_round_against_the_tree():
+    shape, other = (8, 12, 1024, 64, True, 0.1), (64, 6, 256, 64, True, 0.2)
+    results = {(shape, "tree"): [(0.15, 0.45), (0.13, 0.40)],
+               (shape, "f:abc"): [(0.12, 0.50), (0.10, 0.32)],
+               (other, "tree"): [(0.07, 0.22)]}
+    lines = summary(results)
+    assert lines[0] == str(shape) and lines[3] == str(other)
+    assert lines[1].split() == ["tree", "fwd", "0.130", "fwd+bwd", "0.400"]
+    assert lines[2].split() == ["f:abc", "fwd", "0.100", "fwd+bwd", "0.320", "1.250x", "as",
+                                "fast", "as", "the", "tree"]
