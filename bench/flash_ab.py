@@ -70,7 +70,8 @@ def summary(results):
         for (at, name), rounds in results.items():
             if at == shape:
                 fwd, both = min(f for f, _ in rounds), min(b for _, b in rounds)
-                ratio = f"  {base / both:.3f}x as fast as the tree" if base and name != "tree" else ""
+                ratio = f"  {base / both:.3f}x as fast as the tree" \
+                    if base and name != "tree" else ""
                 lines.append(f"  {name:32s} fwd {fwd:.3f}  fwd+bwd {both:.3f}{ratio}")
     return lines
 
