@@ -87,6 +87,13 @@ def compile_source(source, arch, defines=()):
     return {kernel: tuple(numbers) for kernel, numbers in kernels.items()}
 
 
+def performance_losses(source, arch, defines=()):
+    """ptxas's "Potential Performance Loss" notes on kernels/`source` built as compile_source
+    builds it (such as warpgroup products serialized, and why), one line each."""
+    text, _ = _build(source, arch, defines)
+    return [line.strip() for line in text.splitlines() if "Potential Performance Loss" in line]
+
+
 def disassemble(source, arch, defines=()):
     """{kernel: its machine code as nvdisasm lists it} of kernels/`source` built as
     compile_source builds it (needs `disassembler()`)."""
@@ -158,6 +165,8 @@ def main():
         for kernel, (registers, spilled) in compile_source(source, args.arch,
                                                            args.defines).items():
             print(f"{source} {kernel}: {registers} registers, {spilled} bytes spilled")
+        for line in performance_losses(source, args.arch, args.defines):
+            print(f"{source} {line}")
         if args.sass is None:
             continue
         for kernel, listing in disassemble(source, args.arch, args.defines).items():

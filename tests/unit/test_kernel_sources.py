@@ -12,7 +12,7 @@ import pytest
 from cupytp.launchers import sources
 from cupytp.launchers.flash_attention import HEAD_DIMS
 from kernel_compiler import (CompileError, available, compile_source, disassemble,
-                             disassembler, instruction_counts)
+                             disassembler, instruction_counts, performance_losses)
 
 pytestmark = pytest.mark.skipif(not available(), reason="needs CUDA 13's nvidia-cuda-nvrtc, "
                                 "nvidia-cuda-runtime and nvidia-cuda-cccl wheels (Linux)")
@@ -66,3 +66,13 @@ def test_disassembly_shows_which_tensor_core_instruction_flash_attention_uses():
         assert hopper_counts["HGMMA"] > 0 and hopper_counts["HMMA"] == 0, name
         assert hopper_counts["WARPGROUP"] < hopper_counts["HGMMA"], name     # not serialized
         assert plain_counts["HMMA"] > 0 and plain_counts["HGMMA"] == 0, name
+
+
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_ptxas_keeps_flash_attention_warpgroup_products_in_flight(d):
+    """ptxas notes nothing it had to give up in the sm_90a build of flash attention: a
+    product's accumulators read by other instructions while it may be in flight, or its wait on
+    a branch, make it serialize every warpgroup product of the kernel (notes C7514, C7518)."""
+    notes = performance_losses("flash_attention.cu", "sm_90a",
+                               (f"FLASH_HEAD_DIM={d}", "FLASH_HOPPER=1"))
+    assert not notes, "\n".join(notes)
