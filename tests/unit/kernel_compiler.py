@@ -119,7 +119,13 @@ def instruction_counts(listing):
 
 
 def _build(source, arch, defines):
-    """(NVRTC's log, the cubin) of kernels/`source`."""
+    """(NVRTC's log, the cubin) of kernels/`source`, built once per process for each source,
+    architecture and defines (the registers, the notes and the disassembly read one build)."""
+    return _built(source, arch, tuple(defines))
+
+
+@functools.cache
+def _built(source, arch, defines):
     from cupytp.launchers import BLOCK_THREADS
     nvrtc = _nvrtc()
     options = [f"-arch={arch}", f"-I{KERNELS}", f"-I{_cuda() / 'include'}",
