@@ -344,12 +344,16 @@ FLASH_PRODUCTS(__half, "f16")
 template <typename T, int D, int ROWS, int NT>
 __device__ __forceinline__ void load_swizzled(T* smem, const T* src, long long row_stride, int rows)
 {
-    constexpr int CHUNKS = D / 8;
-    for (int c = threadIdx.x; c < ROWS * CHUNKS; c += NT) {
-        const int r = c / CHUNKS, chunk = c % CHUNKS;
+    constexpr int CHUNKS = D / 8, STEP = NT / CHUNKS;  // a thread's rows are STEP apart
+    static_assert(NT % CHUNKS == 0 && ROWS % STEP == 0, "whole rows a pass");
+    const int chunk = threadIdx.x % CHUNKS, r0 = threadIdx.x / CHUNKS;
+    const T* from = src + r0 * row_stride + chunk * 8;
+#pragma unroll
+    for (int i = 0; i < ROWS / STEP; ++i) {
+        const int r = r0 + i * STEP;
         const bool valid = r < rows;
         cp_async16(smem + chunk / 8 * ROWS * 64 + r * 64 + ((chunk % 8) ^ (r % 8)) * 8,
-                   valid ? src + r * row_stride + chunk * 8 : src, valid);
+                   valid ? from + i * STEP * row_stride : src, valid);
     }
 }
 #endif
@@ -592,11 +596,15 @@ extern __shared__ __align__(16) unsigned char shared[];
 template <typename T, int D, int ROWS, int NT = THREADS>
 __device__ __forceinline__ void load_tile(T* smem, const T* src, long long row_stride, int rows)
 {
-    constexpr int CHUNKS = D / 8;  // 16-byte pieces per row
-    for (int c = threadIdx.x; c < ROWS * CHUNKS; c += NT) {
-        const int r = c / CHUNKS, col = (c % CHUNKS) * 8;
+    constexpr int CHUNKS = D / 8, STEP = NT / CHUNKS;  // 16-byte pieces per row; rows a pass
+    static_assert(NT % CHUNKS == 0 && ROWS % STEP == 0, "whole rows a pass");
+    const int col = threadIdx.x % CHUNKS * 8, r0 = threadIdx.x / CHUNKS;
+    const T* from = src + r0 * row_stride + col;
+#pragma unroll
+    for (int i = 0; i < ROWS / STEP; ++i) {
+        const int r = r0 + i * STEP;
         const bool valid = r < rows;
-        cp_async16(smem + r * (D + PAD) + col, valid ? src + r * row_stride + col : src, valid);
+        cp_async16(smem + r * (D + PAD) + col, valid ? from + i * STEP * row_stride : src, valid);
     }
 }
 
