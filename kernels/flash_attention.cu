@@ -206,7 +206,10 @@ __device__ __forceinline__ void zero(float (&x)[N][4])
 #if FLASH_HOPPER
 constexpr int SWIZZLE_TILE = 64 * 64;  // elements of one 64-row tile
 
-// the 64-bit shared-memory matrix descriptor, 128-byte swizzle; offsets in bytes
+// the 64-bit shared-memory matrix descriptor, 128-byte swizzle; offsets in bytes. A tile's
+// descriptor `offset` bytes on is its descriptor + offset / 16: shared addresses stay below the
+// address field's 256 KB, so the sum never carries out of it (one add per product; the tile's
+// descriptor is made once). A step of 16 rows of 128 bytes is + 128.
 __device__ __forceinline__ unsigned long long descriptor(unsigned address, unsigned leading,
                                                          unsigned stride)
 {
@@ -706,8 +709,8 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
             const unsigned at = kk / 4 * SWIZZLE_TILE * 2 + kk % 4 * 32;
-            product_ss<T, BLOCK_N, 0>(s, descriptor(shared_address(sq) + at, 16, 1024),
-                                      descriptor(shared_address(sk) + at, 16, 1024), kk);
+            product_ss<T, BLOCK_N, 0>(s, descriptor(shared_address(sq), 16, 1024) + at / 16,
+                                      descriptor(shared_address(sk), 16, 1024) + at / 16, kk);
         }
         warpgroup_commit_and_wait();
         pin(s);
@@ -798,8 +801,8 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
         warpgroup_fence();
 #pragma unroll
         for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-            product_rs<T, D>(acc, pa[kk], descriptor(shared_address(sv) + kk * 16 * 128,
-                                                     SWIZZLE_TILE * 2, 1024));
+            product_rs<T, D>(acc, pa[kk],
+                             descriptor(shared_address(sv), SWIZZLE_TILE * 2, 1024) + kk * 128);
         warpgroup_commit_and_wait();
         pin(acc);
 #else
@@ -977,10 +980,12 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
             for (int kk = 0; kk < D / 16; ++kk) {
                 const unsigned at = kk / 4 * BACKWARD_BLOCK_N * 128 + warp / 4 * 64 * 128 + kk % 4 * 32;
                 const unsigned rows_at = kk / 4 * BLOCK_M * 128 + kk % 4 * 32;
-                product_ss<T, BLOCK_M, 0>(st, descriptor(shared_address(sk) + at, 16, 1024),
-                                          descriptor(shared_address(sq) + rows_at, 16, 1024), kk);
-                product_ss<T, BLOCK_M, 0>(dpt, descriptor(shared_address(sv) + at, 16, 1024),
-                                          descriptor(shared_address(sdo) + rows_at, 16, 1024), kk);
+                product_ss<T, BLOCK_M, 0>(st, descriptor(shared_address(sk), 16, 1024) + at / 16,
+                                          descriptor(shared_address(sq), 16, 1024) + rows_at / 16,
+                                          kk);
+                product_ss<T, BLOCK_M, 0>(dpt, descriptor(shared_address(sv), 16, 1024) + at / 16,
+                                          descriptor(shared_address(sdo), 16, 1024) + rows_at / 16,
+                                          kk);
             }
             warpgroup_commit_and_wait();
             pin(st);
@@ -1047,10 +1052,10 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
             warpgroup_fence();
     #pragma unroll
             for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
-                product_rs<T, D>(dv_acc, pa[kk], descriptor(shared_address(sdo) + kk * 16 * 128,
-                                                            BLOCK_M * 128, 1024));
-                product_rs<T, D>(dk_acc, dsa[kk], descriptor(shared_address(sq) + kk * 16 * 128,
-                                                             BLOCK_M * 128, 1024));
+                product_rs<T, D>(dv_acc, pa[kk],
+                                 descriptor(shared_address(sdo), BLOCK_M * 128, 1024) + kk * 128);
+                product_rs<T, D>(dk_acc, dsa[kk],
+                                 descriptor(shared_address(sq), BLOCK_M * 128, 1024) + kk * 128);
             }
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
             // dsᵀ to shared memory for dq (swizzled: 64 queries, 128 bytes, a key row)
@@ -1109,9 +1114,11 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
     #pragma unroll
             for (int kk = 0; kk < BACKWARD_BLOCK_N / 16; ++kk) {
                 const unsigned half_at = D == 64 ? warp / 4 * 64 : warp / 4 * BACKWARD_BLOCK_N * 128;
-                product_ss<T, D / 2, 1>(dq, descriptor(shared_address(sds) + kk * 16 * 128, 16, 1024),
-                                        descriptor(shared_address(sk) + half_at + kk * 16 * 128,
-                                                   BACKWARD_BLOCK_N * 128, 1024), kk);
+                product_ss<T, D / 2, 1>(
+                    dq, descriptor(shared_address(sds), 16, 1024) + kk * 128,
+                    descriptor(shared_address(sk), BACKWARD_BLOCK_N * 128, 1024) + half_at / 16 +
+                        kk * 128,
+                    kk);
             }
             warpgroup_commit_and_wait();
             pin(dq);
