@@ -26,6 +26,8 @@ _ENTRY = re.compile(r"Compiling entry function '(\w+)'")
 _SPILL = re.compile(r"(\d+) bytes spill stores")
 _REGISTERS = re.compile(r"Used (\d+) registers")
 _SECTION = re.compile(r"^\.text\.(\w+):")
+_LABEL = re.compile(r"^(\.L_x_\d+):")
+_BRANCH = re.compile(r"\bBRA\b.*`\((\.L_x_\d+)\)")
 _INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", re.M)
 
 
@@ -116,6 +118,19 @@ def disassemble(source, arch, defines=()):
 def instruction_counts(listing):
     """How many instructions of each kind (the opcode before its first dot) a listing holds."""
     return collections.Counter(match.group(1) for match in _INSTRUCTION.finditer(listing))
+
+
+def loops(listing):
+    """The bodies of a listing's loops, innermost and outermost alike: from each branch that
+    jumps back, the listing's text from its target label to it."""
+    lines = listing.splitlines()
+    labels = {match.group(1): i for i, line in enumerate(lines)
+              if (match := _LABEL.match(line))}
+    bodies = []
+    for i, line in enumerate(lines):
+        if (match := _BRANCH.search(line)) and labels.get(match.group(1), i) < i:
+            bodies.append("\n".join(lines[labels[match.group(1)]:i + 1]))
+    return bodies
 
 
 def _build(source, arch, defines):

@@ -12,7 +12,7 @@ import pytest
 from cupytp.launchers import sources
 from cupytp.launchers.flash_attention import HEAD_DIMS
 from kernel_compiler import (CompileError, available, compile_source, disassemble,
-                             disassembler, instruction_counts, performance_losses)
+                             disassembler, instruction_counts, loops, performance_losses)
 
 pytestmark = pytest.mark.skipif(not available(), reason="needs CUDA 13's nvidia-cuda-nvrtc, "
                                 "nvidia-cuda-runtime and nvidia-cuda-cccl wheels (Linux)")
@@ -76,3 +76,18 @@ def test_ptxas_keeps_flash_attention_warpgroup_products_in_flight(d):
     notes = performance_losses("flash_attention.cu", "sm_90a",
                                (f"FLASH_HEAD_DIM={d}", "FLASH_HOPPER=1"))
     assert not notes, "\n".join(notes)
+
+
+@pytest.mark.skipif(disassembler() is None, reason="needs the nvidia-cuda-nvdisasm wheel")
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_90"])
+def test_flash_attention_loads_its_tiles_without_loops_of_their_own(arch):
+    """A thread's cp.async copies of a tile are straight-line code: the trip count is known when
+    compiling, so no loop runs only to copy (with one, its address and bound arithmetic cost as
+    many instructions as the softmax, and the forward ran at the issue rate)."""
+    for d in HEAD_DIMS:
+        defines = (f"FLASH_HEAD_DIM={d}",) + (("FLASH_HOPPER=1",) if arch == "sm_90a" else ())
+        for name, listing in disassemble("flash_attention.cu", arch, defines).items():
+            for body in loops(listing):
+                counts = instruction_counts(body)
+                if counts["LDGSTS"]:
+                    assert counts["HGMMA"] + counts["HMMA"] > 0, (name, d)
