@@ -9,6 +9,7 @@ Block reductions (`block_reduce.cuh`) are CUB's, from the CCCL headers CuPy bund
 use them run with BLOCK_THREADS threads per block.
 """
 import functools
+import hashlib
 from pathlib import Path
 
 import numpy
@@ -178,10 +179,22 @@ def sources():
                        f"kernels nor {package} / _kernels holds them; reinstall cupytp")
 
 
+def _source_options(folder):
+    """The options every kernel of `folder` compiles with: its headers' folder, the block size,
+    and a digest of those headers. CuPy's cache of compiled kernels keys on a source's own text
+    and its options, not on what it includes, so without the digest a changed `.cuh` would go on
+    running the kernels built from the old one."""
+    digest = hashlib.sha1()
+    for header in sorted(Path(folder).glob("*.cuh")):
+        digest.update(header.name.encode() + b"\0" + header.read_bytes() + b"\0")
+    return (f"-I{folder}", f"-DCUPYTP_BLOCK_THREADS={BLOCK_THREADS}",
+            f"-DCUPYTP_HEADERS={digest.hexdigest()[:16]}")
+
+
 @functools.cache
 def _module(cu_file, options):
     folder = sources()
-    options += (f"-I{folder}", f"-DCUPYTP_BLOCK_THREADS={BLOCK_THREADS}") + _cccl_includes()
+    options += _source_options(folder) + _cccl_includes()
     return xp.RawModule(code=(folder / cu_file).read_text(), options=options)
 
 

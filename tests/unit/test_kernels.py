@@ -75,6 +75,23 @@ def test_every_launched_source_is_in_the_kernels_folder():
     assert not list(here.glob("*.cu")) and not list(here.glob("*.cuh"))
 
 
+def test_a_changed_header_changes_every_kernels_compile_options(tmp_path):
+    """CuPy caches compiled kernels by a source's own text and its options: the digest of
+    kernels/*.cuh among the options is what makes a changed header build its sources again."""
+    from cupytp.launchers import _source_options
+    for path in sources().iterdir():
+        if path.suffix in (".cu", ".cuh"):
+            (tmp_path / path.name).write_bytes(path.read_bytes())
+    before = _source_options(tmp_path)
+    assert before[0] == f"-I{tmp_path}" and before[-1].startswith("-DCUPYTP_HEADERS=")
+    assert before[1:] == _source_options(sources())[1:]       # the shipped headers' digest
+    (tmp_path / "dropout.cu").write_text("// a source's own text is CuPy's key already\n")
+    assert _source_options(tmp_path) == before
+    philox = tmp_path / "philox.cuh"
+    philox.write_text(philox.read_text() + "\n// one more line\n")
+    assert _source_options(tmp_path)[-1] != before[-1]
+
+
 def test_check_lists_names_what_is_wrong():
     from cupytp.launchers import check_lists
     a = [numpy.zeros((2, 3), F32), numpy.zeros(4, F32)]
