@@ -52,12 +52,12 @@ from cupytp.launchers.swiglu import swiglu, swiglu_backward
 from cupytp.ops import fused
 from cupytp.ops.amp import autocast_local, autocast_operand, operand_dtype
 from cupytp.ops.conversion import (
-    Partial, Replicated, Shard, backend, cached, is_tensor, make, reduce_all)
+    Partial, Replicated, Shard, backend, cached, is_tensor, reduce_all)
 from cupytp.ops.elementwise import silu_mul
 from cupytp.ops.functional import (
     attention_setup, rms_norm, scaled_dot_product_attention, unpacked)
 from cupytp.ops.fused import (
-    _bias_as, _grad_as, _input_grad, _input_info, _project, _recorded, _reduced_later, _rows,
+    _bias_as, _grad_as, _input_grad, _input_info, _projected, _recorded, _reduced_later, _rows,
     _weight_grads)
 from cupytp.ops.linalg import column_input, einsum, local_einsum, matmul
 from cupytp.ops.rotary import rotary
@@ -248,8 +248,7 @@ def _fused_mlp(x, residual, params, norm, plan):
     h = h.reshape(h.shape[0], 2, -1)
     if normed is not None:
         normed.out = None                       # made again in backward
-    out = make(_project(swiglu(h), wd, None, residual, tp, None)[0], residual.mesh, residual.shape,
-               residual.placements)
+    out, _ = _projected(swiglu(h), wd, None, residual, tp, None)
     x_info = _input_info(x, x_local, normed, tp)
     x_local = None if normed is not None else x_local
 
@@ -302,8 +301,7 @@ def _fused_attention(x, residual, params, rope, num_heads, num_kv_heads, norm, p
                                         groups)
     o, lse = kernels.attention_forward(qv, kv_v, vv, True, scale, None, groups=groups)
     a = o.transpose(0, 2, 1, 3).reshape(rows * t, heads * d)               # (B T, H' D)
-    out = make(_project(a, wo, None, residual, tp, None)[0], residual.mesh, residual.shape,
-               residual.placements)
+    out, _ = _projected(a, wo, None, residual, tp, None)
     x_info = _input_info(x, x_local, normed, tp)
     x_local = None if normed is not None else x_local
 

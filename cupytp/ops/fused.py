@@ -204,6 +204,21 @@ def _project(a, w, bias, residual, tp, dropout):
     return (res + y if b is None else bias_residual_local(res, y, b)), None
 
 
+def _projected(a, w, bias, residual, tp, dropout):
+    """(the sublayer's output residual + dropout(a @ w + bias) as a DTensor laid out as the
+    residual, the dropout's mask or None): `_project` on the local arrays."""
+    local, mask = _project(a, w, bias, residual, tp, dropout)
+    return make(local, residual.mesh, residual.shape, residual.placements), mask
+
+
+def _projected_grads(g, drop, mask, dtype, bias):
+    """(the gradient of the product in `dtype`, the bias's or None) from the output's gradient
+    g: through the dropout's backward where the output has a dropout."""
+    if drop is None:
+        return _grad_and_bias_grad(g, dtype, bias)
+    return drop.backward(g, mask, dtype, bias)
+
+
 class _Dropout:
     """The dropout of a fused sublayer's output: p, the counters of its draw over the residual's
     block, whether its mask is kept (a backward follows)."""
@@ -429,15 +444,13 @@ def mlp_residual(x, residual, fc_weight, fc_bias, proj_weight, proj_bias, norm=N
     b1 = _bias_as(fc_bias, x_local.dtype)
     u, pre = matmul_bias_gelu(_rows(x_local), w1, b1, saved)   # pre: x @ w1 + b1
     drop = _Dropout.of(dropout_p, generator, residual, saved)
-    local, mask = _project(u, w2, proj_bias, residual, tp, drop)
-    out = make(local, residual.mesh, residual.shape, residual.placements)
+    out, mask = _projected(u, w2, proj_bias, residual, tp, drop)
     if not saved:
         return out
     x_info = _input_info(x, x_local, normed, tp)
 
     def input_part(g):
-        gy, gb2 = _grad_and_bias_grad(g, u.dtype, proj_bias) if drop is None else \
-            drop.backward(g, mask, u.dtype, proj_bias)
+        gy, gb2 = _projected_grads(g, drop, mask, u.dtype, proj_bias)
         needs_b1 = fc_bias is not None and fc_bias.requires_grad
         dh, gb1 = matmul_gelu_grad(gy, w2.T, pre, needs_b1)     # gb1 in dh's epilogue
         return _input_grad(dh, w1, x_info), (gy, gb2, dh, gb1)
@@ -506,15 +519,13 @@ def attention_residual(x, residual, qkv_weight, qkv_bias, proj_weight, proj_bias
     o, lse = kernels.attention_forward(*views, True, scale, attention_drop)   # (B, H/tp, T, D)
     a = o.transpose(0, 2, 1, 3).reshape(rows * t, heads * d)            # (B T, C/tp)
     drop = _Dropout.of(resid_dropout_p, generator, residual, saved)
-    local, mask = _project(a, wp, proj_bias, residual, tp, drop)
-    out = make(local, residual.mesh, residual.shape, residual.placements)
+    out, mask = _projected(a, wp, proj_bias, residual, tp, drop)
     if not saved:
         return out
     x_info = _input_info(x, x_local, normed, tp)
 
     def input_part(g):
-        gy, gbp = _grad_and_bias_grad(g, a.dtype, proj_bias) if drop is None else \
-            drop.backward(g, mask, a.dtype, proj_bias)
+        gy, gbp = _projected_grads(g, drop, mask, a.dtype, proj_bias)
         ga = local_einsum("xz", "yz", "xy", gy, wp)
         grad = backend.xp.empty_like(qkv)
         do = ga.reshape(rows, t, heads, d).astype(o.dtype, copy=False).transpose(0, 2, 1, 3)
