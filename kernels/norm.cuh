@@ -1,8 +1,8 @@
-// The row norms of layernorm.cu and rmsnorm.cu, one template each for both: with CENTERED
-// (LayerNorm) xhat = (x - mean) rstd and y = xhat w + b; without (RMSNorm) xhat = x rstd and
-// y = xhat w, there being neither a mean nor a bias (their pointers are null and never read).
-// Each file's header says what its kernels compute and take; the expressions below are each
-// norm's own, operation for operation.
+// The row norms of layernorm.cu and rmsnorm.cu, each form (streaming, cached; forward, backward)
+// one template for both: with CENTERED (LayerNorm) xhat = (x - mean) rstd and y = xhat w + b;
+// without (RMSNorm) xhat = x rstd and y = xhat w, there being neither a mean nor a bias (their
+// pointers are null and never read). Each file's header says what its kernels compute and take;
+// the expressions below are each norm's own, operation for operation.
 #pragma once
 #include "common.cuh"
 #include "block_reduce.cuh"
