@@ -141,11 +141,10 @@ def _build(source, arch, defines):
 
 @functools.cache
 def _built(source, arch, defines):
-    from cupytp.launchers import BLOCK_THREADS
+    from cupytp.launchers import _source_options
     nvrtc = _nvrtc()
-    options = [f"-arch={arch}", f"-I{KERNELS}", f"-I{_cuda() / 'include'}",
-               f"-I{_cuda() / 'include' / 'cccl'}",
-               f"-DCUPYTP_BLOCK_THREADS={BLOCK_THREADS}", "--ptxas-options=-v"]
+    options = [f"-arch={arch}", *_source_options(KERNELS), f"-I{_cuda() / 'include'}",
+               f"-I{_cuda() / 'include' / 'cccl'}", "--ptxas-options=-v"]
     options += [f"-D{define}" for define in defines]
     program = ctypes.c_void_p()
     _checked(nvrtc.nvrtcCreateProgram(ctypes.byref(program), (KERNELS / source).read_bytes(),
