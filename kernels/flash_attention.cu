@@ -66,7 +66,8 @@ __device__ __forceinline__ unsigned shared_address(const void* p)
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
-// 16 bytes global -> shared, asynchronously; zeros when !valid
+// 16 bytes global -> shared, asynchronously; zeros when !valid, and then nothing is read (the
+// source size is 0), so `global` may point past the tensor
 __device__ __forceinline__ void cp_async16(void* smem, const void* global, bool valid)
 {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(smem)),
@@ -356,7 +357,7 @@ __device__ __forceinline__ void load_swizzled(T* smem, const T* src, long long r
         const int r = r0 + i * STEP;
         const bool valid = r < rows;
         cp_async16(smem + chunk / 8 * ROWS * 64 + r * 64 + ((chunk % 8) ^ (r % 8)) * 8,
-                   valid ? from + i * STEP * row_stride : src, valid);
+                   from + i * STEP * row_stride, valid);
     }
 }
 #endif
@@ -607,7 +608,7 @@ __device__ __forceinline__ void load_tile(T* smem, const T* src, long long row_s
     for (int i = 0; i < ROWS / STEP; ++i) {
         const int r = r0 + i * STEP;
         const bool valid = r < rows;
-        cp_async16(smem + r * (D + PAD) + col, valid ? from + i * STEP * row_stride : src, valid);
+        cp_async16(smem + r * (D + PAD) + col, from + i * STEP * row_stride, valid);
     }
 }
 
