@@ -10,8 +10,9 @@
 //           memory (cp.async, the next tile loading while this one is used); online softmax in
 //           registers; writes o and the log-sum-exp lse (fp32, (B, H, T)) for the backward.
 // backward: `flash_backward_delta` computes delta = rowsum(do ∘ o); then one block of 8 warps per
-//           128 keys of one (b, h) (16 keys a warp) walks the query tiles of 64, recomputes P
-//           from lse, keeps dk and dv in registers and adds its share of dq into an fp32 buffer
+//           128 keys of one (b, h) (16 keys a warp) walks the query tiles of 64 (the next
+//           tile's q and do loading into second buffers, its lse and delta into registers, while
+//           this one is used), recomputes P from lse, keeps dk and dv in registers and adds its share of dq into an fp32 buffer
 //           with atomics (each warp 16 queries x half of D, one addition per element per 128
 //           keys: on sm_90 four adjacent floats a vector reduction, else one atomic each);
 //           `flash_backward_dq` scales and converts that buffer.
@@ -66,7 +67,8 @@ __device__ __forceinline__ unsigned shared_address(const void* p)
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
-// 16 bytes global -> shared, asynchronously; zeros when !valid
+// 16 bytes global -> shared, asynchronously; zeros when !valid, and then nothing is read (the
+// source size is 0), so `global` may point past the tensor
 __device__ __forceinline__ void cp_async16(void* smem, const void* global, bool valid)
 {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(smem)),
@@ -356,7 +358,7 @@ __device__ __forceinline__ void load_swizzled(T* smem, const T* src, long long r
         const int r = r0 + i * STEP;
         const bool valid = r < rows;
         cp_async16(smem + chunk / 8 * ROWS * 64 + r * 64 + ((chunk % 8) ^ (r % 8)) * 8,
-                   valid ? from + i * STEP * row_stride : src, valid);
+                   from + i * STEP * row_stride, valid);
     }
 }
 #endif
@@ -607,7 +609,7 @@ __device__ __forceinline__ void load_tile(T* smem, const T* src, long long row_s
     for (int i = 0; i < ROWS / STEP; ++i) {
         const int r = r0 + i * STEP;
         const bool valid = r < rows;
-        cp_async16(smem + r * (D + PAD) + col, valid ? from + i * STEP * row_stride : src, valid);
+        cp_async16(smem + r * (D + PAD) + col, from + i * STEP * row_stride, valid);
     }
 }
 
@@ -901,9 +903,9 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
     T* sk = reinterpret_cast<T*>(shared);
 #endif
     T* sv = sk + BACKWARD_BLOCK_N * STRIDE;
-    T* sq = sv + BACKWARD_BLOCK_N * STRIDE;
-    T* sdo = sq + BLOCK_M * STRIDE;
-    T* sds = sdo + BLOCK_M * STRIDE;  // dsᵀ: keys x queries
+    // q and do of a query tile in two buffers: the next tile loads while this one is used
+    T* const sq_buffers = sv + BACKWARD_BLOCK_N * STRIDE;  // q, do, q, do
+    T* sds = sq_buffers + 4 * BLOCK_M * STRIDE;  // dsᵀ: keys x queries
     float* slse = reinterpret_cast<float*>(sds + BACKWARD_BLOCK_N * DS_STRIDE);  // log2, +inf: no P
     float* sdelta = slse + BLOCK_M;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -931,15 +933,29 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
     const unsigned char* stored = nullptr;  // the forward's kept bits of this head
     const bool grouped = DROPOUT && dropout.groups_possible();
 
-    auto load_rows = [&](int m0) {  // q, do, lse and delta of the query tile at m0
-        tile<T, D, BLOCK_M, BACKWARD_THREADS>(sq, q_head + m0 * qs.row, qs.row, t_len - m0);
-        tile<T, D, BLOCK_M, BACKWARD_THREADS>(sdo, dout_head + m0 * dos.row, dos.row, t_len - m0);
+    static_assert(BLOCK_M <= BACKWARD_THREADS, "a thread per query row's lse and delta");
+    auto load_rows = [&](int m0, int buffer) {  // q and do of the query tile at m0
+        T* to = sq_buffers + 2 * buffer * BLOCK_M * STRIDE;
+        tile<T, D, BLOCK_M, BACKWARD_THREADS>(to, q_head + m0 * qs.row, qs.row, t_len - m0);
+        tile<T, D, BLOCK_M, BACKWARD_THREADS>(to + BLOCK_M * STRIDE, dout_head + m0 * dos.row,
+                                              dos.row, t_len - m0);
         cp_async_commit();
-        for (int i = threadIdx.x; i < BLOCK_M; i += BACKWARD_THREADS) {
-            const int t = m0 + i;
-            const float l = t < t_len ? lse_head[t] : negative_infinity<float>();
-            slse[i] = l == negative_infinity<float>() ? -negative_infinity<float>() : l * LOG2E;
-            sdelta[i] = t < t_len ? delta_head[t] : 0.f;
+    };
+    // lse and delta of the query tile at m0: read into registers early (thread i, row i), put
+    // into shared memory once the tile before is done with them
+    float row_lse = 0.f, row_delta = 0.f;
+    auto fetch_stats = [&](int m0) {
+        const int t = m0 + threadIdx.x;
+        if (threadIdx.x < BLOCK_M) {
+            row_lse = t < t_len ? lse_head[t] : negative_infinity<float>();
+            row_delta = t < t_len ? delta_head[t] : 0.f;
+        }
+    };
+    auto store_stats = [&]() {
+        if (threadIdx.x < BLOCK_M) {
+            slse[threadIdx.x] = row_lse == negative_infinity<float>() ? -negative_infinity<float>()
+                                                                       : row_lse * LOG2E;
+            sdelta[threadIdx.x] = row_delta;
         }
     };
 
@@ -964,13 +980,22 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
             if (DROPOUT == 1 && dropout.mask && grouped)
                 stored = dropout.mask_row(bh, 0, t_len);
         }
-        if (m_begin < m_tiles)
-            load_rows(m_begin * BLOCK_M);
+        if (m_begin < m_tiles) {
+            load_rows(m_begin * BLOCK_M, 0);
+            fetch_stats(m_begin * BLOCK_M);
+            store_stats();
+        }
 
         for (int i = m_begin; i < m_tiles; ++i) {
             const int m0 = i * BLOCK_M;
             cp_async_wait<0>();
             tiles_ready();
+            const T* sq = sq_buffers + 2 * ((i - m_begin) % 2) * BLOCK_M * STRIDE;
+            const T* sdo = sq + BLOCK_M * STRIDE;
+            if (i + 1 < m_tiles) {  // into the other buffers, which no warp reads any more
+                load_rows(m0 + BLOCK_M, (i - m_begin + 1) % 2);
+                fetch_stats(m0 + BLOCK_M);
+            }
             // sᵀ = k qᵀ and dpᵀ = v doᵀ: this warp's 16 keys x the tile's 64 queries
             float st[BLOCK_M / 8][4], dpt[BLOCK_M / 8][4];
 #if FLASH_HOPPER
@@ -1102,7 +1127,7 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
 #endif
             __syncthreads();  // dsᵀ complete; q, do, lse and delta of this tile no longer read
             if (i + 1 < m_tiles)
-                load_rows(m0 + BLOCK_M);
+                store_stats();
             // dq of 16 queries (warp % 4) x half of D (warp / 4) += ds k over the block's keys
             constexpr int HALF = D / 16 / 2;  // 16-column chunks of D per warp
             const int dq_rows = (warp % 4) * 16, dq_chunk0 = (warp / 4) * HALF;

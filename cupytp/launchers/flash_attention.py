@@ -355,7 +355,8 @@ def _shared_bytes(kind, d):
     row = (d + pad) * 2
     if kind == "forward":
         return (BLOCK_M + 2 * BLOCK_N) * row + align
-    return 2 * (BLOCK_M + BACKWARD_BLOCK_N) * row + BACKWARD_BLOCK_N * (BLOCK_M + pad) * 2 + \
+    # k, v; q, do in two buffers; dsᵀ; lse and delta
+    return (2 * BACKWARD_BLOCK_N + 4 * BLOCK_M) * row + BACKWARD_BLOCK_N * (BLOCK_M + pad) * 2 + \
         2 * BLOCK_M * 4 + align
 
 
