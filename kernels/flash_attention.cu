@@ -9,13 +9,14 @@
 // forward:  one block per 64 queries of one (b, h); key/value tiles of 64 stream through shared
 //           memory (cp.async, the next tile loading while this one is used); online softmax in
 //           registers; writes o and the log-sum-exp lse (fp32, (B, H, T)) for the backward.
-// backward: `flash_backward_delta` computes delta = rowsum(do ∘ o); then one block of 8 warps per
-//           128 keys of one (b, h) (16 keys a warp) walks the query tiles of 64 (the next
-//           tile's q and do loading into second buffers, its lse and delta into registers, while
-//           this one is used), recomputes P from lse, keeps dk and dv in registers and adds its share of dq into an fp32 buffer
-//           with atomics (each warp 16 queries x half of D, one addition per element per 128
-//           keys: on sm_90 four adjacent floats a vector reduction, else one atomic each);
-//           `flash_backward_dq` scales and converts that buffer.
+// backward: `flash_backward_delta` computes delta = rowsum(do ∘ o) and zeroes dq's fp32 sums
+//           (16-byte loads, D / 8 lanes a row); then one block of 8 warps per 128 keys of one
+//           (b, h) (16 keys a warp) walks the query tiles of 64 (the next tile's q and do loading
+//           into second buffers, its lse and delta into registers, while this one is used),
+//           recomputes P from lse, keeps dk and dv in registers and adds its share of dq into the
+//           fp32 sums with atomics (each warp 16 queries x half of D, one addition per element
+//           per 128 keys: on sm_90 four adjacent floats a vector reduction, else one atomic
+//           each); `flash_backward_dq` scales and converts the sums, eight elements a thread.
 // Causal: query t sees keys s <= t + S - T; a query that sees no key gives zeros (lse = -inf).
 // Grouped-query attention: k and v have their own head count; query head h reads key/value head
 // (h + kv_offset) / kv_group (kv_group query heads share one, with no copy of k or v), and the
@@ -850,40 +851,68 @@ __device__ void forward(const T* q, const T* k, const T* v, T* o, float* lse, in
 }
 
 // ---- backward ---------------------------------------------------------------------------------
-// delta[b, h, t] = sum_d do[b, h, t, d] o[b, h, t, d]; one warp per row
+// delta[b, h, t] = sum_d do[b, h, t, d] o[b, h, t, d], and the row's float32 dq sums zeroed for
+// the key blocks' additions: D / 8 lanes a row, each one 16-byte load of o and of do
 template <typename T, int D>
-__device__ void backward_delta(const T* o, const T* dout, float* delta, int heads, int t_len,
-                               Strides os, Strides dos)
+__device__ void backward_delta(const T* o, const T* dout, float* delta, float* dq_accum,
+                               int heads, int t_len, Strides os, Strides dos)
 {
-    const int row = blockIdx.x * WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (row >= t_len)
-        return;
+    constexpr int LANES = D / 8, ROWS = THREADS / LANES;
+    const int row = blockIdx.x * ROWS + threadIdx.x / LANES, lane = threadIdx.x % LANES;
+    const bool valid = row < t_len;      // no early return: the row's lanes shuffle below
     const int b = blockIdx.y / heads, h = blockIdx.y % heads;
-    const T* orow = o + b * os.batch + h * os.head + row * os.row;
-    const T* drow = dout + b * dos.batch + h * dos.head + row * dos.row;
+    uint4 ov = make_uint4(0, 0, 0, 0), dv = ov;
+    if (valid) {
+        ov = *reinterpret_cast<const uint4*>(o + b * os.batch + h * os.head + row * os.row +
+                                             lane * 8);
+        dv = *reinterpret_cast<const uint4*>(dout + b * dos.batch + h * dos.head +
+                                             row * dos.row + lane * 8);
+    }
+    const T* ox = reinterpret_cast<const T*>(&ov);
+    const T* dx = reinterpret_cast<const T*>(&dv);
     float total = 0.f;
 #pragma unroll
-    for (int d = lane; d < D; d += 32)
-        total += widen<float>(orow[d]) * widen<float>(drow[d]);
-    for (int offset = 16; offset > 0; offset >>= 1)
+    for (int i = 0; i < 8; ++i)
+        total += widen<float>(ox[i]) * widen<float>(dx[i]);
+#pragma unroll
+    for (int offset = LANES / 2; offset > 0; offset >>= 1)
         total += __shfl_xor_sync(0xffffffffu, total, offset);
+    if (!valid)
+        return;
+    const long long at = static_cast<long long>(blockIdx.y) * t_len + row;
     if (lane == 0)
-        delta[static_cast<long long>(blockIdx.y) * t_len + row] = total;
+        delta[at] = total;
+    float4* sums = reinterpret_cast<float4*>(dq_accum + at * D + lane * 8);
+    sums[0] = sums[1] = make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
-// dq[b, h, t, d] = scale dq_accum[b, h, t, d] in T; one thread per element
+// dq[b, h, t, d] = scale dq_accum[b, h, t, d] in T; eight elements a thread (two 16-byte loads,
+// one 16-byte store where dq's row allows it)
 template <typename T, int D>
 __device__ void backward_dq(const float* dq_accum, T* dq, int heads, int t_len, Strides dqs,
                             float scale)
 {
-    const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const long long i = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) * 8;
     const long long bh = blockIdx.y;
     if (i >= static_cast<long long>(t_len) * D)
         return;
     const int row = static_cast<int>(i / D), d = static_cast<int>(i % D);
     const int b = static_cast<int>(bh / heads), h = static_cast<int>(bh % heads);
-    dq[b * dqs.batch + h * dqs.head + row * dqs.row + d] =
-        static_cast<T>(scale * dq_accum[bh * t_len * D + i]);
+    const float4* sums = reinterpret_cast<const float4*>(dq_accum + bh * t_len * D + i);
+    const float4 lo = sums[0], hi = sums[1];
+    const uint4 packed = make_uint4(pack<T>(scale * lo.x, scale * lo.y),
+                                    pack<T>(scale * lo.z, scale * lo.w),
+                                    pack<T>(scale * hi.x, scale * hi.y),
+                                    pack<T>(scale * hi.z, scale * hi.w));
+    T* out = dq + b * dqs.batch + h * dqs.head + row * dqs.row + d;
+    if (reinterpret_cast<size_t>(out) % 16 == 0) {
+        *reinterpret_cast<uint4*>(out) = packed;
+    } else {
+        const T* values = reinterpret_cast<const T*>(&packed);
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+            out[j] = values[j];
+    }
 }
 
 template <typename T, int D, int DROPOUT>
@@ -1258,11 +1287,11 @@ __device__ void backward(const T* q, const T* k, const T* v, const T* dout, cons
 
 #define FLASH_ATTENTION_HELPERS(T, SUFFIX, D)                                                     \
     extern "C" __global__ void flash_backward_delta_d##D##_##SUFFIX(                              \
-        const T* o, const T* dout, float* delta, int heads, int t_len, FLASH_STRIDES(os),         \
-        FLASH_STRIDES(dos))                                                                        \
+        const T* o, const T* dout, float* delta, float* dq_accum, int heads, int t_len,           \
+        FLASH_STRIDES(os), FLASH_STRIDES(dos))                                                     \
     {                                                                                              \
-        flash::backward_delta<T, D>(o, dout, delta, heads, t_len, FLASH_MAKE_STRIDES(os),          \
-                                    FLASH_MAKE_STRIDES(dos));                                      \
+        flash::backward_delta<T, D>(o, dout, delta, dq_accum, heads, t_len,                       \
+                                    FLASH_MAKE_STRIDES(os), FLASH_MAKE_STRIDES(dos));              \
     }                                                                                              \
     extern "C" __global__ void flash_backward_dq_d##D##_##SUFFIX(                                 \
         const float* dq_accum, T* dq, int heads, int t_len, FLASH_STRIDES(dqs), float scale)      \

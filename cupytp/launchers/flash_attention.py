@@ -47,8 +47,7 @@ PAD = 8                  # elements after each shared-memory row, as in flash_at
 THREADS = 128
 BACKWARD_BLOCK_N = 128   # keys per block of the backward, as in flash_attention.cu
 BACKWARD_THREADS = 256
-ROWS_PER_BLOCK = THREADS // 32   # flash_backward_delta: one warp per row
-ELEMENTS_PER_BLOCK = 256         # flash_backward_dq
+DQ_THREADS = 256                 # flash_backward_dq: eight elements a thread
 NULL = numpy.uint64(0)
 MAX_PLANS = 256                  # planned shapes kept (all dropped when full)
 
@@ -223,9 +222,9 @@ class _ForwardPlan:
 
 
 class _BackwardPlan:
-    """The backward's launches for arrays like (q, k, v, o, do, dq, dk, dv): delta, the key
-    blocks (dq added into a zeroed float32 buffer), dq. Called with (q, k, v, o, do, lse, dq, dk,
-    dv, the dropout's open values)."""
+    """The backward's launches for arrays like (q, k, v, o, do, dq, dk, dv): delta (which also
+    zeroes dq's float32 sums), the key blocks (dq added into those sums), dq. Called with (q, k,
+    v, o, do, lse, dq, dk, dv, the dropout's open values)."""
 
     def __init__(self, arrays, causal, scale, dropout, groups):
         q, k, v, o, do, dq, dk, dv = arrays
@@ -237,8 +236,8 @@ class _BackwardPlan:
         self.accum_bytes = b * h * t * d * 4                  # dq's float32 (B, H, T, D) sums
         self.launches = None if self.empty else (
             _kernel("backward_delta", d, q.dtype).planned(
-                (ceil_div(t, ROWS_PER_BLOCK), b * h), (THREADS,),
-                (None, None, None, numpy.int32(h), numpy.int32(t), *_strides(o),
+                (ceil_div(t * d, THREADS * 8), b * h), (THREADS,),
+                (None, None, None, None, numpy.int32(h), numpy.int32(t), *_strides(o),
                  *_strides(do))),
             _kernel("backward", d, q.dtype, _variant(dropout)).planned(
                 (b * hk, ceil_div(s, BACKWARD_BLOCK_N)), (BACKWARD_THREADS,),
@@ -249,7 +248,7 @@ class _BackwardPlan:
                                *_dropout_template(dropout, t, s)),
                 shared_mem=_shared_bytes("backward", d)),
             _kernel("backward_dq", d, q.dtype).planned(
-                (ceil_div(t * d, ELEMENTS_PER_BLOCK), b * h), (ELEMENTS_PER_BLOCK,),
+                (ceil_div(t * d, DQ_THREADS * 8), b * h), (DQ_THREADS,),
                 (None, None, numpy.int32(h), numpy.int32(t), *_strides(dq),
                  numpy.float32(scale))))
 
@@ -260,10 +259,9 @@ class _BackwardPlan:
             return
         delta_launch, backward_launch, dq_launch = self.launches
         work = xp.empty(self.delta_bytes + self.accum_bytes, dtype=numpy.uint8)
-        (work.data + self.delta_bytes).memset_async(0, self.accum_bytes)
         delta = work.data.ptr
         accum = delta + self.delta_bytes
-        delta_launch(o, do, delta)
+        delta_launch(o, do, delta, accum)
         backward_launch(q, k, v, do, lse, delta, accum, dk, dv, *dropout_values)
         dq_launch(accum, dq)
 
